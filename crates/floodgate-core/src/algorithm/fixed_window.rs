@@ -1,0 +1,208 @@
+//! Fixed window: at most `limit` units per window, the count starting over with each window.
+//!
+//! Windows are either **rolling** (a window opens at the first request after the previous one
+//! closed: "10 per hour from the first send") or **calendar**-aligned ("10 per calendar day,
+//! Beijing time"). Cheap and easy to explain, but a client can spend two windows' worth
+//! around a boundary; pick the sliding log when that matters.
+
+use std::time::Duration;
+
+use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome};
+use crate::calendar::Calendar;
+use crate::clock::duration_micros;
+use crate::error::PolicyError;
+
+/// How windows are laid out in time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Window {
+    /// A window of this many microseconds opens at the first request.
+    Rolling(u64),
+    /// Calendar windows.
+    Calendar(Calendar),
+}
+
+/// Fixed window parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FixedWindow {
+    limit: u64,
+    window: Window,
+}
+
+/// Units counted in the window that started at `start`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct State {
+    /// Start of the counted window, microseconds since the epoch.
+    pub start: u64,
+    /// Units admitted in that window.
+    pub count: u64,
+}
+
+impl FixedWindow {
+    /// `limit` per rolling window of `window`.
+    pub fn rolling(limit: u64, window: Duration) -> Result<Self, PolicyError> {
+        check_limit(limit)?;
+        let w = duration_micros(window);
+        if w == 0 {
+            return Err(PolicyError::Zero { field: "window" });
+        }
+        if w > MAX_SPAN_US {
+            return Err(PolicyError::TooLarge {
+                field: "window",
+                value: format!("{window:?}"),
+                max: format!("{MAX_SPAN_US}us"),
+            });
+        }
+        Ok(FixedWindow {
+            limit,
+            window: Window::Rolling(w),
+        })
+    }
+
+    /// `limit` per calendar window.
+    pub fn calendar(limit: u64, calendar: Calendar) -> Result<Self, PolicyError> {
+        check_limit(limit)?;
+        Ok(FixedWindow {
+            limit,
+            window: Window::Calendar(calendar),
+        })
+    }
+
+    /// The limit per window.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The window layout.
+    pub fn window(&self) -> Window {
+        self.window
+    }
+
+    /// `(start, end, count)` of the window in force at `now`.
+    fn current(&self, state: &State, now: u64) -> (u64, u64, u64) {
+        match self.window {
+            Window::Rolling(len) => {
+                if state.count > 0 && now < state.start + len {
+                    (state.start, state.start + len, state.count)
+                } else {
+                    (now, now + len, 0)
+                }
+            }
+            Window::Calendar(cal) => {
+                let (start, end) = cal.bounds(now);
+                let count = if state.start == start { state.count } else { 0 };
+                (start, end, count)
+            }
+        }
+    }
+}
+
+fn check_limit(limit: u64) -> Result<(), PolicyError> {
+    if limit == 0 {
+        return Err(PolicyError::Zero { field: "limit" });
+    }
+    if limit > MAX_LIMIT {
+        return Err(PolicyError::TooLarge {
+            field: "limit",
+            value: limit.to_string(),
+            max: MAX_LIMIT.to_string(),
+        });
+    }
+    Ok(())
+}
+
+impl Algorithm for FixedWindow {
+    type State = State;
+
+    fn fresh(&self) -> State {
+        State::default()
+    }
+
+    fn decide(&self, state: &State, ctx: &Ctx) -> Outcome {
+        let (_, end, count) = self.current(state, ctx.now);
+        let until_end = end.saturating_sub(ctx.now);
+        let fits = ctx.cost <= self.limit - count.min(self.limit);
+        if fits {
+            let after = count + ctx.cost;
+            let reset = if after > 0 { until_end } else { 0 };
+            Outcome::new(true, self.limit, self.limit - after, None, reset)
+        } else {
+            let retry = (ctx.cost <= self.limit).then_some(until_end);
+            let reset = if count > 0 { until_end } else { 0 };
+            Outcome::new(
+                false,
+                self.limit,
+                self.limit - count.min(self.limit),
+                retry,
+                reset,
+            )
+        }
+    }
+
+    fn commit(&self, state: &mut State, ctx: &Ctx) {
+        let (start, _, count) = self.current(state, ctx.now);
+        *state = State {
+            start,
+            count: count + ctx.cost,
+        };
+    }
+
+    fn expires_at(&self, state: &State) -> u64 {
+        if state.count == 0 {
+            return 0;
+        }
+        match self.window {
+            Window::Rolling(len) => state.start + len,
+            Window::Calendar(cal) => cal.bounds(state.start).1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::calendar::CalendarUnit;
+
+    const T0: u64 = 1_709_214_330_000_000; // 2024-02-29T13:45:30Z
+
+    #[test]
+    fn rolling_window_opens_at_first_hit() {
+        let fw = FixedWindow::rolling(3, Duration::from_secs(10)).expect("valid");
+        let mut st = fw.fresh();
+        for left in (0..3).rev() {
+            let d = fw.check(&mut st, &Ctx::new(T0, 1)).decision;
+            assert_eq!((d.allowed, d.remaining), (true, left));
+        }
+        let d = fw.check(&mut st, &Ctx::new(T0 + 4_000_000, 1)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(Duration::from_secs(6)));
+        assert_eq!(d.reset_after, Duration::from_secs(6));
+        let d = fw.check(&mut st, &Ctx::new(T0 + 10_000_000, 1)).decision;
+        assert!(d.allowed);
+        assert_eq!(d.reset_after, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn calendar_window_resets_at_midnight() {
+        let cal = Calendar::new(1, CalendarUnit::Day).expect("valid");
+        let fw = FixedWindow::calendar(2, cal).expect("valid");
+        let mut st = fw.fresh();
+        assert!(fw.check(&mut st, &Ctx::new(T0, 2)).decision.allowed);
+        let d = fw.check(&mut st, &Ctx::new(T0, 1)).decision;
+        assert!(!d.allowed);
+        // 13:45:30 to midnight.
+        assert_eq!(
+            d.retry_after,
+            Some(Duration::from_secs(10 * 3600 + 14 * 60 + 30))
+        );
+        let midnight = 1_709_251_200_000_000;
+        assert!(fw.check(&mut st, &Ctx::new(midnight, 1)).decision.allowed);
+        assert_eq!(fw.expires_at(&st), midnight + 86_400_000_000);
+    }
+
+    #[test]
+    fn oversized_cost_never_fits() {
+        let fw = FixedWindow::rolling(3, Duration::from_secs(10)).expect("valid");
+        let d = fw.check(&mut fw.fresh(), &Ctx::new(T0, 4)).decision;
+        assert_eq!((d.allowed, d.retry_after, d.remaining), (false, None, 3));
+    }
+}

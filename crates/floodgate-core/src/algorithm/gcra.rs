@@ -1,0 +1,204 @@
+//! GCRA, the generic cell rate algorithm, exactly as redis-cell's `CL.THROTTLE`.
+//!
+//! `CL.THROTTLE key max_burst count period quantity` admits `max_burst + 1` requests at once
+//! and then one every `period / count`. The whole state is one timestamp, the theoretical
+//! arrival time (TAT) of the next request on the nominal schedule.
+//!
+//! This reproduces redis-cell's reply field for field, at millisecond precision instead of
+//! whole seconds: `limit = max_burst + 1`; `remaining` truncates toward zero; `retry_after` is
+//! absent when allowed and when the quantity exceeds the limit (it can never fit); a quantity of
+//! 0 peeks. The emission interval is truncated to whole microseconds (redis-cell: nanoseconds).
+
+use std::time::Duration;
+
+use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, mul_span};
+use crate::clock::duration_micros;
+use crate::error::PolicyError;
+
+/// GCRA parameters: an emission interval `T` and a tolerance `tau = T * (max_burst + 1)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Gcra {
+    emission: u64,
+    tolerance: u64,
+    limit: u64,
+}
+
+/// GCRA's state: the theoretical arrival time, microseconds since the epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct State {
+    /// Theoretical arrival time of the next request.
+    pub tat: u64,
+}
+
+impl Gcra {
+    /// redis-cell's parameters: `max_burst + 1` at once, then `count` per `period`.
+    pub fn new(max_burst: u64, count: u64, period: Duration) -> Result<Self, PolicyError> {
+        if count == 0 {
+            return Err(PolicyError::Zero { field: "count" });
+        }
+        let period_us = duration_micros(period);
+        if period_us == 0 {
+            return Err(PolicyError::Zero { field: "period" });
+        }
+        Self::from_emission(max_burst, period_us / count, "period")
+    }
+
+    /// `max_burst + 1` at once, then one every `emission` microseconds.
+    pub(crate) fn from_emission(
+        max_burst: u64,
+        emission: u64,
+        field: &'static str,
+    ) -> Result<Self, PolicyError> {
+        if emission == 0 {
+            return Err(PolicyError::TooSmall {
+                field,
+                reason: "the interval between requests is below one microsecond".into(),
+            });
+        }
+        let limit =
+            max_burst
+                .checked_add(1)
+                .filter(|l| *l <= MAX_LIMIT)
+                .ok_or(PolicyError::TooLarge {
+                    field: "max_burst",
+                    value: max_burst.to_string(),
+                    max: (MAX_LIMIT - 1).to_string(),
+                })?;
+        let tolerance = mul_span(emission, limit).ok_or(PolicyError::TooLarge {
+            field,
+            value: format!("{emission}us x {limit}"),
+            max: format!("{MAX_SPAN_US}us in all"),
+        })?;
+        Ok(Gcra {
+            emission,
+            tolerance,
+            limit,
+        })
+    }
+
+    /// The emission interval `T` in microseconds.
+    pub fn emission_us(&self) -> u64 {
+        self.emission
+    }
+
+    /// The delay variation tolerance `tau` in microseconds.
+    pub fn tolerance_us(&self) -> u64 {
+        self.tolerance
+    }
+
+    /// `max_burst + 1`.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+}
+
+impl Algorithm for Gcra {
+    type State = State;
+
+    fn fresh(&self) -> State {
+        State::default()
+    }
+
+    fn decide(&self, state: &State, ctx: &Ctx) -> Outcome {
+        let now = ctx.now;
+        let tat = state.tat.max(now);
+        let increment = mul_span(self.emission, ctx.cost);
+        let new_tat = increment.map(|inc| tat + inc);
+        let (allowed, ttl, retry) = match new_tat {
+            Some(new_tat) if new_tat <= now + self.tolerance => (true, new_tat - now, None),
+            Some(new_tat) => {
+                let fits = increment.is_some_and(|inc| inc <= self.tolerance);
+                let retry = fits.then(|| new_tat - self.tolerance - now);
+                (false, tat - now, retry)
+            }
+            None => (false, tat - now, None),
+        };
+        let remaining = self.tolerance.saturating_sub(ttl) / self.emission;
+        Outcome::new(allowed, self.limit, remaining, retry, ttl)
+    }
+
+    fn commit(&self, state: &mut State, ctx: &Ctx) {
+        let inc = self.emission.saturating_mul(ctx.cost);
+        state.tat = state.tat.max(ctx.now).saturating_add(inc);
+    }
+
+    fn expires_at(&self, state: &State) -> u64 {
+        state.tat
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000;
+
+    fn run(g: &Gcra, st: &mut State, now_ms: u64, q: u64) -> (bool, u64, u64, Option<u64>, u64) {
+        let o = g.check(st, &Ctx::new(1_700_000_000 * S + now_ms * 1000, q));
+        let d = o.decision;
+        (
+            !d.allowed,
+            d.limit,
+            d.remaining,
+            d.retry_after_ms(),
+            d.reset_after_ms(),
+        )
+    }
+
+    /// redis-cell's own unit test table (limit 5, 1 per second), in milliseconds.
+    #[test]
+    fn matches_redis_cell_table() {
+        let g = Gcra::new(4, 1, Duration::from_secs(1)).expect("valid");
+        let mut st = g.fresh();
+        // (now ms, quantity) => (limited, limit, remaining, retry_after, reset_after)
+        let cases: &[(u64, u64, (bool, u64, u64, Option<u64>, u64))] = &[
+            (0, 6, (true, 5, 5, None, 0)),
+            (0, 1, (false, 5, 4, None, 1000)),
+            (0, 1, (false, 5, 3, None, 2000)),
+            (0, 1, (false, 5, 2, None, 3000)),
+            (0, 1, (false, 5, 1, None, 4000)),
+            (0, 1, (false, 5, 0, None, 5000)),
+            (0, 1, (true, 5, 0, Some(1000), 5000)),
+            (3000, 1, (false, 5, 2, None, 3000)),
+            (3100, 1, (false, 5, 1, None, 3900)),
+            (4000, 1, (false, 5, 1, None, 4000)),
+            (8000, 1, (false, 5, 4, None, 1000)),
+            (9500, 1, (false, 5, 4, None, 1000)),
+            (9500, 0, (false, 5, 4, None, 1000)),
+            (9500, 2, (false, 5, 2, None, 3000)),
+            (9500, 5, (true, 5, 2, Some(3000), 3000)),
+        ];
+        for (i, (now, q, want)) in cases.iter().enumerate() {
+            assert_eq!(run(&g, &mut st, *now, *q), *want, "case {i}");
+        }
+    }
+
+    /// redis-cell's README: `CL.THROTTLE user123 15 30 60 1` -> 0 16 15 -1 2.
+    #[test]
+    fn matches_redis_cell_readme() {
+        let g = Gcra::new(15, 30, Duration::from_secs(60)).expect("valid");
+        let mut st = g.fresh();
+        assert_eq!(run(&g, &mut st, 0, 1), (false, 16, 15, None, 2000));
+        // The burst drains: 16 in all at the same instant, then denied for one interval.
+        for i in 1..16 {
+            assert_eq!(run(&g, &mut st, 0, 1).2, 15 - i);
+        }
+        assert_eq!(run(&g, &mut st, 0, 1), (true, 16, 0, Some(2000), 32000));
+        assert_eq!(run(&g, &mut st, 2000, 1), (false, 16, 0, None, 32000));
+    }
+
+    #[test]
+    fn rejects_bad_parameters() {
+        assert!(matches!(
+            Gcra::new(1, 0, Duration::from_secs(1)),
+            Err(PolicyError::Zero { field: "count" })
+        ));
+        assert!(matches!(
+            Gcra::new(1, 1, Duration::ZERO),
+            Err(PolicyError::Zero { field: "period" })
+        ));
+        assert!(Gcra::new(1, 2_000_000, Duration::from_secs(1)).is_err());
+        assert!(Gcra::new(u64::MAX, 1, Duration::from_secs(1)).is_err());
+        assert!(Gcra::new(10, 1, Duration::MAX).is_err());
+    }
+}

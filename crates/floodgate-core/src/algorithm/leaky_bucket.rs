@@ -1,0 +1,143 @@
+//! Leaky bucket as a meter: the "funnel" of the original SMS article.
+//!
+//! A funnel holds `capacity` units of water and drains completely in `drain` time. Each request
+//! pours its cost in; it is admitted only if the water fits. "One SMS per phone per 30 minutes"
+//! is `funnel(1, 30 min)`.
+//!
+//! The funnel is built from capacity and drain time rather than a rate because `1 / 1800` per
+//! second is awkward to write and to store. Its schedule is GCRA's with
+//! `max_burst = capacity - 1, count = capacity, period = drain`, so it admits exactly what that
+//! GCRA admits; the state is the water level and the time it was measured, as in the article.
+
+use std::time::Duration;
+
+use super::gcra::Gcra;
+use super::{Algorithm, Ctx, Outcome, mul_span};
+use crate::clock::duration_micros;
+use crate::error::PolicyError;
+
+/// Funnel parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LeakyBucket {
+    capacity: u64,
+    /// Time for one unit to drain, microseconds.
+    unit: u64,
+    /// Drain time of a full funnel (`unit * capacity`), microseconds.
+    full: u64,
+}
+
+/// The funnel's water: `level` microseconds of draining left, measured at `at`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct State {
+    /// Water in the funnel, as the time it takes to drain, in microseconds.
+    pub level: u64,
+    /// When `level` was measured.
+    pub at: u64,
+}
+
+impl LeakyBucket {
+    /// A funnel of `capacity` units that drains completely in `drain`.
+    pub fn new(capacity: u64, drain: Duration) -> Result<Self, PolicyError> {
+        if capacity == 0 {
+            return Err(PolicyError::Zero { field: "capacity" });
+        }
+        let drain_us = duration_micros(drain);
+        if drain_us == 0 {
+            return Err(PolicyError::Zero { field: "drain" });
+        }
+        // Validation and limits are GCRA's: same schedule.
+        let g = Gcra::from_emission(capacity - 1, drain_us / capacity, "drain")?;
+        Ok(LeakyBucket {
+            capacity,
+            unit: g.emission_us(),
+            full: g.tolerance_us(),
+        })
+    }
+
+    /// The funnel's capacity.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Microseconds for one unit to drain.
+    pub fn unit_us(&self) -> u64 {
+        self.unit
+    }
+
+    /// Units of water in the funnel at `now` (fractional).
+    pub fn level(&self, state: &State, now: u64) -> f64 {
+        self.drained(state, now) as f64 / self.unit as f64
+    }
+
+    fn drained(&self, state: &State, now: u64) -> u64 {
+        state.level.saturating_sub(now.saturating_sub(state.at))
+    }
+}
+
+impl Algorithm for LeakyBucket {
+    type State = State;
+
+    fn fresh(&self) -> State {
+        State::default()
+    }
+
+    fn decide(&self, state: &State, ctx: &Ctx) -> Outcome {
+        let level = self.drained(state, ctx.now);
+        let pour = mul_span(self.unit, ctx.cost);
+        let (allowed, after, retry) = match pour {
+            Some(p) if level + p <= self.full => (true, level + p, None),
+            Some(p) if p <= self.full => (false, level, Some(level + p - self.full)),
+            _ => (false, level, None),
+        };
+        let remaining = (self.full - after) / self.unit;
+        Outcome::new(allowed, self.capacity, remaining, retry, after)
+    }
+
+    fn commit(&self, state: &mut State, ctx: &Ctx) {
+        let level = self.drained(state, ctx.now);
+        state.level = level.saturating_add(self.unit.saturating_mul(ctx.cost));
+        state.at = state.at.max(ctx.now);
+    }
+
+    fn expires_at(&self, state: &State) -> u64 {
+        state.at.saturating_add(state.level)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_per_thirty_minutes() {
+        let f = LeakyBucket::new(1, Duration::from_secs(1800)).expect("valid");
+        let mut st = f.fresh();
+        let t0 = 1_700_000_000_000_000;
+        let first = f.check(&mut st, &Ctx::new(t0, 1)).decision;
+        assert!(first.allowed);
+        assert_eq!((first.limit, first.remaining), (1, 0));
+        assert_eq!(first.reset_after, Duration::from_secs(1800));
+        let second = f.check(&mut st, &Ctx::new(t0 + 60_000_000, 1)).decision;
+        assert!(!second.allowed);
+        assert_eq!(second.retry_after, Some(Duration::from_secs(1740)));
+        assert!((f.level(&st, t0 + 900_000_000) - 0.5).abs() < 1e-9);
+        assert!(
+            f.check(&mut st, &Ctx::new(t0 + 1_800_000_000, 1))
+                .decision
+                .allowed
+        );
+    }
+
+    #[test]
+    fn validates() {
+        assert!(matches!(
+            LeakyBucket::new(0, Duration::from_secs(1)),
+            Err(PolicyError::Zero { field: "capacity" })
+        ));
+        assert!(matches!(
+            LeakyBucket::new(1, Duration::ZERO),
+            Err(PolicyError::Zero { field: "drain" })
+        ));
+        assert!(LeakyBucket::new(10, Duration::from_micros(5)).is_err());
+    }
+}

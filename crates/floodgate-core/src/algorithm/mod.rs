@@ -1,0 +1,118 @@
+//! The rate-limiting algorithms as pure state machines.
+//!
+//! Each algorithm is a parameter struct (validated at construction) and a small `State`. A check
+//! is two steps so that several policies can be checked all-or-nothing:
+//!
+//! 1. [`Algorithm::decide`] looks at the state and returns the [`Outcome`] the request *would*
+//!    have, changing nothing;
+//! 2. [`Algorithm::commit`] applies the request, and is called only when every policy allowed.
+//!
+//! Time is whole microseconds since the Unix epoch (see [`crate::Timestamp`]). Everything is
+//! integer arithmetic, and every intermediate value stays below 2^53, so the Lua scripts of the
+//! Redis backend compute bit-for-bit the same results.
+
+pub mod concurrency;
+pub mod fixed_window;
+pub mod gcra;
+pub mod leaky_bucket;
+pub mod shaper;
+pub mod sliding_log;
+pub mod sliding_window;
+pub mod token_bucket;
+
+use crate::Decision;
+
+/// Largest duration, in microseconds, a policy may span (about 71 years): keeps `now + span`
+/// exact in a double.
+pub const MAX_SPAN_US: u64 = 1 << 51;
+
+/// Largest limit or capacity a policy may have.
+pub const MAX_LIMIT: u64 = 1 << 40;
+
+/// The inputs of one check besides the state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ctx {
+    /// The current time, microseconds since the epoch.
+    pub now: u64,
+    /// The units this request takes (0 peeks).
+    pub cost: u64,
+    /// For the shaper: how long the caller is willing to wait for its turn, in microseconds.
+    pub max_wait: u64,
+    /// For concurrency limits: the id of the lease this request would hold.
+    pub lease: u64,
+}
+
+impl Ctx {
+    /// A context for a request of `cost` units at `now`, that will not wait.
+    pub fn new(now: u64, cost: u64) -> Self {
+        Ctx {
+            now,
+            cost,
+            max_wait: 0,
+            lease: 0,
+        }
+    }
+}
+
+/// What a check would do: the decision, and for the shaper how long to wait before going ahead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// The decision.
+    pub decision: Decision,
+    /// Microseconds the caller must wait before acting (shaper only; otherwise 0).
+    pub wait: u64,
+}
+
+impl Outcome {
+    pub(crate) fn new(
+        allowed: bool,
+        limit: u64,
+        remaining: u64,
+        retry_after_us: Option<u64>,
+        reset_after_us: u64,
+    ) -> Self {
+        Outcome {
+            decision: Decision::from_micros(
+                allowed,
+                limit,
+                remaining,
+                retry_after_us,
+                reset_after_us,
+            ),
+            wait: 0,
+        }
+    }
+}
+
+/// One rate-limiting algorithm: validated parameters and the transitions of its state.
+pub trait Algorithm {
+    /// The per-key state.
+    type State: Clone + std::fmt::Debug + Send + Sync + 'static;
+
+    /// The state of a key never used (or whose state has expired).
+    fn fresh(&self) -> Self::State;
+
+    /// The outcome of the request described by `ctx`, without changing anything.
+    fn decide(&self, state: &Self::State, ctx: &Ctx) -> Outcome;
+
+    /// Applies the request described by `ctx`. Only called after `decide` allowed it.
+    fn commit(&self, state: &mut Self::State, ctx: &Ctx);
+
+    /// The time from which `state` is indistinguishable from [`Algorithm::fresh`]: it may be
+    /// dropped then without changing any future decision (the Redis TTL, the memory eviction).
+    fn expires_at(&self, state: &Self::State) -> u64;
+
+    /// Decides and, when allowed, commits: one check of one policy.
+    fn check(&self, state: &mut Self::State, ctx: &Ctx) -> Outcome {
+        let out = self.decide(state, ctx);
+        if out.decision.allowed {
+            self.commit(state, ctx);
+        }
+        out
+    }
+}
+
+/// `a * b`, or `None` when it would exceed [`MAX_SPAN_US`] (never admissible).
+pub(crate) fn mul_span(a: u64, b: u64) -> Option<u64> {
+    a.checked_mul(b).filter(|v| *v <= MAX_SPAN_US)
+}

@@ -1,0 +1,244 @@
+//! Token bucket: a bucket of `capacity` tokens, refilled `amount` tokens every `interval`.
+//!
+//! Two refill styles:
+//! - **greedy** (default): tokens trickle in one at a time, `interval / amount` apart, as in
+//!   Guava's `RateLimiter` and the classic Lua bucket. Admits what GCRA admits.
+//! - **interval**: all `amount` tokens arrive at once when each full `interval` has passed
+//!   ("100 tokens every minute, on the minute of the first use").
+//!
+//! The state is a whole number of tokens and the time of the last refill step; the partial
+//! progress towards the next token is kept by not moving that time past the last whole step.
+
+use std::time::Duration;
+
+use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome};
+use crate::clock::duration_micros;
+use crate::error::PolicyError;
+
+/// Token bucket parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TokenBucket {
+    capacity: u64,
+    /// Tokens added per refill step.
+    per_step: u64,
+    /// Microseconds between refill steps.
+    step: u64,
+    /// `amount` and `interval` as given, for display.
+    amount: u64,
+    interval: u64,
+    greedy: bool,
+}
+
+/// Tokens in the bucket as of the refill step at `last`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct State {
+    /// Whole tokens available.
+    pub tokens: u64,
+    /// Time of the last refill step, microseconds since the epoch.
+    pub last: u64,
+}
+
+impl TokenBucket {
+    /// A bucket of `capacity` tokens, refilled continuously at `amount` per `interval`.
+    pub fn new(capacity: u64, amount: u64, interval: Duration) -> Result<Self, PolicyError> {
+        Self::build(capacity, amount, interval, true)
+    }
+
+    /// A bucket of `capacity` tokens that gets `amount` tokens at once every full `interval`.
+    pub fn intervally(capacity: u64, amount: u64, interval: Duration) -> Result<Self, PolicyError> {
+        Self::build(capacity, amount, interval, false)
+    }
+
+    fn build(
+        capacity: u64,
+        amount: u64,
+        interval: Duration,
+        greedy: bool,
+    ) -> Result<Self, PolicyError> {
+        if capacity == 0 {
+            return Err(PolicyError::Zero { field: "capacity" });
+        }
+        if capacity > MAX_LIMIT {
+            return Err(PolicyError::TooLarge {
+                field: "capacity",
+                value: capacity.to_string(),
+                max: MAX_LIMIT.to_string(),
+            });
+        }
+        if amount == 0 {
+            return Err(PolicyError::Zero {
+                field: "refill amount",
+            });
+        }
+        let interval_us = duration_micros(interval);
+        if interval_us == 0 {
+            return Err(PolicyError::Zero {
+                field: "refill interval",
+            });
+        }
+        let (per_step, step) = if greedy {
+            (1, interval_us / amount)
+        } else {
+            (amount, interval_us)
+        };
+        if step == 0 {
+            return Err(PolicyError::TooSmall {
+                field: "refill interval",
+                reason: "tokens would arrive less than one microsecond apart".into(),
+            });
+        }
+        // The longest wait is refilling a whole bucket.
+        let full = capacity.div_ceil(per_step).checked_mul(step);
+        if full.is_none_or(|f| f > MAX_SPAN_US) {
+            return Err(PolicyError::TooLarge {
+                field: "refill interval",
+                value: format!("{interval_us}us"),
+                max: format!("{MAX_SPAN_US}us to refill the whole bucket"),
+            });
+        }
+        Ok(TokenBucket {
+            capacity,
+            per_step,
+            step,
+            amount,
+            interval: interval_us,
+            greedy,
+        })
+    }
+
+    /// The bucket's capacity.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Tokens added per interval.
+    pub fn amount(&self) -> u64 {
+        self.amount
+    }
+
+    /// The refill interval, microseconds.
+    pub fn interval_us(&self) -> u64 {
+        self.interval
+    }
+
+    /// Whether tokens trickle in continuously (`true`) or arrive once per interval.
+    pub fn is_greedy(&self) -> bool {
+        self.greedy
+    }
+
+    /// Tokens and refill time at `now`.
+    fn refill(&self, state: &State, now: u64) -> (u64, u64) {
+        if now <= state.last || state.tokens >= self.capacity {
+            return (state.tokens.min(self.capacity), state.last.max(now));
+        }
+        let steps = (now - state.last) / self.step;
+        let tokens = state
+            .tokens
+            .saturating_add(steps.saturating_mul(self.per_step));
+        if tokens >= self.capacity {
+            (self.capacity, now)
+        } else {
+            (tokens, state.last + steps * self.step)
+        }
+    }
+
+    /// Microseconds from `now` until `need` more tokens than `tokens` have arrived.
+    fn time_for(&self, last: u64, now: u64, need: u64) -> u64 {
+        (last + need.div_ceil(self.per_step) * self.step).saturating_sub(now)
+    }
+}
+
+impl Algorithm for TokenBucket {
+    type State = State;
+
+    fn fresh(&self) -> State {
+        State {
+            tokens: self.capacity,
+            last: 0,
+        }
+    }
+
+    fn decide(&self, state: &State, ctx: &Ctx) -> Outcome {
+        let (tokens, last) = self.refill(state, ctx.now);
+        let (allowed, left, retry) = if ctx.cost <= tokens {
+            (true, tokens - ctx.cost, None)
+        } else if ctx.cost <= self.capacity {
+            let wait = self.time_for(last, ctx.now, ctx.cost - tokens);
+            (false, tokens, Some(wait))
+        } else {
+            (false, tokens, None)
+        };
+        let reset = self.time_for(last, ctx.now, self.capacity - left);
+        Outcome::new(allowed, self.capacity, left, retry, reset)
+    }
+
+    fn commit(&self, state: &mut State, ctx: &Ctx) {
+        let (tokens, last) = self.refill(state, ctx.now);
+        state.tokens = tokens - ctx.cost.min(tokens);
+        state.last = last;
+    }
+
+    fn expires_at(&self, state: &State) -> u64 {
+        if state.tokens >= self.capacity {
+            return 0;
+        }
+        state.last + (self.capacity - state.tokens).div_ceil(self.per_step) * self.step
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T0: u64 = 1_700_000_000_000_000;
+
+    #[test]
+    fn greedy_refills_one_token_at_a_time() {
+        // 4 tokens, 2 per second: one every 500 ms.
+        let b = TokenBucket::new(4, 2, Duration::from_secs(1)).expect("valid");
+        let mut st = b.fresh();
+        for left in (0..4).rev() {
+            let d = b.check(&mut st, &Ctx::new(T0, 1)).decision;
+            assert!(d.allowed);
+            assert_eq!(d.remaining, left);
+        }
+        let d = b.check(&mut st, &Ctx::new(T0 + 100_000, 1)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(Duration::from_millis(400)));
+        assert_eq!(d.reset_after, Duration::from_millis(1900));
+        assert!(
+            b.check(&mut st, &Ctx::new(T0 + 500_000, 1))
+                .decision
+                .allowed
+        );
+        // Cost above capacity never fits.
+        assert_eq!(
+            b.check(&mut st, &Ctx::new(T0, 5)).decision.retry_after,
+            None
+        );
+    }
+
+    #[test]
+    fn interval_refill_arrives_at_once() {
+        let b = TokenBucket::intervally(10, 10, Duration::from_secs(60)).expect("valid");
+        let mut st = b.fresh();
+        assert!(b.check(&mut st, &Ctx::new(T0, 10)).decision.allowed);
+        let d = b.check(&mut st, &Ctx::new(T0 + 59_000_000, 1)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(Duration::from_secs(1)));
+        let d = b.check(&mut st, &Ctx::new(T0 + 60_000_000, 10)).decision;
+        assert!(d.allowed, "{d:?}");
+    }
+
+    #[test]
+    fn validates() {
+        assert!(matches!(
+            TokenBucket::new(0, 1, Duration::from_secs(1)),
+            Err(PolicyError::Zero { field: "capacity" })
+        ));
+        assert!(TokenBucket::new(1, 0, Duration::from_secs(1)).is_err());
+        assert!(TokenBucket::new(1, 1, Duration::ZERO).is_err());
+        assert!(TokenBucket::new(1 << 41, 1, Duration::from_secs(1)).is_err());
+        assert!(TokenBucket::new(1 << 30, 1, Duration::from_secs(1 << 30)).is_err());
+    }
+}

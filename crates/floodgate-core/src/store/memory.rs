@@ -1,0 +1,439 @@
+//! [`MemoryLimiter`]: every algorithm, in this process's memory.
+
+use std::fmt;
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
+use super::sharded::{NewSlot, OnFull, Shard, ShardedMap, StoreStats};
+use super::{Check, CheckOptions, Limiter};
+use crate::algorithm::{Ctx, Outcome};
+use crate::clock::{Clock, SystemClock, duration_micros};
+use crate::error::MemoryError;
+use crate::policy::{Kind, State};
+use crate::{Decision, LeaseId, Policy, Verdict};
+
+/// The default bound on keys held in memory.
+pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
+
+/// An in-memory rate limiter: every algorithm, safe under many threads, with a bound on the
+/// number of keys it holds.
+///
+/// Cloning is cheap and clones share state. The synchronous methods (`check_key`, `check_sync`)
+/// never block on I/O; the [`Limiter`] implementation wraps them in ready futures.
+///
+/// ```
+/// use floodgate_core::{MemoryLimiter, Policy};
+///
+/// let limiter = MemoryLimiter::new();
+/// let policy = Policy::per_second(2).unwrap();
+/// assert!(limiter.check_key(b"alice", &policy, 1).allowed);
+/// assert!(limiter.check_key(b"alice", &policy, 1).allowed);
+/// let third = limiter.check_key(b"alice", &policy, 1);
+/// assert!(!third.allowed);
+/// assert!(third.retry_after.is_some());
+/// ```
+pub struct MemoryLimiter<C = SystemClock> {
+    inner: Arc<Inner<C>>,
+}
+
+struct Inner<C> {
+    map: ShardedMap<State>,
+    clock: C,
+}
+
+impl<C> Clone for MemoryLimiter<C> {
+    fn clone(&self) -> Self {
+        MemoryLimiter {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<C> fmt::Debug for MemoryLimiter<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryLimiter")
+            .field("max_keys", &self.inner.map.max_keys())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryLimiter<SystemClock> {
+    /// A limiter with the system clock and the default bounds.
+    pub fn new() -> Self {
+        MemoryLimiter::builder().build()
+    }
+
+    /// A builder to set the key bound, shards, eviction and clock.
+    pub fn builder() -> MemoryLimiterBuilder<SystemClock> {
+        MemoryLimiterBuilder {
+            max_keys: DEFAULT_MAX_KEYS,
+            shards: std::thread::available_parallelism().map_or(4, |n| n.get()) * 8,
+            on_full: OnFull::default(),
+            clock: SystemClock::new(),
+        }
+    }
+}
+
+impl Default for MemoryLimiter<SystemClock> {
+    fn default() -> Self {
+        MemoryLimiter::new()
+    }
+}
+
+/// Configures a [`MemoryLimiter`].
+#[derive(Debug)]
+#[must_use]
+pub struct MemoryLimiterBuilder<C> {
+    max_keys: usize,
+    shards: usize,
+    on_full: OnFull,
+    clock: C,
+}
+
+impl<C: Clock> MemoryLimiterBuilder<C> {
+    /// At most this many (policy, key) states are kept (default one million).
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys;
+        self
+    }
+
+    /// About this many independently locked shards (rounded to a power of two, at most 256).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards;
+        self
+    }
+
+    /// What to do when the store is full of live keys.
+    pub fn on_full(mut self, on_full: OnFull) -> Self {
+        self.on_full = on_full;
+        self
+    }
+
+    /// Another clock (a [`crate::ManualClock`] in tests).
+    pub fn clock<C2: Clock>(self, clock: C2) -> MemoryLimiterBuilder<C2> {
+        MemoryLimiterBuilder {
+            max_keys: self.max_keys,
+            shards: self.shards,
+            on_full: self.on_full,
+            clock,
+        }
+    }
+
+    /// Builds the limiter.
+    pub fn build(self) -> MemoryLimiter<C> {
+        MemoryLimiter {
+            inner: Arc::new(Inner {
+                map: ShardedMap::new(self.max_keys, self.shards, self.on_full),
+                clock: self.clock,
+            }),
+        }
+    }
+}
+
+impl<C: Clock> MemoryLimiter<C> {
+    /// The limiter's clock.
+    pub fn clock(&self) -> &C {
+        &self.inner.clock
+    }
+
+    /// Memory counters.
+    pub fn stats(&self) -> StoreStats {
+        self.inner.map.stats()
+    }
+
+    /// Drops every expired state now (it is also done as the store fills up).
+    pub fn purge_expired(&self) {
+        self.inner
+            .map
+            .purge_expired(self.inner.clock.now().as_micros());
+    }
+
+    /// Checks one policy for one key: the fast path.
+    ///
+    /// When the store is full and set to [`OnFull::Reject`], a new key is denied with no
+    /// retry time (see [`MemoryLimiter::check_sync`] for the error).
+    #[inline]
+    pub fn check_key(&self, key: &[u8], policy: &Policy, cost: u64) -> Decision {
+        let ctx = Ctx {
+            lease: lease_for(policy.kind()),
+            ..Ctx::new(self.inner.clock.now().as_micros(), cost)
+        };
+        match self.check_single(key, policy, &ctx) {
+            Ok(out) => out.decision,
+            Err(_) => Decision {
+                allowed: false,
+                limit: policy.limit(),
+                remaining: 0,
+                retry_after: None,
+                reset_after: std::time::Duration::ZERO,
+            },
+        }
+    }
+
+    fn check_single(&self, key: &[u8], policy: &Policy, ctx: &Ctx) -> Result<Outcome, MemoryError> {
+        let map = &self.inner.map;
+        let kind = policy.kind();
+        let ident = policy.ident();
+        let hash = map.hash(ident, key);
+        let mut shard = map.lock(map.shard_of(hash));
+        if let Some(slot) = shard.find_mut(hash, ident, key) {
+            let out = kind.check(&mut slot.value, ctx);
+            if out.decision.allowed {
+                slot.expires_at = kind.expires_at(&slot.value);
+                let at = slot.expires_at;
+                shard.note_expiry(at);
+            }
+            return Ok(out);
+        }
+        let mut state = kind.fresh();
+        let out = kind.check(&mut state, ctx);
+        if out.decision.allowed && ctx.cost > 0 {
+            let expires_at = kind.expires_at(&state);
+            map.insert(
+                &mut shard,
+                NewSlot {
+                    hash,
+                    ident,
+                    key,
+                    value: state,
+                    expires_at,
+                },
+                ctx.now,
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// Checks several policies, all-or-nothing, atomically with respect to every other check.
+    pub fn check_sync(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<Verdict, MemoryError> {
+        let now = opts
+            .now
+            .unwrap_or_else(|| self.inner.clock.now())
+            .as_micros();
+        let lease = checks
+            .iter()
+            .map(|c| lease_for(c.policy.kind()))
+            .find(|l| *l != 0)
+            .unwrap_or(0);
+        let base = Ctx {
+            now,
+            cost: 0,
+            max_wait: duration_micros(opts.max_wait),
+            lease,
+        };
+        let verdict_lease = (lease != 0).then_some(LeaseId(lease));
+        if let [check] = checks {
+            let out = self.check_single(
+                check.key,
+                check.policy,
+                &Ctx {
+                    cost: check.cost,
+                    ..base
+                },
+            )?;
+            return Ok(Verdict {
+                decisions: smallvec::smallvec![out.decision],
+                wait: std::time::Duration::from_micros(out.wait),
+                lease: verdict_lease.filter(|_| out.decision.allowed),
+            });
+        }
+        if checks.is_empty() {
+            return Err(MemoryError::InvalidCheck("no policies to check".into()));
+        }
+        let map = &self.inner.map;
+        let located: SmallVec<[(u64, usize); 4]> = checks
+            .iter()
+            .map(|c| {
+                let hash = map.hash(c.policy.ident(), c.key);
+                (hash, map.shard_of(hash))
+            })
+            .collect();
+        for (i, a) in checks.iter().enumerate() {
+            if checks[..i]
+                .iter()
+                .any(|b| b.policy.ident() == a.policy.ident() && b.key == a.key)
+            {
+                return Err(MemoryError::InvalidCheck(format!(
+                    "policy {} is checked twice for the same key",
+                    a.policy.name()
+                )));
+            }
+        }
+        // Lock every shard involved, in index order so that concurrent checks cannot deadlock.
+        let mut order: SmallVec<[usize; 4]> = located.iter().map(|l| l.1).collect();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: SmallVec<[_; 4]> = order.iter().map(|&i| map.lock(i)).collect();
+        let guard_of = |shard: usize| order.iter().position(|&i| i == shard).unwrap_or(0);
+
+        let outcomes: SmallVec<[Outcome; 4]> = checks
+            .iter()
+            .zip(&located)
+            .map(|(c, &(hash, shard))| {
+                let ctx = Ctx {
+                    cost: c.cost,
+                    ..base
+                };
+                let g: &Shard<State> = &guards[guard_of(shard)];
+                match g.find(hash, c.policy.ident(), c.key) {
+                    Some(slot) => c.policy.kind().decide(&slot.value, &ctx),
+                    None => c.policy.kind().decide(&c.policy.kind().fresh(), &ctx),
+                }
+            })
+            .collect();
+        let allowed = outcomes.iter().all(|o| o.decision.allowed);
+        if !allowed {
+            // Nothing is counted: report the allowing policies' state as it stands.
+            let decisions = checks
+                .iter()
+                .zip(&located)
+                .zip(&outcomes)
+                .map(|((c, &(hash, shard)), out)| {
+                    if !out.decision.allowed {
+                        return out.decision;
+                    }
+                    let g: &Shard<State> = &guards[guard_of(shard)];
+                    let kind = c.policy.kind();
+                    match g.find(hash, c.policy.ident(), c.key) {
+                        Some(slot) => kind.decide(&slot.value, &base).decision,
+                        None => kind.decide(&kind.fresh(), &base).decision,
+                    }
+                })
+                .collect();
+            return Ok(Verdict {
+                decisions,
+                wait: std::time::Duration::ZERO,
+                lease: None,
+            });
+        }
+        // Make room for the new keys first, so that committing cannot fail half-way.
+        for (gi, &shard) in order.iter().enumerate() {
+            let new = checks
+                .iter()
+                .zip(&located)
+                .filter(|(c, (hash, s))| {
+                    *s == shard
+                        && c.cost > 0
+                        && guards[gi].find(*hash, c.policy.ident(), c.key).is_none()
+                })
+                .count();
+            if new > 0 {
+                map.ensure_room(&mut guards[gi], new, now)?;
+            }
+        }
+        for (c, &(hash, shard)) in checks.iter().zip(&located) {
+            let ctx = Ctx {
+                cost: c.cost,
+                ..base
+            };
+            let kind = c.policy.kind();
+            let g = &mut guards[guard_of(shard)];
+            if let Some(slot) = g.find_mut(hash, c.policy.ident(), c.key) {
+                kind.commit(&mut slot.value, &ctx);
+                slot.expires_at = kind.expires_at(&slot.value);
+                let at = slot.expires_at;
+                g.note_expiry(at);
+            } else if c.cost > 0 {
+                let mut state = kind.fresh();
+                kind.commit(&mut state, &ctx);
+                let expires_at = kind.expires_at(&state);
+                let slot = NewSlot {
+                    hash,
+                    ident: c.policy.ident(),
+                    key: c.key,
+                    value: state,
+                    expires_at,
+                };
+                // Room was made above: this cannot fail.
+                map.insert(g, slot, now)?;
+            }
+        }
+        Ok(Verdict {
+            decisions: outcomes.iter().map(|o| o.decision).collect(),
+            wait: std::time::Duration::from_micros(
+                outcomes.iter().map(|o| o.wait).max().unwrap_or(0),
+            ),
+            lease: verdict_lease,
+        })
+    }
+
+    /// Releases a concurrency lease (see [`Limiter::release`]).
+    pub fn release_sync(&self, checks: &[Check<'_>], lease: LeaseId) {
+        let now = self.inner.clock.now().as_micros();
+        let map = &self.inner.map;
+        for c in checks {
+            let Kind::Concurrency(conc) = c.policy.kind() else {
+                continue;
+            };
+            let hash = map.hash(c.policy.ident(), c.key);
+            let mut shard = map.lock(map.shard_of(hash));
+            let empty = match shard.find_mut(hash, c.policy.ident(), c.key) {
+                Some(slot) => match &mut slot.value {
+                    State::Concurrency(st) => {
+                        conc.release(st, lease.0, now);
+                        slot.expires_at = c.policy.kind().expires_at(&slot.value);
+                        slot.expires_at <= now
+                    }
+                    _ => false,
+                },
+                None => false,
+            };
+            if empty {
+                shard.remove(hash, c.policy.ident(), c.key);
+            }
+        }
+    }
+
+    /// Forgets `policy`'s state for `key`.
+    pub fn reset_sync(&self, key: &[u8], policy: &Policy) {
+        let map = &self.inner.map;
+        let hash = map.hash(policy.ident(), key);
+        map.lock(map.shard_of(hash))
+            .remove(hash, policy.ident(), key);
+    }
+
+    /// The state held for `policy` and `key`, if any (for inspection and tests).
+    pub fn state(&self, key: &[u8], policy: &Policy) -> Option<State> {
+        let map = &self.inner.map;
+        let hash = map.hash(policy.ident(), key);
+        map.lock(map.shard_of(hash))
+            .find(hash, policy.ident(), key)
+            .map(|s| s.value.clone())
+    }
+}
+
+/// A fresh lease id for concurrency policies (0 for others: no lease).
+fn lease_for(kind: &Kind) -> u64 {
+    if matches!(kind, Kind::Concurrency(_)) {
+        fastrand::u64(1..)
+    } else {
+        0
+    }
+}
+
+impl<C: Clock> Limiter for MemoryLimiter<C> {
+    type Error = MemoryError;
+
+    async fn check(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<Verdict, MemoryError> {
+        self.check_sync(checks, opts)
+    }
+
+    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
+        self.release_sync(checks, lease);
+        Ok(())
+    }
+
+    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
+        self.reset_sync(key, policy);
+        Ok(())
+    }
+}

@@ -1,0 +1,144 @@
+//! The store interface every backend implements, and the in-memory stores.
+
+mod memory;
+mod sharded;
+
+use std::future::Future;
+use std::time::Duration;
+
+pub use memory::{DEFAULT_MAX_KEYS, MemoryLimiter, MemoryLimiterBuilder};
+pub use sharded::{OnFull, StoreStats};
+
+use crate::{Decision, LeaseId, Policy, Timestamp, Verdict};
+
+/// One policy to check for one key.
+#[derive(Clone, Copy, Debug)]
+pub struct Check<'a> {
+    /// The key: any bytes (a phone number, an IP, an API key, ...).
+    pub key: &'a [u8],
+    /// The policy.
+    pub policy: &'a Policy,
+    /// The units this request takes (default 1; 0 peeks).
+    pub cost: u64,
+}
+
+impl<'a> Check<'a> {
+    /// A check of `policy` for `key`, costing 1.
+    pub fn new(key: &'a [u8], policy: &'a Policy) -> Self {
+        Check {
+            key,
+            policy,
+            cost: 1,
+        }
+    }
+
+    /// The same check with another cost.
+    pub fn cost(self, cost: u64) -> Self {
+        Check { cost, ..self }
+    }
+}
+
+/// Options of a check.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CheckOptions {
+    /// How long the caller is willing to wait for a shaper's reservation. Other algorithms
+    /// ignore it. Zero decides now (`try_acquire`).
+    pub max_wait: Duration,
+    /// Decide as of this time instead of the store's clock (tests and simulations). The Redis
+    /// backend otherwise uses the server's time.
+    pub now: Option<Timestamp>,
+}
+
+impl CheckOptions {
+    /// Options that wait up to `max_wait` for a reservation.
+    pub fn wait(max_wait: Duration) -> Self {
+        CheckOptions {
+            max_wait,
+            now: None,
+        }
+    }
+
+    /// Options that decide as of `now`.
+    pub fn at(now: Timestamp) -> Self {
+        CheckOptions {
+            max_wait: Duration::ZERO,
+            now: Some(now),
+        }
+    }
+}
+
+/// A store of rate-limit state: in memory, or in Redis.
+///
+/// A check of several policies is **all-or-nothing**: either every policy allows and every one
+/// is counted, or nothing is counted (see [`Verdict`]). Implementations must make a check
+/// atomic with respect to every other check on the same keys, across threads, and for shared
+/// stores across processes.
+pub trait Limiter: Send + Sync {
+    /// The store's error.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Checks `checks` together.
+    fn check(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> impl Future<Output = Result<Verdict, Self::Error>> + Send;
+
+    /// Releases the concurrency lease `lease` taken by an allowed check of `checks`. Policies
+    /// other than concurrency limits are left alone.
+    fn release(
+        &self,
+        checks: &[Check<'_>],
+        lease: LeaseId,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Forgets the state of `policy` for `key`, as if it had never been used.
+    fn reset(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Checks one policy for one key.
+    fn check_one(
+        &self,
+        key: &[u8],
+        policy: &Policy,
+        cost: u64,
+    ) -> impl Future<Output = Result<Decision, Self::Error>> + Send {
+        async move {
+            let verdict = self
+                .check(
+                    &[Check::new(key, policy).cost(cost)],
+                    CheckOptions::default(),
+                )
+                .await?;
+            Ok(verdict.decisions[0])
+        }
+    }
+
+    /// Takes a turn: reserves the next slot of every shaper in `checks` if it comes within
+    /// `max_wait`, then sleeps until it. Returns the verdict; its `wait` is how long this call
+    /// waited. A denied verdict did not wait and reserved nothing.
+    fn acquire(
+        &self,
+        checks: &[Check<'_>],
+        max_wait: Duration,
+    ) -> impl Future<Output = Result<Verdict, Self::Error>> + Send {
+        async move {
+            let verdict = self.check(checks, CheckOptions::wait(max_wait)).await?;
+            if verdict.allowed() && !verdict.wait.is_zero() {
+                tokio::time::sleep(verdict.wait).await;
+            }
+            Ok(verdict)
+        }
+    }
+
+    /// Decides now: like [`Limiter::acquire`] with no waiting.
+    fn try_acquire(
+        &self,
+        checks: &[Check<'_>],
+    ) -> impl Future<Output = Result<Verdict, Self::Error>> + Send {
+        self.check(checks, CheckOptions::default())
+    }
+}
