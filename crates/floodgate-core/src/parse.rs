@@ -242,6 +242,50 @@ impl Options {
     }
 }
 
+/// Parses a duration such as `30m`, `1.5s`, `500ms`, `2 hours`, `1d`.
+///
+/// ```
+/// use std::time::Duration;
+/// assert_eq!(floodgate_core::parse::parse_duration("30m").unwrap(), Duration::from_secs(1800));
+/// assert!(floodgate_core::parse::parse_duration("soon").is_err());
+/// ```
+pub fn parse_duration(s: &str) -> Result<Duration, PolicyError> {
+    let text = s.trim().to_ascii_lowercase();
+    let parsed = split_period(s, &text).and_then(|(n, unit, rest)| {
+        if rest.trim().is_empty() {
+            duration(s, n, unit)
+        } else {
+            Err(fail(
+                s,
+                format!("unexpected {:?} after the duration", rest.trim()),
+            ))
+        }
+    });
+    parsed.map_err(|e| as_field("duration", s, e))
+}
+
+/// Parses a UTC offset such as `+08:00`, `-0530`, `+8` or `UTC` into seconds east of UTC.
+pub fn parse_utc_offset(s: &str) -> Result<i32, PolicyError> {
+    utc_offset(s, &s.trim().to_ascii_lowercase()).map_err(|e| as_field("utc_offset", s, e))
+}
+
+/// A parse error of a lone value, named after the value rather than a policy.
+fn as_field(field: &'static str, input: &str, e: PolicyError) -> PolicyError {
+    match e {
+        PolicyError::Parse { reason, .. } => PolicyError::Invalid {
+            field,
+            reason: format!("{:?}: {reason}", input.trim()),
+        },
+        other => other,
+    }
+}
+
+/// Formats a duration the way policy names spell it: the largest unit that divides it
+/// (`30m`, `1d`, `1500ms`).
+pub fn format_duration(d: Duration) -> String {
+    crate::policy::short_duration(u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
 /// `+08:00`, `-0530`, `+8`, `utc`, `z` into seconds east of UTC.
 fn utc_offset(input: &str, s: &str) -> Result<i32, PolicyError> {
     let bad = || fail(input, format!("bad UTC offset {s:?} (write +08:00)"));
@@ -325,6 +369,28 @@ mod tests {
         assert!(
             matches!(p("concurrency:10 ttl 30s").kind(), Kind::Concurrency(c) if c.lease_ttl_us() == 30_000_000)
         );
+    }
+
+    #[test]
+    fn durations_and_offsets() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2 hours"), Ok(Duration::from_secs(7200)));
+        assert_eq!(parse_duration("1d"), Ok(Duration::from_secs(86_400)));
+        assert!(parse_duration("5").is_err());
+        assert!(parse_duration("5s later").is_err());
+        assert!(parse_duration("-5s").is_err());
+        assert_eq!(parse_utc_offset("+08:00"), Ok(28_800));
+        assert_eq!(parse_utc_offset("-0530"), Ok(-19_800));
+        assert_eq!(parse_utc_offset("UTC"), Ok(0));
+        assert!(parse_utc_offset("8").is_err());
+        let err = parse_duration("5").expect_err("no unit").to_string();
+        assert!(
+            err.starts_with("invalid duration") && !err.contains("policy"),
+            "{err}"
+        );
+        assert_eq!(format_duration(Duration::from_secs(1800)), "30m");
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
     }
 
     #[test]

@@ -147,8 +147,8 @@ pub enum Kind {
 pub enum State {
     /// Fixed window.
     FixedWindow(fixed_window::State),
-    /// Sliding window log.
-    SlidingLog(sliding_log::State),
+    /// Sliding window log (boxed: it grows with the limit).
+    SlidingLog(Box<sliding_log::State>),
     /// Sliding window counter.
     SlidingWindow(sliding_window::State),
     /// Token bucket.
@@ -200,7 +200,7 @@ impl Kind {
     pub fn fresh(&self) -> State {
         match self {
             Kind::FixedWindow(a) => State::FixedWindow(a.fresh()),
-            Kind::SlidingLog(a) => State::SlidingLog(a.fresh()),
+            Kind::SlidingLog(a) => State::SlidingLog(Box::new(a.fresh())),
             Kind::SlidingWindow(a) => State::SlidingWindow(a.fresh()),
             Kind::TokenBucket(a) => State::TokenBucket(a.fresh()),
             Kind::LeakyBucket(a) => State::LeakyBucket(a.fresh()),

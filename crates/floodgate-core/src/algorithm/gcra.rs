@@ -133,7 +133,10 @@ mod tests {
 
     const S: u64 = 1_000_000;
 
-    fn run(g: &Gcra, st: &mut State, now_ms: u64, q: u64) -> (bool, u64, u64, Option<u64>, u64) {
+    /// redis-cell's reply: (limited, limit, remaining, retry_after, reset_after).
+    type Reply = (bool, u64, u64, Option<u64>, u64);
+
+    fn run(g: &Gcra, st: &mut State, now_ms: u64, q: u64) -> Reply {
         let o = g.check(st, &Ctx::new(1_700_000_000 * S + now_ms * 1000, q));
         let d = o.decision;
         (
@@ -151,7 +154,7 @@ mod tests {
         let g = Gcra::new(4, 1, Duration::from_secs(1)).expect("valid");
         let mut st = g.fresh();
         // (now ms, quantity) => (limited, limit, remaining, retry_after, reset_after)
-        let cases: &[(u64, u64, (bool, u64, u64, Option<u64>, u64))] = &[
+        let cases: &[(u64, u64, Reply)] = &[
             (0, 6, (true, 5, 5, None, 0)),
             (0, 1, (false, 5, 4, None, 1000)),
             (0, 1, (false, 5, 3, None, 2000)),

@@ -121,6 +121,16 @@ impl TokenBucket {
         self.interval
     }
 
+    /// Tokens added per refill step (1 when greedy, `amount` otherwise).
+    pub fn per_step(&self) -> u64 {
+        self.per_step
+    }
+
+    /// Microseconds between refill steps.
+    pub fn step_us(&self) -> u64 {
+        self.step
+    }
+
     /// Whether tokens trickle in continuously (`true`) or arrive once per interval.
     pub fn is_greedy(&self) -> bool {
         self.greedy

@@ -11,7 +11,7 @@ use crate::algorithm::{Ctx, Outcome};
 use crate::clock::{Clock, SystemClock, duration_micros};
 use crate::error::MemoryError;
 use crate::policy::{Kind, State};
-use crate::{Decision, LeaseId, Policy, Verdict};
+use crate::{Decision, LeaseId, Policy, Timestamp, Verdict};
 
 /// The default bound on keys held in memory.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -362,10 +362,17 @@ impl<C: Clock> MemoryLimiter<C> {
         })
     }
 
-    /// Releases a concurrency lease (see [`Limiter::release`]).
-    pub fn release_sync(&self, checks: &[Check<'_>], lease: LeaseId) {
-        let now = self.inner.clock.now().as_micros();
+    /// Releases a concurrency lease (see [`Limiter::release`]); returns whether any policy
+    /// still held it.
+    pub fn release_sync(&self, checks: &[Check<'_>], lease: LeaseId) -> bool {
+        self.release_at(checks, lease, self.inner.clock.now())
+    }
+
+    /// [`MemoryLimiter::release_sync`] as of `now` (simulations).
+    pub fn release_at(&self, checks: &[Check<'_>], lease: LeaseId, now: Timestamp) -> bool {
+        let now = now.as_micros();
         let map = &self.inner.map;
+        let mut released = false;
         for c in checks {
             let Kind::Concurrency(conc) = c.policy.kind() else {
                 continue;
@@ -375,7 +382,7 @@ impl<C: Clock> MemoryLimiter<C> {
             let empty = match shard.find_mut(hash, c.policy.ident(), c.key) {
                 Some(slot) => match &mut slot.value {
                     State::Concurrency(st) => {
-                        conc.release(st, lease.0, now);
+                        released |= conc.release(st, lease.0, now);
                         slot.expires_at = c.policy.kind().expires_at(&slot.value);
                         slot.expires_at <= now
                     }
@@ -387,6 +394,7 @@ impl<C: Clock> MemoryLimiter<C> {
                 shard.remove(hash, c.policy.ident(), c.key);
             }
         }
+        released
     }
 
     /// Forgets `policy`'s state for `key`.

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hashbrown::HashTable;
+use smallvec::SmallVec;
 
 use crate::error::MemoryError;
 
@@ -41,10 +42,13 @@ pub struct StoreStats {
     pub refused: u64,
 }
 
+/// Keys up to this long are stored inline in the slot: no pointer to chase on lookup.
+const INLINE_KEY: usize = 24;
+
 pub(crate) struct Slot<V> {
     hash: u64,
     ident: u64,
-    key: Box<[u8]>,
+    key: SmallVec<[u8; INLINE_KEY]>,
     pub(crate) value: V,
     pub(crate) expires_at: u64,
 }
@@ -55,8 +59,13 @@ pub(crate) struct Shard<V> {
     next_expiry: u64,
 }
 
+/// Keeps each shard's lock on its own cache lines, so threads working on different shards do
+/// not invalidate each other's caches.
+#[repr(align(128))]
+struct Padded<T>(T);
+
 pub(crate) struct ShardedMap<V> {
-    shards: Box<[Mutex<Shard<V>>]>,
+    shards: Box<[Padded<Mutex<Shard<V>>>]>,
     mask: usize,
     cap: usize,
     on_full: OnFull,
@@ -78,10 +87,10 @@ impl<V> ShardedMap<V> {
         let cap = (max_keys / n).max(1);
         let shards = (0..n)
             .map(|_| {
-                Mutex::new(Shard {
+                Padded(Mutex::new(Shard {
                     table: HashTable::new(),
                     next_expiry: 0,
-                })
+                }))
             })
             .collect();
         ShardedMap {
@@ -112,6 +121,7 @@ impl<V> ShardedMap<V> {
         // A panic while holding the lock cannot leave a value half-written in a way that
         // matters more than losing the limiter: keep serving.
         self.shards[shard]
+            .0
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
@@ -154,7 +164,7 @@ impl<V> ShardedMap<V> {
             Slot {
                 hash: slot.hash,
                 ident: slot.ident,
-                key: slot.key.into(),
+                key: SmallVec::from_slice(slot.key),
                 value: slot.value,
                 expires_at: slot.expires_at,
             },
@@ -211,19 +221,23 @@ pub(crate) struct NewSlot<'a, V> {
 impl<V> Shard<V> {
     #[inline]
     pub(crate) fn find(&self, hash: u64, ident: u64, key: &[u8]) -> Option<&Slot<V>> {
-        self.table
-            .find(hash, |s| s.ident == ident && *s.key == *key)
+        self.table.find(hash, |s| {
+            s.hash == hash && s.ident == ident && *s.key == *key
+        })
     }
 
     #[inline]
     pub(crate) fn find_mut(&mut self, hash: u64, ident: u64, key: &[u8]) -> Option<&mut Slot<V>> {
-        self.table
-            .find_mut(hash, |s| s.ident == ident && *s.key == *key)
+        self.table.find_mut(hash, |s| {
+            s.hash == hash && s.ident == ident && *s.key == *key
+        })
     }
 
     pub(crate) fn remove(&mut self, hash: u64, ident: u64, key: &[u8]) -> Option<V> {
         self.table
-            .find_entry(hash, |s| s.ident == ident && *s.key == *key)
+            .find_entry(hash, |s| {
+                s.hash == hash && s.ident == ident && *s.key == *key
+            })
             .ok()
             .map(|e| e.remove().0.value)
     }

@@ -1,0 +1,80 @@
+//! The CLI's error: what went wrong, said once on stderr, and the exit status it maps to.
+
+use std::io;
+use std::process::ExitCode;
+
+use floodgate_core::{MemoryError, PolicyError};
+
+/// Exit status for a bad command line (the same as clap's own usage errors).
+const EXIT_USAGE: u8 = 2;
+/// Exit status for bad input, I/O failures and everything else.
+const EXIT_FAILURE: u8 = 1;
+
+/// Everything a subcommand can fail with.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CliError {
+    /// Missing, conflicting or inapplicable flags.
+    #[error("{0}")]
+    Usage(String),
+    /// A policy that core refused; its message names the bad field.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// A bad line of input.
+    #[error("line {line}: {message}")]
+    Input {
+        /// 1-based line number.
+        line: u64,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// Reading or writing failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+    /// The in-memory store refused a check.
+    #[error(transparent)]
+    Store(#[from] MemoryError),
+    /// Drawing the chart failed.
+    #[error("cannot draw the chart: {0}")]
+    Plot(String),
+}
+
+impl CliError {
+    /// A usage error.
+    pub(crate) fn usage(message: impl Into<String>) -> Self {
+        CliError::Usage(message.into())
+    }
+
+    /// An I/O error while doing `context`.
+    pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
+        CliError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// Prints the error on stderr and returns the exit status.
+    ///
+    /// A closed stdout (`floodgate simulate ... | head`) is not an error worth reporting.
+    pub(crate) fn report(&self) -> ExitCode {
+        if let CliError::Io { source, .. } = self {
+            if source.kind() == io::ErrorKind::BrokenPipe {
+                return ExitCode::SUCCESS;
+            }
+        }
+        eprintln!("error: {self}");
+        let code = match self {
+            CliError::Usage(_) | CliError::Policy(_) => {
+                eprintln!("\nFor more information, try '--help'.");
+                EXIT_USAGE
+            }
+            _ => EXIT_FAILURE,
+        };
+        ExitCode::from(code)
+    }
+}

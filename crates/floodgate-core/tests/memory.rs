@@ -1,0 +1,236 @@
+//! The in-memory limiter under threads, all-or-nothing checks, key floods and leases.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use floodgate_core::{
+    Check, CheckOptions, Limiter, ManualClock, MemoryError, MemoryLimiter, OnFull, Policy,
+    Timestamp,
+};
+
+fn clock() -> ManualClock {
+    ManualClock::new(Timestamp::from_millis(1_700_000_000_000))
+}
+
+#[test]
+fn threads_racing_on_one_key_admit_exactly_the_limit() {
+    let policies = [
+        Policy::fixed_window(100, Duration::from_secs(60)),
+        Policy::sliding_log(100, Duration::from_secs(60)),
+        Policy::sliding_window(100, Duration::from_secs(60)),
+        Policy::token_bucket(100, 1, Duration::from_secs(60)),
+        Policy::funnel(100, Duration::from_secs(600)),
+        Policy::gcra(99, 1, Duration::from_secs(60)),
+        Policy::concurrency(100, Duration::from_secs(60)),
+    ];
+    for policy in policies {
+        let policy = Arc::new(policy.expect("valid"));
+        let limiter = MemoryLimiter::builder().clock(clock()).build();
+        let admitted = Arc::new(AtomicU64::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (limiter, policy, admitted) =
+                    (limiter.clone(), Arc::clone(&policy), Arc::clone(&admitted));
+                std::thread::spawn(move || {
+                    for _ in 0..250 {
+                        if limiter.check_key(b"one-key", &policy, 1).allowed {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("thread");
+        }
+        assert_eq!(admitted.load(Ordering::Relaxed), 100, "{policy:?}");
+    }
+}
+
+#[test]
+fn nothing_is_counted_unless_every_policy_allows() {
+    let limiter = MemoryLimiter::builder().clock(clock()).build();
+    let per_ip = Policy::per_minute(10).expect("valid");
+    let global = Policy::fixed_window(1, Duration::from_secs(60)).expect("valid");
+    let checks = [Check::new(b"10.0.0.1", &per_ip), Check::new(b"", &global)];
+
+    let first = limiter
+        .check_sync(&checks, CheckOptions::default())
+        .expect("check");
+    assert!(first.allowed());
+    assert_eq!(first.decisions[0].remaining, 9);
+
+    let second = limiter
+        .check_sync(&checks, CheckOptions::default())
+        .expect("check");
+    assert!(!second.allowed());
+    assert!(second.decisions[0].allowed && !second.decisions[1].allowed);
+    // The per-IP policy reports its state unchanged: still 9 left.
+    assert_eq!(second.decisions[0].remaining, 9);
+    assert_eq!(second.strictest().map(|(i, _)| i), Some(1));
+    assert_eq!(limiter.check_key(b"10.0.0.1", &per_ip, 1).remaining, 8);
+}
+
+#[test]
+fn all_or_nothing_checks_on_shared_keys_do_not_deadlock_or_overcount() {
+    let limiter = MemoryLimiter::builder().clock(clock()).shards(64).build();
+    let global = Arc::new(Policy::fixed_window(500, Duration::from_secs(60)).expect("valid"));
+    let per_user = Arc::new(Policy::fixed_window(50, Duration::from_secs(60)).expect("valid"));
+    let admitted = Arc::new(AtomicU64::new(0));
+    let threads: Vec<_> = (0..8u64)
+        .map(|t| {
+            let (limiter, global, per_user, admitted) = (
+                limiter.clone(),
+                Arc::clone(&global),
+                Arc::clone(&per_user),
+                Arc::clone(&admitted),
+            );
+            std::thread::spawn(move || {
+                for i in 0..2_000u64 {
+                    let user = ((t * 7 + i) % 16).to_string();
+                    // Alternate the order so that lock ordering is exercised.
+                    let a = Check::new(user.as_bytes(), &per_user);
+                    let b = Check::new(b"global", &global);
+                    let checks = if i % 2 == 0 { [a, b] } else { [b, a] };
+                    let v = limiter
+                        .check_sync(&checks, CheckOptions::default())
+                        .expect("check");
+                    if v.allowed() {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("thread");
+    }
+    // 16 users x 50 = 800 > 500: the global limit binds exactly.
+    assert_eq!(admitted.load(Ordering::Relaxed), 500);
+}
+
+#[test]
+fn a_flood_of_unique_keys_stays_within_the_bound() {
+    let limiter = MemoryLimiter::builder()
+        .clock(clock())
+        .max_keys(10_000)
+        .build();
+    let policy = Policy::per_minute(5).expect("valid");
+    for i in 0..200_000u32 {
+        assert!(limiter.check_key(&i.to_be_bytes(), &policy, 1).allowed);
+    }
+    let stats = limiter.stats();
+    assert!(stats.keys <= 10_000, "{stats:?}");
+    assert!(stats.evicted >= 190_000, "{stats:?}");
+}
+
+#[test]
+fn expired_state_is_dropped_before_live_state() {
+    let clock = clock();
+    let limiter = MemoryLimiter::builder()
+        .clock(clock.clone())
+        .max_keys(1_000)
+        .on_full(OnFull::Reject)
+        .build();
+    let policy = Policy::per_second(1).expect("valid");
+    // Keys spread over shards, each holding its share of the bound: some shards fill first.
+    let admitted: Vec<u32> = (0..2_000u32)
+        .filter(|i| limiter.check_key(&i.to_be_bytes(), &policy, 1).allowed)
+        .collect();
+    let stats = limiter.stats();
+    assert!(admitted.len() <= 1_000 && admitted.len() > 500, "{stats:?}");
+    assert_eq!(stats.refused as usize, 2_000 - admitted.len());
+    let refused = limiter
+        .check_sync(
+            &[Check::new(&1_999u32.to_be_bytes(), &policy)],
+            CheckOptions::default(),
+        )
+        .map(|v| v.allowed());
+    assert!(
+        matches!(refused, Err(MemoryError::Full { .. }) | Ok(false)),
+        "{refused:?}"
+    );
+    // Existing keys keep their state while full.
+    assert!(
+        !limiter
+            .check_key(&admitted[7].to_be_bytes(), &policy, 1)
+            .allowed
+    );
+    clock.advance(Duration::from_secs(1));
+    limiter.purge_expired();
+    assert_eq!(limiter.stats().keys, 0);
+    assert!(limiter.check_key(b"newcomer", &policy, 1).allowed);
+}
+
+#[test]
+fn a_check_of_the_same_policy_twice_for_one_key_is_refused() {
+    let limiter = MemoryLimiter::new();
+    let p = Policy::per_second(1).expect("valid");
+    let err = limiter
+        .check_sync(
+            &[Check::new(b"k", &p), Check::new(b"k", &p)],
+            CheckOptions::default(),
+        )
+        .expect_err("duplicate");
+    assert!(err.to_string().contains("twice"), "{err}");
+}
+
+#[test]
+fn huge_and_binary_keys_are_fine() {
+    let limiter = MemoryLimiter::new();
+    let p = Policy::per_second(1).expect("valid");
+    let huge = vec![0xffu8; 1 << 20];
+    assert!(limiter.check_key(&huge, &p, 1).allowed);
+    assert!(!limiter.check_key(&huge, &p, 1).allowed);
+    assert!(limiter.check_key(b"\0\x01\xfe", &p, 1).allowed);
+    assert!(limiter.check_key(b"", &p, 1).allowed);
+}
+
+#[tokio::test]
+async fn concurrency_leases_are_released_through_the_trait() {
+    let limiter = MemoryLimiter::builder().clock(clock()).build();
+    let p = Policy::concurrency(2, Duration::from_secs(30)).expect("valid");
+    let checks = [Check::new(b"job", &p)];
+    let a = limiter.try_acquire(&checks).await.expect("check");
+    let b = limiter.try_acquire(&checks).await.expect("check");
+    assert!(a.allowed() && b.allowed());
+    assert_ne!(a.lease, b.lease);
+    assert!(!limiter.try_acquire(&checks).await.expect("check").allowed());
+    limiter
+        .release(&checks, a.lease.expect("lease"))
+        .await
+        .expect("release");
+    assert!(limiter.try_acquire(&checks).await.expect("check").allowed());
+}
+
+#[tokio::test(start_paused = true)]
+async fn acquire_waits_its_turn_and_reports_the_wait() {
+    let limiter = MemoryLimiter::builder().clock(clock()).build();
+    let p = Policy::shaper(10, Duration::from_secs(1)).expect("valid");
+    let checks = [Check::new(b"sms-provider", &p)];
+    let started = tokio::time::Instant::now();
+    let mut waits = Vec::new();
+    for _ in 0..4 {
+        let v = limiter
+            .acquire(&checks, Duration::from_millis(250))
+            .await
+            .expect("acquire");
+        waits.push(v.allowed().then_some(v.wait.as_millis()));
+    }
+    // The manual clock does not move, so reservations queue up 100 ms apart.
+    assert_eq!(waits, [Some(0), Some(100), Some(200), None]);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    // try_acquire decides now: no reservation.
+    assert!(!limiter.try_acquire(&checks).await.expect("check").allowed());
+}
+
+#[tokio::test]
+async fn reset_forgets_state() {
+    let limiter = MemoryLimiter::new();
+    let p = Policy::per_hour(1).expect("valid");
+    assert!(limiter.check_one(b"k", &p, 1).await.expect("check").allowed);
+    assert!(!limiter.check_one(b"k", &p, 1).await.expect("check").allowed);
+    limiter.reset(b"k", &p).await.expect("reset");
+    assert!(limiter.check_one(b"k", &p, 1).await.expect("check").allowed);
+}
