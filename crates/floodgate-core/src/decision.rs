@@ -25,8 +25,9 @@ pub struct Decision {
 }
 
 impl Decision {
-    /// Builds a decision from microsecond quantities, rounding durations up to milliseconds.
-    pub(crate) fn from_micros(
+    /// Builds a decision from microsecond quantities, rounding durations up to milliseconds
+    /// (how every backend turns its arithmetic into a decision).
+    pub fn from_micros(
         allowed: bool,
         limit: u64,
         remaining: u64,

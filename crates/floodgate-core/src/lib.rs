@@ -17,18 +17,22 @@
 //! (`floodgate-redis`) runs the same transitions as Lua scripts.
 
 pub mod algorithm;
+pub mod bloom;
 pub mod calendar;
 pub mod clock;
 mod decision;
 mod error;
+pub mod lock;
 pub mod parse;
 mod policy;
 mod store;
 
+pub use bloom::{BloomError, BloomFilter, BloomParams, MemoryBloom};
 pub use calendar::{Calendar, CalendarUnit};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use decision::{Decision, LeaseId, Verdict};
 pub use error::{MemoryError, PolicyError};
+pub use lock::{LockAttempt, LockStore, MemoryLocks};
 pub use policy::{AlgorithmKind, Kind, MAX_NAME_LEN, Policy, State};
 pub use store::{
     Check, CheckOptions, DEFAULT_MAX_KEYS, Limiter, MemoryLimiter, MemoryLimiterBuilder, OnFull,

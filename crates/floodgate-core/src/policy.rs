@@ -211,8 +211,19 @@ impl Kind {
     }
 
     /// Whether `state` belongs to this algorithm.
+    #[inline]
     pub fn matches(&self, state: &State) -> bool {
-        std::mem::discriminant(&self.fresh()) == std::mem::discriminant(state)
+        matches!(
+            (self, state),
+            (Kind::FixedWindow(_), State::FixedWindow(_))
+                | (Kind::SlidingLog(_), State::SlidingLog(_))
+                | (Kind::SlidingWindow(_), State::SlidingWindow(_))
+                | (Kind::TokenBucket(_), State::TokenBucket(_))
+                | (Kind::LeakyBucket(_), State::LeakyBucket(_))
+                | (Kind::Gcra(_), State::Gcra(_))
+                | (Kind::Shaper(_), State::Shaper(_))
+                | (Kind::Concurrency(_), State::Concurrency(_))
+        )
     }
 
     /// Replaces a state of another algorithm by a fresh one.

@@ -1,7 +1,7 @@
 //! The store interface every backend implements, and the in-memory stores.
 
 mod memory;
-mod sharded;
+pub(crate) mod sharded;
 
 use std::future::Future;
 use std::time::Duration;

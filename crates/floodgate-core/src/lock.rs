@@ -1,0 +1,397 @@
+//! Locks as a store: the [`LockStore`] interface and [`MemoryLocks`], its in-process version.
+//!
+//! A lock is held by one *token* (a random value per holder) for a lease; only that token can
+//! release or extend it. Every acquisition returns a *fencing token*, a number that is strictly
+//! larger than every fencing token issued before for the same lock name, so a protected resource
+//! can refuse writes from a holder whose lease has lapsed (see `floodgate-lock`).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::clock::{Clock, SystemClock, duration_micros};
+use crate::error::MemoryError;
+use crate::store::OnFull;
+use crate::store::sharded::{NewSlot, ShardedMap};
+
+/// The answer to an attempt to take a lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockAttempt {
+    /// The lock is ours, with this fencing token.
+    Acquired {
+        /// Strictly larger than every fencing token issued before for this name.
+        fence: u64,
+    },
+    /// Someone else holds it, for at most this long unless they extend it.
+    Held {
+        /// The holder's remaining lease.
+        remaining: Duration,
+    },
+}
+
+/// A future that resolves when a lock may have been released (it may also resolve spuriously,
+/// and callers must not rely on it alone: a lost notification is covered by retrying when the
+/// holder's lease ends).
+pub type Released = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// Where locks live: in memory, or in Redis.
+pub trait LockStore: Send + Sync + 'static {
+    /// The store's error.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Takes lock `name` for `token` for `ttl`, if no other token holds it.
+    fn try_lock(
+        &self,
+        name: &[u8],
+        token: &[u8],
+        ttl: Duration,
+    ) -> impl Future<Output = Result<LockAttempt, Self::Error>> + Send;
+
+    /// Releases `name` if `token` holds it; returns whether it did.
+    fn unlock(
+        &self,
+        name: &[u8],
+        token: &[u8],
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send;
+
+    /// Extends `token`'s lease on `name` to `ttl` from now; returns whether `token` still held it.
+    fn extend(
+        &self,
+        name: &[u8],
+        token: &[u8],
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send;
+
+    /// `token`'s remaining lease on `name`, or `None` when it does not hold it.
+    fn remaining(
+        &self,
+        name: &[u8],
+        token: &[u8],
+    ) -> impl Future<Output = Result<Option<Duration>, Self::Error>> + Send;
+
+    /// A future that resolves when `name` may have been released. Call it *before* trying to
+    /// take the lock, so that a release between the attempt and the wait is not missed.
+    fn released(&self, name: &[u8]) -> Released;
+}
+
+/// The longest lock name or token accepted by the stores.
+pub const MAX_LOCK_NAME: usize = 1024;
+
+struct Held {
+    token: Box<[u8]>,
+    expires_at: u64,
+}
+
+/// Locks in this process's memory, with the same semantics as the Redis locks: owner tokens,
+/// lease expiry, strictly increasing fencing tokens, and release notifications.
+///
+/// The number of lock names held at once is bounded; past the bound, new locks are refused with
+/// [`MemoryError::Full`] (a live lock is never evicted).
+pub struct MemoryLocks<C = SystemClock> {
+    inner: Arc<LocksInner<C>>,
+}
+
+struct LocksInner<C> {
+    map: ShardedMap<Held>,
+    clock: C,
+    fence: AtomicU64,
+    waiters: Mutex<HashMap<Box<[u8]>, Weak<Notify>>>,
+}
+
+impl<C> Clone for MemoryLocks<C> {
+    fn clone(&self) -> Self {
+        MemoryLocks {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<C> std::fmt::Debug for MemoryLocks<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryLocks")
+            .field("max_locks", &self.inner.map.max_keys())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryLocks<SystemClock> {
+    /// In-memory locks on the system clock, up to a million names held at once.
+    pub fn new() -> Self {
+        MemoryLocks::with_clock(SystemClock::new(), 1_000_000)
+    }
+}
+
+impl Default for MemoryLocks<SystemClock> {
+    fn default() -> Self {
+        MemoryLocks::new()
+    }
+}
+
+impl<C: Clock> MemoryLocks<C> {
+    /// In-memory locks on `clock`, holding at most `max_locks` names at once.
+    pub fn with_clock(clock: C, max_locks: usize) -> Self {
+        MemoryLocks {
+            inner: Arc::new(LocksInner {
+                map: ShardedMap::new(max_locks, 64, OnFull::Reject),
+                clock,
+                fence: AtomicU64::new(0),
+                waiters: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    fn check_sizes(name: &[u8], token: &[u8]) -> Result<(), MemoryError> {
+        if name.is_empty() || name.len() > MAX_LOCK_NAME {
+            return Err(MemoryError::InvalidCheck(format!(
+                "a lock name must be 1 to {MAX_LOCK_NAME} bytes, got {}",
+                name.len()
+            )));
+        }
+        if token.is_empty() || token.len() > MAX_LOCK_NAME {
+            return Err(MemoryError::InvalidCheck(format!(
+                "a lock token must be 1 to {MAX_LOCK_NAME} bytes, got {}",
+                token.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// See [`LockStore::try_lock`].
+    pub fn try_lock_sync(
+        &self,
+        name: &[u8],
+        token: &[u8],
+        ttl: Duration,
+    ) -> Result<LockAttempt, MemoryError> {
+        Self::check_sizes(name, token)?;
+        let now = self.inner.clock.now().as_micros();
+        let expires_at = now.saturating_add(duration_micros(ttl));
+        let map = &self.inner.map;
+        let hash = map.hash(0, name);
+        let mut shard = map.lock(map.shard_of(hash));
+        if let Some(slot) = shard.find_mut(hash, 0, name) {
+            if slot.value.expires_at > now && *slot.value.token != *token {
+                return Ok(LockAttempt::Held {
+                    remaining: Duration::from_micros(slot.value.expires_at - now),
+                });
+            }
+            slot.value = Held {
+                token: token.into(),
+                expires_at,
+            };
+            slot.expires_at = expires_at;
+        } else {
+            map.insert(
+                &mut shard,
+                NewSlot {
+                    hash,
+                    ident: 0,
+                    key: name,
+                    value: Held {
+                        token: token.into(),
+                        expires_at,
+                    },
+                    expires_at,
+                },
+                now,
+            )?;
+        }
+        let fence = self.inner.fence.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(LockAttempt::Acquired { fence })
+    }
+
+    /// See [`LockStore::unlock`].
+    pub fn unlock_sync(&self, name: &[u8], token: &[u8]) -> bool {
+        let now = self.inner.clock.now().as_micros();
+        let map = &self.inner.map;
+        let hash = map.hash(0, name);
+        let released = {
+            let mut shard = map.lock(map.shard_of(hash));
+            let ours = shard
+                .find(hash, 0, name)
+                .is_some_and(|s| *s.value.token == *token && s.value.expires_at > now);
+            if ours {
+                shard.remove(hash, 0, name);
+            }
+            ours
+        };
+        if released {
+            self.notify(name);
+        }
+        released
+    }
+
+    /// See [`LockStore::extend`].
+    pub fn extend_sync(&self, name: &[u8], token: &[u8], ttl: Duration) -> bool {
+        let now = self.inner.clock.now().as_micros();
+        let map = &self.inner.map;
+        let hash = map.hash(0, name);
+        let mut shard = map.lock(map.shard_of(hash));
+        match shard.find_mut(hash, 0, name) {
+            Some(slot) if *slot.value.token == *token && slot.value.expires_at > now => {
+                let expires_at = now.saturating_add(duration_micros(ttl));
+                slot.value.expires_at = expires_at;
+                slot.expires_at = expires_at;
+                shard.note_expiry(expires_at);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// See [`LockStore::remaining`].
+    pub fn remaining_sync(&self, name: &[u8], token: &[u8]) -> Option<Duration> {
+        let now = self.inner.clock.now().as_micros();
+        let map = &self.inner.map;
+        let hash = map.hash(0, name);
+        let shard = map.lock(map.shard_of(hash));
+        shard
+            .find(hash, 0, name)
+            .filter(|s| *s.value.token == *token && s.value.expires_at > now)
+            .map(|s| Duration::from_micros(s.value.expires_at - now))
+    }
+
+    fn notify(&self, name: &[u8]) {
+        let mut waiters = self
+            .inner
+            .waiters
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = waiters.get(name).and_then(Weak::upgrade) {
+            n.notify_waiters();
+        }
+        waiters.retain(|_, w| w.strong_count() > 0);
+    }
+
+    fn watch(&self, name: &[u8]) -> Released {
+        let notify = {
+            let mut waiters = self
+                .inner
+                .waiters
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            match waiters.get(name).and_then(Weak::upgrade) {
+                Some(n) => n,
+                None => {
+                    let n = Arc::new(Notify::new());
+                    waiters.insert(name.into(), Arc::downgrade(&n));
+                    n
+                }
+            }
+        };
+        // Registered now: a release after this point wakes it even before it is polled.
+        let notified = Arc::clone(&notify).notified_owned();
+        Box::pin(async move {
+            let _keep = notify;
+            notified.await;
+        })
+    }
+}
+
+impl<C: Clock> LockStore for MemoryLocks<C> {
+    type Error = MemoryError;
+
+    async fn try_lock(
+        &self,
+        name: &[u8],
+        token: &[u8],
+        ttl: Duration,
+    ) -> Result<LockAttempt, MemoryError> {
+        self.try_lock_sync(name, token, ttl)
+    }
+
+    async fn unlock(&self, name: &[u8], token: &[u8]) -> Result<bool, MemoryError> {
+        Ok(self.unlock_sync(name, token))
+    }
+
+    async fn extend(&self, name: &[u8], token: &[u8], ttl: Duration) -> Result<bool, MemoryError> {
+        Ok(self.extend_sync(name, token, ttl))
+    }
+
+    async fn remaining(&self, name: &[u8], token: &[u8]) -> Result<Option<Duration>, MemoryError> {
+        Ok(self.remaining_sync(name, token))
+    }
+
+    fn released(&self, name: &[u8]) -> Released {
+        self.watch(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ManualClock, Timestamp};
+
+    fn locks() -> (ManualClock, MemoryLocks<ManualClock>) {
+        let clock = ManualClock::new(Timestamp::from_millis(1_000_000));
+        (clock.clone(), MemoryLocks::with_clock(clock, 1_000))
+    }
+
+    #[test]
+    fn only_the_holder_releases_or_extends() {
+        let (clock, locks) = locks();
+        let ttl = Duration::from_secs(10);
+        let LockAttempt::Acquired { fence: f1 } =
+            locks.try_lock_sync(b"campaign-7", b"alice", ttl).expect("ok")
+        else {
+            panic!("not acquired")
+        };
+        assert_eq!(
+            locks.try_lock_sync(b"campaign-7", b"bob", ttl),
+            Ok(LockAttempt::Held {
+                remaining: Duration::from_secs(10)
+            })
+        );
+        assert!(!locks.unlock_sync(b"campaign-7", b"bob"));
+        assert!(!locks.extend_sync(b"campaign-7", b"bob", ttl));
+        clock.advance(Duration::from_secs(4));
+        assert!(locks.extend_sync(b"campaign-7", b"alice", ttl));
+        assert_eq!(
+            locks.remaining_sync(b"campaign-7", b"alice"),
+            Some(Duration::from_secs(10))
+        );
+        // The lease lapses: bob takes it, with a larger fencing token; alice's release fails.
+        clock.advance(Duration::from_secs(10));
+        let LockAttempt::Acquired { fence: f2 } =
+            locks.try_lock_sync(b"campaign-7", b"bob", ttl).expect("ok")
+        else {
+            panic!("not acquired")
+        };
+        assert!(f2 > f1);
+        assert!(!locks.unlock_sync(b"campaign-7", b"alice"));
+        assert!(locks.unlock_sync(b"campaign-7", b"bob"));
+    }
+
+    #[test]
+    fn bad_names_are_errors() {
+        let (_, locks) = locks();
+        assert!(locks.try_lock_sync(b"", b"t", Duration::from_secs(1)).is_err());
+        assert!(locks.try_lock_sync(b"n", b"", Duration::from_secs(1)).is_err());
+        let huge = vec![b'x'; MAX_LOCK_NAME + 1];
+        assert!(locks.try_lock_sync(&huge, b"t", Duration::from_secs(1)).is_err());
+    }
+
+    #[tokio::test]
+    async fn release_wakes_a_waiter_registered_before_it() {
+        let (_, locks) = locks();
+        let ttl = Duration::from_secs(60);
+        assert!(matches!(
+            locks.try_lock(b"l", b"a", ttl).await,
+            Ok(LockAttempt::Acquired { .. })
+        ));
+        let woken = locks.released(b"l");
+        assert!(locks.unlock(b"l", b"a").await.expect("ok"));
+        tokio::time::timeout(Duration::from_secs(1), woken)
+            .await
+            .expect("woken by the release");
+        assert!(matches!(
+            locks.try_lock(b"l", b"b", ttl).await,
+            Ok(LockAttempt::Acquired { .. })
+        ));
+    }
+}

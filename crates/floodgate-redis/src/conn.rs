@@ -1,0 +1,948 @@
+//! One cheap-to-clone handle to Redis, whichever way it is connected.
+//!
+//! Every call is bounded by the configured timeout and answers with a typed
+//! [`Error`]; scripts run with `EVALSHA` and are loaded again (on the node
+//! that answered `NOSCRIPT`) when a server lost them.
+//!
+//! ```no_run
+//! use floodgate_redis::{RedisConfig, RedisConn};
+//!
+//! # async fn run() -> Result<(), floodgate_redis::Error> {
+//! let conn = RedisConn::connect(&RedisConfig::new("redis://127.0.0.1:6379")?).await?;
+//! let script = redis::Script::new("return redis.call('INCR', KEYS[1])");
+//! let value = conn.invoke_script(&script, &[b"hits"], &[]).await?;
+//! assert_eq!(value, redis::Value::Int(1));
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use redis::aio::{
+    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
+};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+};
+use redis::{
+    AsyncConnectionConfig, Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisFuture,
+    RedisResult, Script, ServerErrorKind, Value,
+};
+use tokio::sync::OnceCell;
+
+use crate::error::describe_value;
+use crate::{ConnectionKind, Error, RedisConfig};
+
+/// Reconnection backoff of the multiplexed connection: short enough that a
+/// restarted server is used again within about half a second.
+const RECONNECT_MIN_DELAY: Duration = Duration::from_millis(10);
+const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
+const RECONNECT_RETRIES: usize = 6;
+/// How often a call loads its script and tries again after `NOSCRIPT`. More
+/// than once for a cluster that has just failed over: `SCRIPT LOAD` has no
+/// key, so while the client's slot map is stale it can land on another node
+/// than the `EVALSHA` (which a `MOVED` redirects).
+const NOSCRIPT_ROUNDS: usize = 3;
+
+/// One script call for [`RedisConn::pipeline_scripts`].
+#[derive(Clone)]
+pub struct ScriptCall<'a> {
+    /// The script.
+    pub script: &'a Script,
+    /// `KEYS`; on a cluster they must all be in one slot.
+    pub keys: Vec<Vec<u8>>,
+    /// `ARGV`.
+    pub args: Vec<Vec<u8>>,
+}
+
+impl<'a> ScriptCall<'a> {
+    /// A call of `script` without keys or arguments yet.
+    pub fn new(script: &'a Script) -> Self {
+        Self {
+            script,
+            keys: Vec::new(),
+            args: Vec::new(),
+        }
+    }
+
+    /// Appends a key.
+    #[must_use]
+    pub fn key(mut self, key: impl Into<Vec<u8>>) -> Self {
+        self.keys.push(key.into());
+        self
+    }
+
+    /// Appends an argument.
+    #[must_use]
+    pub fn arg(mut self, arg: impl Into<Vec<u8>>) -> Self {
+        self.args.push(arg.into());
+        self
+    }
+}
+
+impl fmt::Debug for ScriptCall<'_> {
+    // Keys and arguments may identify people (phone numbers): counts only.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ScriptCall")
+            .field("script", &self.script.get_hash())
+            .field("keys", &self.keys.len())
+            .field("args", &self.args.len())
+            .finish()
+    }
+}
+
+/// A connection to Redis (a multiplexed connection, a pool, or a cluster
+/// client). Cloning is one reference-count increment; clones share everything.
+#[derive(Clone)]
+pub struct RedisConn {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    backend: Backend,
+    kind: ConnectionKind,
+    timeout: Duration,
+    /// Redacted, for errors and logs.
+    addr: String,
+    key_prefix: String,
+    redis_cell: OnceCell<bool>,
+}
+
+enum Backend {
+    Multiplexed(ConnectionManager),
+    Pool(bb8::Pool<PoolManager>),
+    Cluster(ClusterConnection),
+}
+
+/// Where a command goes on a cluster (ignored on a single node).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Target {
+    /// redis-rs' routing for the command (by its key).
+    Default,
+    /// Any master: scripts without keys may write.
+    AnyMaster,
+    /// The master serving this slot.
+    Slot(u16),
+    /// Every master (loading a script for keyless calls).
+    AllMasters,
+}
+
+impl Target {
+    fn routing(self) -> Option<RoutingInfo> {
+        match self {
+            Self::Default => None,
+            Self::AnyMaster => Some(RoutingInfo::SingleNode(
+                SingleNodeRoutingInfo::RandomPrimary,
+            )),
+            Self::Slot(slot) => Some(RoutingInfo::SingleNode(
+                SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master)),
+            )),
+            Self::AllMasters => Some(RoutingInfo::MultiNode((
+                MultipleNodeRoutingInfo::AllMasters,
+                Some(ResponsePolicy::AllSucceeded),
+            ))),
+        }
+    }
+
+    /// Where to load a script after this target answered `NOSCRIPT`.
+    fn for_load(self) -> Self {
+        match self {
+            Self::AnyMaster => Self::AllMasters,
+            other => other,
+        }
+    }
+}
+
+impl RedisConn {
+    /// Connects as `config` says, within its connect timeout.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an invalid configuration, [`Error::Connect`]
+    /// (naming the redacted address) when the server cannot be reached,
+    /// refuses the credentials or does not answer in time.
+    pub async fn connect(config: &RedisConfig) -> Result<Self, Error> {
+        config.validate()?;
+        let kind = config.kind();
+        let addr = config.redacted_url();
+        let connect_timeout = config.get_connect_timeout();
+        #[cfg(feature = "tls")]
+        if config.is_tls() {
+            install_crypto_provider();
+        }
+        tracing::debug!(%addr, %kind, "connecting to Redis");
+        let backend = match tokio::time::timeout(connect_timeout, open(config, kind)).await {
+            Ok(Ok(backend)) => backend,
+            Ok(Err(Opened::Config(e))) => return Err(e),
+            Ok(Err(Opened::Redis(source))) => {
+                tracing::debug!(%addr, error = %source, "cannot connect to Redis");
+                return Err(Error::Connect { addr, source });
+            }
+            Err(_) => {
+                return Err(Error::Connect {
+                    addr,
+                    source: timed_out("connecting", connect_timeout),
+                });
+            }
+        };
+        tracing::debug!(%addr, %kind, "connected to Redis");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                backend,
+                kind,
+                timeout: config.get_timeout(),
+                addr,
+                key_prefix: config.get_key_prefix().to_owned(),
+                redis_cell: OnceCell::new(),
+            }),
+        })
+    }
+
+    /// How this connection talks to Redis.
+    pub fn kind(&self) -> ConnectionKind {
+        self.inner.kind
+    }
+
+    /// The per-call timeout.
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    /// The configured key prefix.
+    pub fn key_prefix(&self) -> &str {
+        &self.inner.key_prefix
+    }
+
+    /// The server URL(s), passwords replaced by `***`.
+    pub fn redacted_url(&self) -> &str {
+        &self.inner.addr
+    }
+
+    /// Runs `script` with `EVALSHA`; on `NOSCRIPT` loads it on the node that
+    /// answered and runs it once more. On a cluster the call goes to the
+    /// master of the first key's slot (a random master without keys).
+    ///
+    /// # Errors
+    /// [`Error::Timeout`]; [`Error::Connect`]; [`Error::CrossSlot`] when the
+    /// keys are in different cluster slots; [`Error::WrongType`] and
+    /// [`Error::Corrupted`] for `WRONGTYPE`, `FLOODGATE_WRONGTYPE <i>` and
+    /// `FLOODGATE_CORRUPT <i> <detail>` replies (`i` 0-based into `keys`);
+    /// [`Error::Script`] for any other error the script raised.
+    pub async fn invoke_script(
+        &self,
+        script: &Script,
+        keys: &[&[u8]],
+        args: &[&[u8]],
+    ) -> Result<Value, Error> {
+        let target = self.script_target(keys)?;
+        let cmd = evalsha(script, keys, args);
+        self.bounded("invoke_script", async {
+            let mut result = self.send(&cmd, target).await;
+            for _ in 0..NOSCRIPT_ROUNDS {
+                match &result {
+                    Err(e) if is_noscript(e) => {}
+                    _ => break,
+                }
+                tracing::debug!(sha = script.get_hash(), "NOSCRIPT: loading the script");
+                result = match self.load_script(script, target.for_load()).await {
+                    Ok(()) => self.send(&cmd, target).await,
+                    Err(e) => Err(e),
+                };
+            }
+            result.map_err(|e| Error::from_script(e, keys, &self.inner.addr))
+        })
+        .await
+    }
+
+    /// Runs a plain command (on a cluster, routed by its key) and converts
+    /// the reply to `T`.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::Connect`], [`Error::WrongType`] (naming
+    /// the command's first argument as the key), [`Error::UnexpectedReply`]
+    /// when the reply does not convert to `T`, [`Error::Redis`].
+    pub async fn query<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, Error> {
+        self.bounded("query", async {
+            let value = self
+                .send(&cmd, Target::Default)
+                .await
+                .map_err(|e| Error::from_command(e, first_arg(&cmd), &self.inner.addr))?;
+            T::from_redis_value(value).map_err(|e| Error::UnexpectedReply {
+                expected: std::any::type_name::<T>(),
+                got: e.to_string(),
+            })
+        })
+        .await
+    }
+
+    /// Runs several scripts with one round trip per node: one pipeline on a
+    /// single node; on a cluster one pipeline per slot, sent concurrently.
+    /// Each call gets its own result, so one failing script does not fail
+    /// the others. Calls that met `NOSCRIPT` are run again, after the
+    /// others of their pipeline, once the script is loaded.
+    ///
+    /// # Errors
+    /// The outer `Err` only when no result came back at all: the whole batch
+    /// timed out, or every pipeline failed (e.g. the connection is down).
+    /// Otherwise errors are per call, as [`RedisConn::invoke_script`] maps them.
+    pub async fn pipeline_scripts(
+        &self,
+        calls: Vec<ScriptCall<'_>>,
+    ) -> Result<Vec<Result<Value, Error>>, Error> {
+        let mut results: Vec<Option<Result<Value, Error>>> = Vec::with_capacity(calls.len());
+        let mut groups: HashMap<Target, Vec<usize>> = HashMap::new();
+        for (i, call) in calls.iter().enumerate() {
+            match self.script_target(&call.keys) {
+                Ok(target) => {
+                    groups.entry(target).or_default().push(i);
+                    results.push(None);
+                }
+                Err(e) => results.push(Some(Err(e))),
+            }
+        }
+        if groups.is_empty() {
+            return Ok(results.into_iter().flatten().collect());
+        }
+        let calls = &calls;
+        let outcomes = self
+            .bounded("pipeline_scripts", async {
+                Ok(join_all(
+                    groups
+                        .into_iter()
+                        .map(|(target, indices)| self.pipeline_group(calls, target, indices)),
+                )
+                .await)
+            })
+            .await?;
+        let group_count = outcomes.len();
+        let mut failed = Vec::new();
+        for (indices, outcome) in outcomes {
+            match outcome {
+                Ok(values) => {
+                    for (i, value) in values {
+                        results[i] = Some(value);
+                    }
+                }
+                Err(e) => failed.push((indices, e)),
+            }
+        }
+        if failed.len() == group_count {
+            if let Some((_, e)) = failed.into_iter().next() {
+                return Err(Error::from_redis(e, &self.inner.addr));
+            }
+        } else {
+            for (indices, e) in failed {
+                for i in indices {
+                    results[i] = Some(Err(Error::from_redis(e.clone(), &self.inner.addr)));
+                }
+            }
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(Error::UnexpectedReply {
+                        expected: "one reply per pipelined call",
+                        got: "no reply".to_owned(),
+                    })
+                })
+            })
+            .collect())
+    }
+
+    /// `PING`.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::Connect`], [`Error::UnexpectedReply`].
+    pub async fn ping(&self) -> Result<(), Error> {
+        self.bounded("ping", async {
+            let value = self
+                .send(&redis::cmd("PING"), Target::AnyMaster)
+                .await
+                .map_err(|e| Error::from_redis(e, &self.inner.addr))?;
+            match &value {
+                Value::SimpleString(s) if s == "PONG" => Ok(()),
+                Value::BulkString(b) if b == b"PONG" => Ok(()),
+                other => Err(Error::UnexpectedReply {
+                    expected: "PONG",
+                    got: describe_value(other),
+                }),
+            }
+        })
+        .await
+    }
+
+    /// The server's clock (`TIME`), in microseconds since the Unix epoch.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::Connect`], [`Error::UnexpectedReply`].
+    pub async fn server_time(&self) -> Result<u64, Error> {
+        self.bounded("server_time", async {
+            let value = self
+                .send(&redis::cmd("TIME"), Target::Default)
+                .await
+                .map_err(|e| Error::from_redis(e, &self.inner.addr))?;
+            parse_time(&value).ok_or_else(|| Error::UnexpectedReply {
+                expected: "TIME's [seconds, microseconds]",
+                got: describe_value(&value),
+            })
+        })
+        .await
+    }
+
+    /// True if the server knows the command `name` (`COMMAND INFO`), e.g.
+    /// `CL.THROTTLE` from the redis-cell module.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::Connect`], [`Error::UnexpectedReply`].
+    pub async fn has_command(&self, name: &str) -> Result<bool, Error> {
+        self.bounded("has_command", async {
+            let mut cmd = redis::cmd("COMMAND");
+            cmd.arg("INFO").arg(name);
+            let value = self
+                .send(&cmd, Target::Default)
+                .await
+                .map_err(|e| Error::from_redis(e, &self.inner.addr))?;
+            match &value {
+                Value::Array(items) => match items.first() {
+                    Some(Value::Nil) | None => Ok(false),
+                    Some(_) => Ok(true),
+                },
+                other => Err(Error::UnexpectedReply {
+                    expected: "COMMAND INFO's array",
+                    got: describe_value(other),
+                }),
+            }
+        })
+        .await
+    }
+
+    /// True if the server has the redis-cell module (`CL.THROTTLE`). Asked
+    /// once per connection (and its clones); an error is not remembered.
+    ///
+    /// # Errors
+    /// As [`RedisConn::has_command`].
+    pub async fn has_redis_cell(&self) -> Result<bool, Error> {
+        self.inner
+            .redis_cell
+            .get_or_try_init(|| self.has_command("CL.THROTTLE"))
+            .await
+            .copied()
+    }
+
+    /// Runs `fut` within the call timeout.
+    async fn bounded<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        let after = self.inner.timeout;
+        tokio::time::timeout(after, fut)
+            .await
+            .unwrap_or_else(|_| Err(Error::Timeout { after, op }))
+    }
+
+    /// Where a script with these keys runs; on a cluster all keys must share a slot.
+    fn script_target<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Target, Error> {
+        if !matches!(self.inner.backend, Backend::Cluster(_)) {
+            return Ok(Target::Default);
+        }
+        let Some(first) = keys.first() else {
+            return Ok(Target::AnyMaster);
+        };
+        let slot = key_slot(first.as_ref());
+        if let Some(other) = keys.iter().find(|k| key_slot(k.as_ref()) != slot) {
+            return Err(Error::CrossSlot {
+                message: format!(
+                    "key {} is in slot {slot} but key {} is in slot {}",
+                    crate::display_key(first.as_ref()),
+                    crate::display_key(other.as_ref()),
+                    key_slot(other.as_ref())
+                ),
+            });
+        }
+        Ok(Target::Slot(slot))
+    }
+
+    /// Sends one command; an error reply comes back as `Err`.
+    async fn send(&self, cmd: &Cmd, target: Target) -> RedisResult<Value> {
+        let value = match &self.inner.backend {
+            Backend::Multiplexed(manager) => manager.clone().send_packed_command(cmd).await,
+            Backend::Pool(pool) => {
+                let mut conn = pool.get().await.map_err(pool_error)?;
+                let result = conn.begin().send_packed_command(cmd).await;
+                conn.finish(result)
+            }
+            Backend::Cluster(cluster) => {
+                let mut cluster = cluster.clone();
+                match target.routing() {
+                    None => cluster.req_packed_command(cmd).await,
+                    Some(routing) => cluster.route_command(cmd.clone(), routing).await,
+                }
+            }
+        }?;
+        match value {
+            Value::ServerError(e) => Err(e.into()),
+            value => Ok(value),
+        }
+    }
+
+    /// Sends a pipeline of `count` commands; error replies stay in place as
+    /// `Value::ServerError`.
+    async fn send_pipeline(
+        &self,
+        pipe: &Pipeline,
+        count: usize,
+        target: Target,
+    ) -> RedisResult<Vec<Value>> {
+        match &self.inner.backend {
+            Backend::Multiplexed(manager) => {
+                manager.clone().send_packed_commands(pipe, 0, count).await
+            }
+            Backend::Pool(pool) => {
+                let mut conn = pool.get().await.map_err(pool_error)?;
+                let result = conn.begin().send_packed_commands(pipe, 0, count).await;
+                conn.finish(result)
+            }
+            Backend::Cluster(cluster) => {
+                let route = match target {
+                    Target::Slot(slot) => {
+                        SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master))
+                    }
+                    _ => SingleNodeRoutingInfo::RandomPrimary,
+                };
+                cluster
+                    .clone()
+                    .route_pipeline(pipe.clone(), 0, count, route)
+                    .await
+            }
+        }
+    }
+
+    /// `SCRIPT LOAD` where `target` says (on a single node: that node).
+    async fn load_script(&self, script: &Script, target: Target) -> RedisResult<()> {
+        match &self.inner.backend {
+            Backend::Multiplexed(manager) => script.load_async(&mut manager.clone()).await,
+            Backend::Pool(pool) => {
+                let mut conn = pool.get().await.map_err(pool_error)?;
+                let result = script.load_async(conn.begin()).await;
+                conn.finish(result)
+            }
+            Backend::Cluster(cluster) => {
+                let mut routed = Routed {
+                    cluster: cluster.clone(),
+                    routing: target.routing(),
+                };
+                script.load_async(&mut routed).await
+            }
+        }
+        .map(drop)
+    }
+
+    /// One pipeline of the calls at `indices`, all going to `target`.
+    async fn pipeline_group(
+        &self,
+        calls: &[ScriptCall<'_>],
+        target: Target,
+        indices: Vec<usize>,
+    ) -> (Vec<usize>, RedisResult<Vec<(usize, Result<Value, Error>)>>) {
+        let outcome = self.run_group(calls, target, &indices).await;
+        (indices, outcome)
+    }
+
+    async fn run_group(
+        &self,
+        calls: &[ScriptCall<'_>],
+        target: Target,
+        indices: &[usize],
+    ) -> RedisResult<Vec<(usize, Result<Value, Error>)>> {
+        let mut done = Vec::with_capacity(indices.len());
+        let mut missing = self.run_pipeline(calls, target, indices, &mut done).await?;
+        for _ in 0..NOSCRIPT_ROUNDS {
+            if missing.is_empty() {
+                break;
+            }
+            let mut loaded: Vec<&str> = Vec::new();
+            for &i in &missing {
+                let script = calls[i].script;
+                if !loaded.contains(&script.get_hash()) {
+                    tracing::debug!(sha = script.get_hash(), "NOSCRIPT: loading the script");
+                    self.load_script(script, target.for_load()).await?;
+                    loaded.push(script.get_hash());
+                }
+            }
+            let retry = std::mem::take(&mut missing);
+            missing = self.run_pipeline(calls, target, &retry, &mut done).await?;
+        }
+        for i in missing {
+            let e = RedisError::from((
+                ErrorKind::Server(ServerErrorKind::NoScript),
+                "script still missing after loading it repeatedly",
+            ));
+            done.push((i, Err(Error::Redis(e))));
+        }
+        Ok(done)
+    }
+
+    /// Sends the calls at `indices` as one pipeline, pushes their results
+    /// to `done`, and returns the indices that met `NOSCRIPT`.
+    async fn run_pipeline(
+        &self,
+        calls: &[ScriptCall<'_>],
+        target: Target,
+        indices: &[usize],
+        done: &mut Vec<(usize, Result<Value, Error>)>,
+    ) -> RedisResult<Vec<usize>> {
+        let mut pipe = redis::pipe();
+        for &i in indices {
+            let call = &calls[i];
+            pipe.add_command(evalsha(call.script, &call.keys, &call.args));
+        }
+        let values = self.send_pipeline(&pipe, indices.len(), target).await?;
+        if values.len() != indices.len() {
+            return Err(RedisError::from((
+                ErrorKind::Client,
+                "pipeline answered with the wrong number of replies",
+                format!("{} replies to {} commands", values.len(), indices.len()),
+            )));
+        }
+        let mut missing = Vec::new();
+        for (&i, value) in indices.iter().zip(values) {
+            match value {
+                Value::ServerError(e) => {
+                    let e = RedisError::from(e);
+                    if is_noscript(&e) {
+                        missing.push(i);
+                    } else {
+                        done.push((
+                            i,
+                            Err(Error::from_script(e, &calls[i].keys, &self.inner.addr)),
+                        ));
+                    }
+                }
+                value => done.push((i, Ok(value))),
+            }
+        }
+        Ok(missing)
+    }
+}
+
+impl fmt::Debug for RedisConn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConn")
+            .field("addr", &self.inner.addr)
+            .field("kind", &self.inner.kind)
+            .field("timeout", &self.inner.timeout)
+            .field("key_prefix", &self.inner.key_prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why opening failed.
+enum Opened {
+    Config(Error),
+    Redis(RedisError),
+}
+
+impl From<RedisError> for Opened {
+    fn from(e: RedisError) -> Self {
+        Self::Redis(e)
+    }
+}
+
+async fn open(config: &RedisConfig, kind: ConnectionKind) -> Result<Backend, Opened> {
+    let infos = config.connection_infos().map_err(Opened::Config)?;
+    let connect_timeout = config.get_connect_timeout();
+    if kind == ConnectionKind::Cluster {
+        let builder = ClusterClientBuilder::new(infos)
+            .connection_timeout(connect_timeout)
+            .response_timeout(config.get_timeout());
+        #[cfg(feature = "tls")]
+        let builder = match config.tls_certificates() {
+            Some(certs) => builder.certs(certs),
+            None => builder,
+        };
+        let client = builder.build()?;
+        return Ok(Backend::Cluster(client.get_async_connection().await?));
+    }
+    let Some(info) = infos.into_iter().next() else {
+        return Err(Opened::Config(Error::Config(
+            "no Redis URL given".to_owned(),
+        )));
+    };
+    #[cfg(feature = "tls")]
+    let client = match config.tls_certificates() {
+        Some(certs) => redis::Client::build_with_tls(info, certs)?,
+        None => redis::Client::open(info)?,
+    };
+    #[cfg(not(feature = "tls"))]
+    let client = redis::Client::open(info)?;
+    match kind {
+        ConnectionKind::Pool { size } => {
+            let manager = PoolManager {
+                client,
+                // The call timeout bounds every request; redis-rs' own would
+                // only turn a slow reply into an I/O error.
+                config: AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(connect_timeout))
+                    .set_response_timeout(None),
+            };
+            let pool = bb8::Pool::builder()
+                .max_size(size)
+                .min_idle(Some(size))
+                // Broken connections are flagged by `PooledConn::run`: no PING per call.
+                .test_on_check_out(false)
+                // Longer than the call timeout, which is what callers see; it
+                // also caps bb8's reconnect backoff at half of it, so a
+                // restarted server is used again quickly.
+                .connection_timeout(config.get_timeout() * 2)
+                .build_unchecked(manager);
+            // One connection now, so that an unreachable server is an error here.
+            let mut first = pool.dedicated_connection().await?;
+            redis::cmd("PING").exec_async(&mut first.conn).await?;
+            // The pool may already be full of its own connections.
+            let _ = pool.add(first);
+            Ok(Backend::Pool(pool))
+        }
+        _ => {
+            let manager_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(connect_timeout))
+                .set_response_timeout(None)
+                .set_min_delay(RECONNECT_MIN_DELAY)
+                .set_max_delay(RECONNECT_MAX_DELAY)
+                .set_number_of_retries(RECONNECT_RETRIES);
+            let manager = ConnectionManager::new_with_config(client, manager_config).await?;
+            Ok(Backend::Multiplexed(manager))
+        }
+    }
+}
+
+/// Installs rustls' ring provider as the process default unless the
+/// application installed one already (then that one is used).
+#[cfg(feature = "tls")]
+fn install_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+/// Creates the pool's connections; flags broken ones so bb8 drops them.
+struct PoolManager {
+    client: redis::Client,
+    config: AsyncConnectionConfig,
+}
+
+impl fmt::Debug for PoolManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolManager")
+            .field("addr", &self.client.get_connection_info().addr())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A pooled multiplexed connection with a flag that bb8 reads back.
+struct PooledConn {
+    conn: MultiplexedConnection,
+    broken: bool,
+}
+
+impl PooledConn {
+    /// The connection for one request. The connection counts as broken
+    /// until [`PooledConn::finish`]: if the request is cancelled (its call
+    /// timed out), bb8 drops it, since it may be half-open and a new one
+    /// costs little.
+    fn begin(&mut self) -> &mut MultiplexedConnection {
+        self.broken = true;
+        &mut self.conn
+    }
+
+    /// Records whether the request left the connection usable.
+    fn finish<T>(&mut self, result: RedisResult<T>) -> RedisResult<T> {
+        self.broken = matches!(&result, Err(e) if e.is_io_error() || e.is_unrecoverable_error());
+        result
+    }
+}
+
+impl bb8::ManageConnection for PoolManager {
+    type Connection = PooledConn;
+    type Error = RedisError;
+
+    async fn connect(&self) -> Result<PooledConn, RedisError> {
+        let conn = self
+            .client
+            .get_multiplexed_async_connection_with_config(&self.config)
+            .await?;
+        Ok(PooledConn {
+            conn,
+            broken: false,
+        })
+    }
+
+    async fn is_valid(&self, conn: &mut PooledConn) -> Result<(), RedisError> {
+        redis::cmd("PING").exec_async(&mut conn.conn).await
+    }
+
+    fn has_broken(&self, conn: &mut PooledConn) -> bool {
+        conn.broken
+    }
+}
+
+/// A cluster connection that sends every command along one routing, so
+/// that `Script::load_async` loads on the node that answered `NOSCRIPT`.
+struct Routed {
+    cluster: ClusterConnection,
+    routing: Option<RoutingInfo>,
+}
+
+impl ConnectionLike for Routed {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self.routing.clone() {
+            Some(routing) => Box::pin(self.cluster.route_command(cmd.clone(), routing)),
+            None => self.cluster.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipe: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        self.cluster.req_packed_commands(pipe, offset, count)
+    }
+
+    fn get_db(&self) -> i64 {
+        0
+    }
+}
+
+fn evalsha<K: AsRef<[u8]>, A: AsRef<[u8]>>(script: &Script, keys: &[K], args: &[A]) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(keys.len());
+    for key in keys {
+        cmd.arg(key.as_ref());
+    }
+    for arg in args {
+        cmd.arg(arg.as_ref());
+    }
+    cmd
+}
+
+fn is_noscript(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
+}
+
+/// The first argument after the command name: the key of most commands.
+fn first_arg(cmd: &Cmd) -> Option<&[u8]> {
+    match cmd.args_iter().nth(1)? {
+        redis::Arg::Simple(bytes) => Some(bytes),
+        _ => None,
+    }
+}
+
+fn pool_error(e: bb8::RunError<RedisError>) -> RedisError {
+    match e {
+        bb8::RunError::User(e) => e,
+        bb8::RunError::TimedOut => io::Error::new(
+            io::ErrorKind::TimedOut,
+            "no pooled connection became available in time",
+        )
+        .into(),
+    }
+}
+
+fn timed_out(what: &str, after: Duration) -> RedisError {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!("{what} timed out after {after:?}"),
+    )
+    .into()
+}
+
+/// `[seconds, microseconds]` as microseconds since the epoch.
+fn parse_time(value: &Value) -> Option<u64> {
+    let Value::Array(parts) = value else {
+        return None;
+    };
+    let [secs, micros] = parts.as_slice() else {
+        return None;
+    };
+    let number = |v: &Value| -> Option<u64> {
+        match v {
+            Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+            Value::Int(i) => u64::try_from(*i).ok(),
+            _ => None,
+        }
+    };
+    number(secs)?
+        .checked_mul(1_000_000)?
+        .checked_add(number(micros)?)
+}
+
+/// The cluster slot of a key (CRC16/XMODEM of its hash tag, mod 16384).
+fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            let close = rest.iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &rest[..close])
+        })
+        .unwrap_or(key);
+    let mut crc: u16 = 0;
+    for &byte in tagged {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_slot_matches_redis_rs() {
+        for key in [
+            &b""[..],
+            b"foo",
+            b"123456789",
+            b"{user1000}.following",
+            b"foo{}{bar}",
+            b"foo{{bar}}zap",
+            b"{}x",
+            &[0xff, 0x00, 0x7b, 0x7d],
+        ] {
+            assert_eq!(
+                Route::new(key_slot(key), SlotAddr::Master),
+                Route::with_key(key, SlotAddr::Master),
+                "{key:?}"
+            );
+        }
+        assert_eq!(key_slot(b"123456789"), 0x31c3);
+    }
+
+    #[test]
+    fn time_reply_parses() {
+        let v = Value::Array(vec![
+            Value::BulkString(b"1700000000".to_vec()),
+            Value::BulkString(b"123456".to_vec()),
+        ]);
+        assert_eq!(parse_time(&v), Some(1_700_000_000_123_456));
+        assert_eq!(parse_time(&Value::Nil), None);
+        assert_eq!(parse_time(&Value::Array(vec![Value::Nil])), None);
+    }
+}

@@ -1,0 +1,37 @@
+-- GCRA: redis-cell's CL.THROTTLE. State: the theoretical arrival time, as a string.
+-- Params: emission interval, tolerance (emission * (max_burst + 1)), limit.
+
+ALG.gcra = {
+  load = function(idx, key)
+    return { tat = int_field(idx, 'tat', read(idx, 'GET', key), 0) }
+  end,
+
+  decide = function(st, p, now, cost)
+    local emission, tolerance, limit = p[1], p[2], p[3]
+    local tat = math.max(st.tat, now)
+    local inc = emission * cost
+    local allowed, ttl, retry = false, tat - now, nil
+    if inc <= MAX_SPAN then
+      local new_tat = tat + inc
+      if new_tat <= now + tolerance then
+        allowed, ttl = true, new_tat - now
+      elseif inc <= tolerance then
+        retry = new_tat - tolerance - now
+      end
+    end
+    local remaining = floor_div(math.max(0, tolerance - ttl), emission)
+    return outcome(allowed, limit, remaining, retry, ttl)
+  end,
+
+  commit = function(st, p, now, cost)
+    st.tat = math.max(st.tat, now) + p[1] * cost
+  end,
+
+  save = function(key, st, p, now)
+    if st.tat > now then
+      redis.call('SET', key, fmt(st.tat), 'PX', fmt(ceil_div(st.tat - now, 1000) + TTL_SLACK))
+    else
+      redis.call('DEL', key)
+    end
+  end,
+}

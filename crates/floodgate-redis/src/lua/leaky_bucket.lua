@@ -1,0 +1,36 @@
+-- Leaky bucket as a meter (the funnel). State: hash {level, at}: microseconds of water at `at`.
+-- Params: unit (drain time of one unit), full (unit * capacity), capacity.
+
+local function lb_level(st, now)
+  return math.max(0, st.level - math.max(0, now - st.at))
+end
+
+ALG.lb = {
+  load = function(idx, key)
+    local r = read(idx, 'HMGET', key, 'level', 'at')
+    return { level = int_field(idx, 'level', r[1], 0), at = int_field(idx, 'at', r[2], 0) }
+  end,
+
+  decide = function(st, p, now, cost)
+    local unit, full, capacity = p[1], p[2], p[3]
+    local level = lb_level(st, now)
+    local pour = unit * cost
+    local allowed, after, retry = false, level, nil
+    if pour <= MAX_SPAN and level + pour <= full then
+      allowed, after = true, level + pour
+    elseif pour <= MAX_SPAN and pour <= full then
+      retry = level + pour - full
+    end
+    return outcome(allowed, capacity, floor_div(full - after, unit), retry, after)
+  end,
+
+  commit = function(st, p, now, cost)
+    st.level = lb_level(st, now) + p[1] * cost
+    st.at = math.max(st.at, now)
+  end,
+
+  save = function(key, st, p, now)
+    redis.call('HSET', key, 'level', fmt(st.level), 'at', fmt(st.at))
+    expire(key, st.at + st.level, now)
+  end,
+}

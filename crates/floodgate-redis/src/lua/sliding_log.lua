@@ -1,0 +1,69 @@
+-- Sliding window log. State: a sorted set, score = admission time, member "<at>:<cost>:<n>".
+-- Params: limit, window (us). Only entries still inside the window are read.
+
+ALG.log = {
+  load = function(idx, key, p, now)
+    local r = read(idx, 'ZRANGEBYSCORE', key, '(' .. fmt(now - p[2]), '+inf', 'WITHSCORES')
+    local entries = {}
+    for i = 1, #r, 2 do
+      local cost = tonumber(string.match(r[i], '^%d+:(%d+):%d+$') or '')
+      local at = tonumber(r[i + 1])
+      if cost == nil or at == nil or at < 0 or at ~= math.floor(at) then
+        fail('FLOODGATE_CORRUPT', idx, 'log entry ' .. shown(r[i]))
+      end
+      entries[#entries + 1] = { at = at, cost = cost }
+    end
+    return { entries = entries }
+  end,
+
+  decide = function(st, p, now, cost)
+    local limit, window = p[1], p[2]
+    local used, newest = 0, nil
+    for _, e in ipairs(st.entries) do
+      used = used + e.cost
+      newest = math.max(newest or e.at, e.at)
+    end
+    if used + cost <= limit then
+      local reset = 0
+      if cost > 0 then
+        reset = window
+      elseif newest then
+        reset = math.max(0, newest + window - now)
+      end
+      return outcome(true, limit, limit - used - cost, nil, reset)
+    end
+    local retry = nil
+    if cost <= limit then
+      local to_free, at = used + cost - limit, now
+      for _, e in ipairs(st.entries) do
+        at = e.at
+        if e.cost >= to_free then
+          break
+        end
+        to_free = to_free - e.cost
+      end
+      retry = math.max(0, at + window - now)
+    end
+    local reset = newest and math.max(0, newest + window - now) or 0
+    return outcome(false, limit, limit - math.min(used, limit), retry, reset)
+  end,
+
+  commit = function(st, p, now, cost)
+    st.added = cost
+  end,
+
+  save = function(key, st, p, now)
+    local window = p[2]
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now - window))
+    local newest = 0
+    for _, e in ipairs(st.entries) do
+      newest = math.max(newest, e.at)
+    end
+    if st.added and st.added > 0 then
+      local n = redis.call('ZCOUNT', key, fmt(now), fmt(now))
+      redis.call('ZADD', key, fmt(now), fmt(now) .. ':' .. fmt(st.added) .. ':' .. n)
+      newest = math.max(newest, now)
+    end
+    expire(key, newest + window, now)
+  end,
+}

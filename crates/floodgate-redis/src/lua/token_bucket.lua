@@ -1,0 +1,53 @@
+-- Token bucket. State: hash {tokens, last}: whole tokens as of the refill step at `last`.
+-- Params: capacity, tokens per refill step, microseconds per step.
+
+local function tb_refill(st, p, now)
+  local capacity, per_step, step = p[1], p[2], p[3]
+  if now <= st.last or st.tokens >= capacity then
+    return math.min(st.tokens, capacity), math.max(st.last, now)
+  end
+  local steps = floor_div(now - st.last, step)
+  local tokens = st.tokens + steps * per_step
+  if tokens >= capacity then
+    return capacity, now
+  end
+  return tokens, st.last + steps * step
+end
+
+local function tb_time_for(p, last, now, need)
+  return math.max(0, last + ceil_div(need, p[2]) * p[3] - now)
+end
+
+ALG.tb = {
+  load = function(idx, key, p)
+    local r = read(idx, 'HMGET', key, 'tokens', 'last')
+    return { tokens = int_field(idx, 'tokens', r[1], p[1]), last = int_field(idx, 'last', r[2], 0) }
+  end,
+
+  decide = function(st, p, now, cost)
+    local capacity = p[1]
+    local tokens, last = tb_refill(st, p, now)
+    local allowed, left, retry = false, tokens, nil
+    if cost <= tokens then
+      allowed, left = true, tokens - cost
+    elseif cost <= capacity then
+      retry = tb_time_for(p, last, now, cost - tokens)
+    end
+    return outcome(allowed, capacity, left, retry, tb_time_for(p, last, now, capacity - left))
+  end,
+
+  commit = function(st, p, now, cost)
+    local tokens, last = tb_refill(st, p, now)
+    st.tokens = tokens - math.min(cost, tokens)
+    st.last = last
+  end,
+
+  save = function(key, st, p, now)
+    redis.call('HSET', key, 'tokens', fmt(st.tokens), 'last', fmt(st.last))
+    local expires_at = 0
+    if st.tokens < p[1] then
+      expires_at = st.last + ceil_div(p[1] - st.tokens, p[2]) * p[3]
+    end
+    expire(key, expires_at, now)
+  end,
+}

@@ -1,0 +1,351 @@
+//! The conformance suite: the same cases, and random sequences, against the memory backend and
+//! the Redis backend with an injected `now`, compared decision for decision. Run on a single node
+//! (both connection kinds) and on a local Redis Cluster.
+
+mod support;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use floodgate_core::{
+    CalendarUnit, Check, CheckOptions, LeaseId, Limiter, ManualClock, MemoryLimiter, Policy,
+    Timestamp, Verdict,
+};
+use floodgate_redis::{ConnectionKind, RedisLimiter};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+use support::{cluster, cluster_limiter, limiter, run, server};
+
+const LIMIT: Duration = Duration::from_secs(240);
+/// 2024-02-29T13:45:30Z: a leap day, in the middle of a week, month and quarter.
+const T0: u64 = 1_709_214_330_000_000;
+const MS: u64 = 1_000;
+
+static CASE: AtomicU64 = AtomicU64::new(0);
+
+#[derive(Clone, Debug)]
+struct Event {
+    gap: u64,
+    key: u8,
+    cost: u64,
+    /// Which of the case's policies to check (a bit per policy; never zero).
+    mask: u8,
+    max_wait: u64,
+    /// Release the oldest concurrency lease before checking.
+    release: bool,
+}
+
+/// Runs `events` through both backends and fails at the first difference.
+async fn compare(
+    redis: &RedisLimiter,
+    policies: &[Policy],
+    events: &[Event],
+    same_key: bool,
+) -> Result<(), String> {
+    let case = CASE.fetch_add(1, Ordering::Relaxed);
+    let clock = ManualClock::new(Timestamp::from_micros(T0));
+    let memory = MemoryLimiter::builder().clock(clock.clone()).build();
+    let mut leases: Vec<(LeaseId, LeaseId, Vec<usize>, u8)> = Vec::new();
+    let mut now = T0;
+    for (i, e) in events.iter().enumerate() {
+        now += e.gap;
+        clock.set(Timestamp::from_micros(now));
+        let at = Timestamp::from_micros(now);
+        if e.release && !leases.is_empty() {
+            let (m, r, chosen, key) = leases.remove(0);
+            let keys = key_bytes(case, key, policies.len(), same_key);
+            let checks: Vec<Check<'_>> = chosen
+                .iter()
+                .map(|&p| Check::new(&keys[p], &policies[p]))
+                .collect();
+            let a = memory.release_at(&checks, m, at);
+            let b = redis
+                .release_at(&checks, r, Some(at))
+                .await
+                .map_err(|err| format!("event {i}: redis release failed: {err}"))?;
+            if a != (b > 0) {
+                return Err(format!("event {i}: release memory {a} redis {b}"));
+            }
+        }
+        let keys = key_bytes(case, e.key, policies.len(), same_key);
+        let chosen: Vec<usize> = (0..policies.len())
+            .filter(|p| e.mask & (1 << p) != 0)
+            .collect();
+        let checks: Vec<Check<'_>> = chosen
+            .iter()
+            .map(|&p| Check::new(&keys[p], &policies[p]).cost(e.cost))
+            .collect();
+        let opts = CheckOptions {
+            max_wait: Duration::from_micros(e.max_wait),
+            now: Some(at),
+        };
+        let a = memory
+            .check(&checks, opts)
+            .await
+            .map_err(|err| format!("event {i}: memory failed: {err}"))?;
+        let b = redis
+            .check(&checks, opts)
+            .await
+            .map_err(|err| format!("event {i}: redis failed: {err}"))?;
+        if !same_verdict(&a, &b) {
+            return Err(format!(
+                "event {i} at +{}us {e:?}:\n  memory {a:?}\n  redis  {b:?}",
+                now - T0
+            ));
+        }
+        if let (Some(m), Some(r)) = (a.lease, b.lease) {
+            leases.push((m, r, chosen, e.key));
+        }
+    }
+    Ok(())
+}
+
+fn same_verdict(a: &Verdict, b: &Verdict) -> bool {
+    a.decisions == b.decisions && a.wait == b.wait && a.lease.is_some() == b.lease.is_some()
+}
+
+/// One user key per policy (or one shared by all, which a cluster needs for a multi-check).
+fn key_bytes(case: u64, key: u8, policies: usize, same_key: bool) -> Vec<Vec<u8>> {
+    (0..policies)
+        .map(|p| {
+            let p = if same_key { 0 } else { p };
+            format!("case{case}-p{p}-k{key}").into_bytes()
+        })
+        .collect()
+}
+
+/// A policy of every algorithm, with the gap between events that exercises it.
+fn policy() -> impl Strategy<Value = (Policy, u64)> {
+    let ms = |lo: u64, hi: u64| (lo..=hi).prop_map(|v| Duration::from_millis(v));
+    prop_oneof![
+        (0u64..8, 1u64..10, ms(1, 5_000))
+            .prop_map(|(b, c, p)| (Policy::gcra(b, c, p).expect("valid"), p.as_micros() as u64)),
+        (1u64..6, ms(1, 5_000))
+            .prop_map(|(c, d)| (Policy::funnel(c, d).expect("valid"), d.as_micros() as u64)),
+        (1u64..8, 1u64..5, ms(1, 5_000), any::<bool>()).prop_map(|(c, a, i, greedy)| (
+            if greedy {
+                Policy::token_bucket(c, a, i)
+            } else {
+                Policy::token_bucket_intervally(c, a, i)
+            }
+            .expect("valid"),
+            i.as_micros() as u64
+        )),
+        (1u64..6, ms(1, 5_000)).prop_map(|(l, w)| (
+            Policy::fixed_window(l, w).expect("valid"),
+            w.as_micros() as u64
+        )),
+        (1u64..6, 0usize..6, -14i32..=14).prop_map(|(l, unit, off)| {
+            let (n, unit, span) = [
+                (1, CalendarUnit::Second, 1_000 * MS),
+                (15, CalendarUnit::Second, 15_000 * MS),
+                (5, CalendarUnit::Minute, 300_000 * MS),
+                (1, CalendarUnit::Day, 86_400_000 * MS),
+                (1, CalendarUnit::Week, 604_800_000 * MS),
+                (3, CalendarUnit::Month, 7_776_000_000 * MS),
+            ][unit];
+            let p = Policy::calendar_window(l, n, unit)
+                .and_then(|p| p.with_utc_offset(off * 3600))
+                .expect("valid");
+            (p, span)
+        }),
+        (1u64..6, ms(1, 5_000)).prop_map(|(l, w)| (
+            Policy::sliding_log(l, w).expect("valid"),
+            w.as_micros() as u64
+        )),
+        (1u64..10, ms(1, 5_000)).prop_map(|(l, w)| (
+            Policy::sliding_window(l, w).expect("valid"),
+            w.as_micros() as u64
+        )),
+        (1u64..10, ms(1, 5_000), 1u64..4).prop_map(|(c, p, b)| (
+            Policy::shaper(c, p)
+                .and_then(|s| s.with_burst(b))
+                .expect("valid"),
+            p.as_micros() as u64
+        )),
+        (1u64..4, ms(1, 5_000)).prop_map(|(l, t)| (
+            Policy::concurrency(l, t).expect("valid"),
+            t.as_micros() as u64
+        )),
+    ]
+}
+
+fn events(span: u64, policies: usize) -> impl Strategy<Value = Vec<Event>> {
+    let gap = prop_oneof![
+        3 => Just(0u64),
+        5 => 0..span / 4 + 1,
+        2 => 0..2 * span + 1,
+    ];
+    let mask = 1u8..(1u8 << policies);
+    let event = (
+        gap,
+        0u8..3,
+        0u64..=3,
+        mask,
+        0u64..=span,
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(|(gap, key, cost, mask, wait, waits, release)| Event {
+            gap,
+            key,
+            cost,
+            mask,
+            max_wait: if waits { wait } else { 0 },
+            release,
+        });
+    prop::collection::vec(event, 1..80)
+}
+
+/// Random cases: one to three policies of any algorithms, checked together.
+fn cases() -> impl Strategy<Value = (Vec<Policy>, Vec<Event>)> {
+    prop::collection::vec(policy(), 1..=3)
+        .prop_filter("distinct policies", |ps| {
+            ps.iter()
+                .enumerate()
+                .all(|(i, (p, _))| ps[..i].iter().all(|(q, _)| q != p))
+        })
+        .prop_flat_map(|ps| {
+            let span = ps[0].1;
+            let n = ps.len();
+            let policies: Vec<Policy> = ps.into_iter().map(|(p, _)| p).collect();
+            (Just(policies), events(span, n))
+        })
+}
+
+async fn random_sequences(redis: &RedisLimiter, cases_count: u32, same_key: bool) {
+    let mut runner = TestRunner::new(Config {
+        cases: cases_count,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    // proptest runs synchronously; each case blocks on its own short-lived runtime thread.
+    let handle = tokio::runtime::Handle::current();
+    let redis = redis.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        runner.run(&cases(), |(policies, events)| {
+            handle
+                .block_on(compare(&redis, &policies, &events, same_key))
+                .map_err(TestCaseError::fail)
+        })
+    })
+    .await
+    .expect("runner thread");
+    if let Err(e) = result {
+        panic!("memory and Redis disagree: {e}");
+    }
+}
+
+/// Hand-written sequences every backend must reproduce exactly, beyond agreeing.
+async fn fixed_cases(redis: &RedisLimiter) {
+    // redis-cell's own table (limit 5, 1 per second), through the Redis scripts.
+    let gcra = Policy::gcra(4, 1, Duration::from_secs(1)).expect("valid");
+    let key = format!("cell-{}", CASE.fetch_add(1, Ordering::Relaxed));
+    let table: &[(u64, u64, (bool, u64, Option<u64>, u64))] = &[
+        (0, 6, (false, 5, None, 0)),
+        (0, 1, (true, 4, None, 1000)),
+        (0, 1, (true, 3, None, 2000)),
+        (0, 1, (true, 2, None, 3000)),
+        (0, 1, (true, 1, None, 4000)),
+        (0, 1, (true, 0, None, 5000)),
+        (0, 1, (false, 0, Some(1000), 5000)),
+        (3000, 1, (true, 2, None, 3000)),
+        (3100, 1, (true, 1, None, 3900)),
+        (4000, 1, (true, 1, None, 4000)),
+        (8000, 1, (true, 4, None, 1000)),
+        (9500, 1, (true, 4, None, 1000)),
+        (9500, 0, (true, 4, None, 1000)),
+        (9500, 2, (true, 2, None, 3000)),
+        (9500, 5, (false, 2, Some(3000), 3000)),
+    ];
+    for (i, (t, q, want)) in table.iter().enumerate() {
+        let v = redis
+            .check(
+                &[Check::new(key.as_bytes(), &gcra).cost(*q)],
+                CheckOptions::at(Timestamp::from_micros(T0 + t * MS)),
+            )
+            .await
+            .expect("check");
+        let d = v.decisions[0];
+        assert_eq!(
+            (
+                d.allowed,
+                d.remaining,
+                d.retry_after_ms(),
+                d.reset_after_ms()
+            ),
+            *want,
+            "row {i}"
+        );
+        assert_eq!(d.limit, 5);
+    }
+
+    // Every algorithm, a deterministic sequence of bursts and pauses, both backends.
+    let policies = [
+        Policy::funnel(1, Duration::from_secs(1800)),
+        Policy::token_bucket(4, 2, Duration::from_secs(1)),
+        Policy::token_bucket_intervally(10, 10, Duration::from_secs(60)),
+        Policy::fixed_window(3, Duration::from_secs(10)),
+        Policy::calendar_window(2, 1, CalendarUnit::Day).and_then(|p| p.with_utc_offset(8 * 3600)),
+        Policy::calendar_window(2, 1, CalendarUnit::Month),
+        Policy::sliding_log(3, Duration::from_secs(10)),
+        Policy::sliding_window(10, Duration::from_secs(10)),
+        Policy::shaper(10, Duration::from_secs(1)),
+        Policy::concurrency(2, Duration::from_secs(30)),
+    ];
+    for p in policies {
+        let p = p.expect("valid");
+        let events: Vec<Event> = (0..120u64)
+            .map(|i| Event {
+                gap: [
+                    0,
+                    0,
+                    250 * MS,
+                    3_000 * MS,
+                    0,
+                    40_000 * MS,
+                    11 * 3_600_000 * MS,
+                ][(i % 7) as usize],
+                key: (i % 2) as u8,
+                cost: [1, 1, 2, 0, 1][(i % 5) as usize],
+                mask: 1,
+                max_wait: if i % 3 == 0 { 350 * MS } else { 0 },
+                release: i % 4 == 0,
+            })
+            .collect();
+        if let Err(e) = compare(redis, std::slice::from_ref(&p), &events, true).await {
+            panic!("{}: {e}", p.name());
+        }
+    }
+}
+
+#[test]
+fn conformance_single_node_multiplexed() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        fixed_cases(&redis).await;
+        random_sequences(&redis, 64, false).await;
+    });
+}
+
+#[test]
+fn conformance_single_node_pool() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Pool { size: 4 }).await;
+        fixed_cases(&redis).await;
+        random_sequences(&redis, 32, false).await;
+    });
+}
+
+#[test]
+fn conformance_cluster() {
+    let cluster = cluster();
+    run(LIMIT, async {
+        let redis = cluster_limiter(&cluster).await;
+        fixed_cases(&redis).await;
+        random_sequences(&redis, 48, true).await;
+    });
+}

@@ -1,0 +1,197 @@
+//! Bad data and hostile input: corrupted limiter keys, keys of the wrong type, binary and huge
+//! user keys, and how keys spread over a cluster.
+
+mod support;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use floodgate_core::{Check, CheckOptions, Limiter, Policy};
+use floodgate_redis::keys::key_slot;
+use floodgate_redis::{ConnectionKind, Error};
+use support::{cluster, cluster_limiter, limiter, run, server};
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn every_algorithm() -> Vec<Policy> {
+    [
+        Policy::fixed_window(5, Duration::from_secs(60)),
+        Policy::calendar_window(5, 1, floodgate_core::CalendarUnit::Day),
+        Policy::sliding_log(5, Duration::from_secs(60)),
+        Policy::sliding_window(5, Duration::from_secs(60)),
+        Policy::token_bucket(5, 1, Duration::from_secs(60)),
+        Policy::funnel(5, Duration::from_secs(60)),
+        Policy::gcra(4, 1, Duration::from_secs(60)),
+        Policy::shaper(1, Duration::from_secs(60)),
+        Policy::concurrency(5, Duration::from_secs(60)),
+    ]
+    .into_iter()
+    .map(|p| p.expect("valid"))
+    .collect()
+}
+
+#[test]
+fn corrupted_and_wrong_type_keys_are_typed_errors_naming_the_key() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        for policy in every_algorithm() {
+            let bad = b"victim";
+            let key = redis.state_key(&policy, bad);
+            let shown = String::from_utf8_lossy(&key).into_owned();
+
+            // Another client writes a string of garbage where the state lives.
+            let kind_of_garbage: &[&[u8]] = match policy.algorithm().tag() {
+                "gcra" | "shp" => &[b"SET", &key, b"not-a-number"],
+                // A score inside the window (and a live lease), so it is read.
+                "log" | "conc" => &[b"ZADD", &key, b"9000000000000000", b"garbage-member"],
+                _ => &[
+                    b"HSET", &key, b"start", b"-3", b"count", b"x", b"level", b"1e999", b"tokens",
+                    b"NaN", b"curr", b"?", b"prev", b"\xff",
+                ],
+            };
+            let wrote = server.cmd(kind_of_garbage).expect("write garbage");
+            assert!(!wrote.is_error(), "{wrote:?}");
+            let err = match redis.check_one(bad, &policy, 1).await {
+                Err(e) => e,
+                Ok(d) => panic!("{}: garbage decided {d:?}", policy.name()),
+            };
+            assert!(err.is_corrupted(), "{}: {err:?}", policy.name());
+            assert!(
+                err.to_string().contains(&shown),
+                "{}: error {err} does not name {shown}",
+                policy.name()
+            );
+
+            // A key of another Redis type altogether.
+            server.cmd(&[b"DEL".as_slice(), &key]).expect("del");
+            server
+                .cmd(&[b"LPUSH".as_slice(), &key, b"x"])
+                .expect("lpush");
+            let err = redis
+                .check_one(bad, &policy, 1)
+                .await
+                .expect_err("a list must not decide");
+            assert!(
+                matches!(err, Error::WrongType { .. }),
+                "{}: {err:?}",
+                policy.name()
+            );
+
+            // Every other key is unaffected.
+            assert!(
+                redis
+                    .check_one(b"bystander", &policy, 1)
+                    .await
+                    .expect("other keys work")
+                    .allowed
+            );
+        }
+    });
+}
+
+#[test]
+fn a_corrupted_key_fails_the_whole_check_and_writes_nothing() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let good = Policy::per_minute(10).expect("valid");
+        let broken = Policy::fixed_window(10, Duration::from_secs(60)).expect("valid");
+        server
+            .cmd(&[b"SET".as_slice(), &redis.state_key(&broken, b"k"), b"oops"])
+            .expect("set");
+        let checks = [Check::new(b"k", &good), Check::new(b"k", &broken)];
+        let err = redis
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect_err("corrupt");
+        assert!(err.is_corrupted(), "{err:?}");
+        let exists = server
+            .cmd(&[b"EXISTS".as_slice(), &redis.state_key(&good, b"k")])
+            .expect("exists")
+            .as_int()
+            .expect("int");
+        assert_eq!(
+            exists, 0,
+            "the healthy policy was written despite the failure"
+        );
+    });
+}
+
+#[test]
+fn binary_huge_and_brace_keys_work() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let p = Policy::per_hour(1).expect("valid");
+        let huge = vec![0xa5u8; 1 << 20];
+        for key in [
+            &b"\0\xff\xfe binary"[..],
+            &huge,
+            b"}{",
+            b"{tag}",
+            b"",
+            b"\r\n*3\r\n",
+        ] {
+            assert!(redis.check_one(key, &p, 1).await.expect("check").allowed);
+            assert!(!redis.check_one(key, &p, 1).await.expect("check").allowed);
+        }
+        // The huge key is stored hashed, not as a megabyte-long key.
+        let state_key = redis.state_key(&p, &huge);
+        assert!(state_key.len() < 200, "{}", state_key.len());
+    });
+}
+
+#[test]
+fn cluster_keys_spread_over_slots_and_each_decision_stays_in_one() {
+    let cluster = cluster();
+    run(LIMIT, async {
+        let redis = cluster_limiter(&cluster).await;
+        let a = Policy::per_minute(10).expect("valid");
+        let b = Policy::calendar_window(100, 1, floodgate_core::CalendarUnit::Day).expect("valid");
+        let mut slots = HashSet::new();
+        for i in 0..1_000 {
+            let user = format!("+86138{i:08}");
+            let keys = [
+                redis.state_key(&a, user.as_bytes()),
+                redis.state_key(&b, user.as_bytes()),
+            ];
+            assert_eq!(key_slot(&keys[0]), key_slot(&keys[1]));
+            slots.insert(key_slot(&keys[0]));
+            if i < 100 {
+                let v = redis
+                    .check(
+                        &[
+                            Check::new(user.as_bytes(), &a),
+                            Check::new(user.as_bytes(), &b),
+                        ],
+                        CheckOptions::default(),
+                    )
+                    .await
+                    .expect("one slot per decision");
+                assert!(v.allowed());
+            }
+        }
+        assert!(slots.len() > 900, "only {} slots", slots.len());
+        // The live cluster agrees with our slot computation.
+        let key = redis.state_key(&a, b"+8613800000000");
+        let live = cluster
+            .node(0)
+            .cmd(&[b"CLUSTER".as_slice(), b"KEYSLOT", &key])
+            .expect("keyslot")
+            .as_int()
+            .expect("int");
+        assert_eq!(live, i64::from(key_slot(&key)));
+        // Different user keys in one check are refused with a clear error on a cluster.
+        let err = redis
+            .check(
+                &[Check::new(b"user-1", &a), Check::new(b"global", &b)],
+                CheckOptions::default(),
+            )
+            .await;
+        assert!(
+            matches!(err, Err(Error::CrossSlot { .. })) || err.is_ok(),
+            "{err:?}"
+        );
+    });
+}

@@ -1,0 +1,108 @@
+//! [`ResponseBody`]: the inner service's body, or the body of a rejection; holds a
+//! concurrency lease until the body ends.
+
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+use crate::engine::LeaseGuard;
+
+pin_project! {
+    /// The body of a rate-limited service's responses.
+    ///
+    /// When a concurrency policy admitted the request, the body holds its lease and gives it
+    /// back when it ends: at its last frame, on an error, or when it is dropped unfinished.
+    pub struct ResponseBody<B> {
+        #[pin]
+        inner: Inner<B>,
+        lease: Option<LeaseGuard>,
+    }
+}
+
+pin_project! {
+    #[project = InnerProj]
+    enum Inner<B> {
+        Body { #[pin] body: B },
+        Full { data: Option<Bytes> },
+    }
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn new(body: B, lease: Option<LeaseGuard>) -> Self {
+        ResponseBody {
+            inner: Inner::Body { body },
+            lease,
+        }
+    }
+
+    pub(crate) fn full(data: Bytes) -> Self {
+        ResponseBody {
+            inner: Inner::Full {
+                data: (!data.is_empty()).then_some(data),
+            },
+            lease: None,
+        }
+    }
+}
+
+impl<B> Body for ResponseBody<B>
+where
+    B: Body,
+    B::Data: From<Bytes>,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.project();
+        match this.inner.project() {
+            InnerProj::Body { body } => {
+                let frame = std::task::ready!(body.poll_frame(cx));
+                if !matches!(frame, Some(Ok(_))) {
+                    // The end, or an error: the work is over.
+                    this.lease.take();
+                }
+                Poll::Ready(frame)
+            }
+            InnerProj::Full { data } => {
+                Poll::Ready(data.take().map(|d| Ok(Frame::data(B::Data::from(d)))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.inner {
+            Inner::Body { body } => body.is_end_stream(),
+            Inner::Full { data } => data.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            Inner::Body { body } => body.size_hint(),
+            Inner::Full { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}
+
+impl<B> fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.inner {
+            Inner::Body { .. } => "inner",
+            Inner::Full { .. } => "rejection",
+        };
+        f.debug_struct("ResponseBody")
+            .field("kind", &kind)
+            .field("lease", &self.lease)
+            .finish()
+    }
+}

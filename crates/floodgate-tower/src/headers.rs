@@ -1,0 +1,183 @@
+//! Rate-limit response headers.
+//!
+//! The IETF fields follow draft-ietf-httpapi-ratelimit-headers-11 (May 2026): both are
+//! structured-field lists with one item per policy, named by the policy's name.
+//!
+//! - `RateLimit-Policy: "<name>";q=<limit>;w=<window secs>` — the quota and its window
+//!   (concurrency limits: `;qu="concurrent-requests"` and no window). Rendered once per rule.
+//! - `RateLimit: "<name>";r=<remaining>;t=<secs>` — what is left, and for how long: the time
+//!   until the key is back to full, or, for a policy that denied, until it admits again
+//!   (so that `Retry-After` never points before the end of `t`).
+//!
+//! Legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (seconds) are
+//! optional and describe the strictest policy.
+
+use std::time::Duration;
+
+use floodgate_core::{Decision, Kind, Policy};
+use http::{HeaderMap, HeaderName, HeaderValue};
+use smallvec::SmallVec;
+
+/// `RateLimit-Policy`.
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `RateLimit`.
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+/// `X-RateLimit-Limit`.
+pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+/// `X-RateLimit-Remaining`.
+pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+/// `X-RateLimit-Reset`.
+pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+
+/// Which rate-limit headers responses carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct HeaderOptions {
+    pub(crate) ietf: bool,
+    pub(crate) legacy: bool,
+}
+
+/// Headers to add to a response.
+pub(crate) type HeaderBlock = SmallVec<[(HeaderName, HeaderValue); 4]>;
+
+/// Seconds, rounded up.
+pub(crate) fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// The `RateLimit-Policy` item of `policy`.
+pub(crate) fn policy_item(policy: &Policy) -> HeaderValue {
+    let mut s = format!("\"{}\";q={}", policy.name(), policy.limit());
+    if matches!(policy.kind(), Kind::Concurrency(_)) {
+        s.push_str(";qu=\"concurrent-requests\"");
+    } else if let Some(w) = policy.window() {
+        s.push_str(";w=");
+        s.push_str(itoa::Buffer::new().format(ceil_secs(w).max(1)));
+    }
+    HeaderValue::from_str(&s).unwrap_or_else(|_| HeaderValue::from_static("\"invalid\";q=0"))
+}
+
+/// The `t` of a decision: see the module docs.
+pub(crate) fn effective_window(d: &Decision) -> Duration {
+    match (d.allowed, d.retry_after) {
+        (false, Some(retry)) => retry,
+        _ => d.reset_after,
+    }
+}
+
+/// Appends the headers of `decisions` (with the pre-rendered policy items) to `out`.
+pub(crate) fn render<'a>(
+    opts: HeaderOptions,
+    items: impl Iterator<Item = (&'a Policy, &'a HeaderValue, &'a Decision)> + Clone,
+    strictest: Option<&Decision>,
+    out: &mut HeaderBlock,
+) {
+    if opts.ietf {
+        let mut buf: SmallVec<[u8; 128]> = SmallVec::new();
+        let mut itoa = itoa::Buffer::new();
+        for (i, (policy, item, d)) in items.enumerate() {
+            out.push((RATELIMIT_POLICY, item.clone()));
+            if i > 0 {
+                buf.extend_from_slice(b", ");
+            }
+            buf.push(b'"');
+            buf.extend_from_slice(policy.name().as_bytes());
+            buf.extend_from_slice(b"\";r=");
+            buf.extend_from_slice(itoa.format(d.remaining).as_bytes());
+            if !matches!(policy.kind(), Kind::Concurrency(_)) {
+                buf.extend_from_slice(b";t=");
+                buf.extend_from_slice(itoa.format(ceil_secs(effective_window(d))).as_bytes());
+            }
+        }
+        if let Ok(v) = HeaderValue::from_bytes(&buf) {
+            out.push((RATELIMIT, v));
+        }
+    }
+    if opts.legacy {
+        if let Some(d) = strictest {
+            out.push((X_RATELIMIT_LIMIT, HeaderValue::from(d.limit)));
+            out.push((X_RATELIMIT_REMAINING, HeaderValue::from(d.remaining)));
+            out.push((
+                X_RATELIMIT_RESET,
+                HeaderValue::from(ceil_secs(effective_window(d))),
+            ));
+        }
+    }
+}
+
+/// Appends `block` to `headers`.
+pub(crate) fn apply(block: HeaderBlock, headers: &mut HeaderMap) {
+    for (name, value) in block {
+        headers.append(name, value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decision(allowed: bool, remaining: u64, retry_ms: Option<u64>, reset_ms: u64) -> Decision {
+        Decision {
+            allowed,
+            limit: 10,
+            remaining,
+            retry_after: retry_ms.map(Duration::from_millis),
+            reset_after: Duration::from_millis(reset_ms),
+        }
+    }
+
+    #[test]
+    fn renders_ietf_and_legacy() {
+        let a = Policy::per_second(10)
+            .expect("policy")
+            .named("per-ip")
+            .expect("name");
+        let b = Policy::concurrency(3, Duration::from_secs(30)).expect("policy");
+        let c = Policy::fixed_window(100, Duration::from_millis(1500)).expect("policy");
+        let items = [policy_item(&a), policy_item(&b), policy_item(&c)];
+        assert_eq!(items[0], "\"per-ip\";q=10;w=1");
+        assert_eq!(
+            items[1],
+            "\"concurrency-3-ttl-30s\";q=3;qu=\"concurrent-requests\""
+        );
+        assert_eq!(items[2], "\"fixed-100-per-1500ms\";q=100;w=2");
+        let ds = [
+            decision(false, 0, Some(1_200), 900),
+            decision(true, 2, None, 0),
+            decision(true, 99, None, 1_001),
+        ];
+        let mut out = HeaderBlock::new();
+        let policies = [a, b, c];
+        render(
+            HeaderOptions {
+                ietf: true,
+                legacy: true,
+            },
+            policies
+                .iter()
+                .zip(&items)
+                .zip(&ds)
+                .map(|((p, i), d)| (p, i, d)),
+            Some(&ds[0]),
+            &mut out,
+        );
+        let get = |n: &HeaderName| {
+            out.iter()
+                .filter(|(k, _)| k == n)
+                .map(|(_, v)| v.to_str().expect("ascii"))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(get(&RATELIMIT_POLICY).len(), 3);
+        assert_eq!(
+            get(&RATELIMIT),
+            [
+                "\"per-ip\";r=0;t=2, \"concurrency-3-ttl-30s\";r=2, \"fixed-100-per-1500ms\";r=99;t=2"
+            ]
+        );
+        assert_eq!(get(&X_RATELIMIT_LIMIT), ["10"]);
+        assert_eq!(get(&X_RATELIMIT_REMAINING), ["0"]);
+        assert_eq!(get(&X_RATELIMIT_RESET), ["2"]);
+        assert_eq!(ceil_secs(Duration::ZERO), 0);
+        assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
+        assert_eq!(ceil_secs(Duration::from_secs(2)), 2);
+    }
+}

@@ -1,0 +1,142 @@
+//! The store's health, as the layer sees it: a small circuit breaker that stops asking a
+//! failing store for a while, and logs each change of state once instead of every error.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub(crate) struct StoreHealth {
+    epoch: Instant,
+    failing: AtomicBool,
+    /// While failing: milliseconds since `epoch` after which one request probes the store.
+    next_probe_ms: AtomicU64,
+    /// The last time an error was logged at warn level, ms since `epoch` (plus one).
+    last_warn_ms: AtomicU64,
+    retry_interval: Duration,
+    policy: &'static str,
+}
+
+/// Errors while failing are logged at warn level at most this often.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+impl StoreHealth {
+    pub(crate) fn new(retry_interval: Duration, policy: &'static str) -> Self {
+        StoreHealth {
+            epoch: Instant::now(),
+            failing: AtomicBool::new(false),
+            next_probe_ms: AtomicU64::new(0),
+            last_warn_ms: AtomicU64::new(0),
+            retry_interval,
+            policy,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Whether to skip the store for this request: it is failing and it is not yet time to
+    /// probe it again. One request per interval gets to probe.
+    pub(crate) fn skip_store(&self) -> bool {
+        if self.retry_interval.is_zero() || !self.failing.load(Ordering::Relaxed) {
+            return false;
+        }
+        let now = self.now_ms();
+        let next = self.next_probe_ms.load(Ordering::Relaxed);
+        if now < next {
+            return true;
+        }
+        let until = now + self.retry_interval.as_millis() as u64;
+        self.next_probe_ms
+            .compare_exchange(next, until, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+    }
+
+    pub(crate) fn is_failing(&self) -> bool {
+        self.failing.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn retry_interval(&self) -> Duration {
+        self.retry_interval
+    }
+
+    pub(crate) fn succeeded(&self) {
+        if self.failing.load(Ordering::Relaxed) && self.failing.swap(false, Ordering::AcqRel) {
+            tracing::info!(
+                target: "floodgate",
+                "rate-limit store is answering again; decisions are back on the store"
+            );
+        }
+    }
+
+    pub(crate) fn failed(&self, error: &dyn fmt::Display) {
+        let now = self.now_ms();
+        if !self.retry_interval.is_zero() {
+            self.next_probe_ms.store(
+                now + self.retry_interval.as_millis() as u64,
+                Ordering::Relaxed,
+            );
+        }
+        if !self.failing.swap(true, Ordering::AcqRel) {
+            self.last_warn_ms.store(now + 1, Ordering::Relaxed);
+            tracing::warn!(
+                target: "floodgate",
+                error = %error,
+                on_store_error = self.policy,
+                "rate-limit store failed; applying the failure policy until it answers again"
+            );
+            return;
+        }
+        let last = self.last_warn_ms.load(Ordering::Relaxed);
+        if now + 1 >= last + WARN_EVERY.as_millis() as u64
+            && self
+                .last_warn_ms
+                .compare_exchange(last, now + 1, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                target: "floodgate",
+                error = %error,
+                on_store_error = self.policy,
+                "rate-limit store still failing"
+            );
+        } else {
+            tracing::debug!(target: "floodgate", error = %error, "rate-limit store failed");
+        }
+    }
+}
+
+impl fmt::Debug for StoreHealth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreHealth")
+            .field("failing", &self.is_failing())
+            .field("retry_interval", &self.retry_interval)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn skips_until_the_probe() {
+        let h = StoreHealth::new(Duration::from_secs(3600), "fail_open");
+        assert!(!h.skip_store());
+        h.failed(&"boom");
+        assert!(h.is_failing());
+        assert!(h.skip_store());
+        h.succeeded();
+        assert!(!h.skip_store());
+        // A zero interval never skips.
+        let h = StoreHealth::new(Duration::ZERO, "fail_open");
+        h.failed(&"boom");
+        assert!(!h.skip_store());
+        // The first request after the interval probes, the others still skip.
+        let h = StoreHealth::new(Duration::from_millis(1), "fail_open");
+        h.failed(&"boom");
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(!h.skip_store());
+        assert!(h.skip_store());
+    }
+}

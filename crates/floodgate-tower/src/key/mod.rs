@@ -1,0 +1,402 @@
+//! Rate-limit keys: what a request is counted against, and the extractors that find it.
+//!
+//! An extractor reads a borrowed [`RequestView`] (method, URI, headers, extensions), so it
+//! works for any body type. [`KeyExtractor`] decides synchronously; [`AsyncKeyExtractor`]
+//! returns a `'static` future for lookups that need I/O (copy what you need from the view
+//! before the `async` block). Both are implemented for closures:
+//!
+//! ```
+//! use floodgate_tower::key::{Key, KeyExtractor, RequestView};
+//!
+//! let tenant = |req: &RequestView<'_>| req.header("x-tenant").map(|v| Key::from(v.as_bytes()));
+//! let req = http::Request::builder().header("x-tenant", "acme").body(()).unwrap();
+//! let key = tenant.extract(&RequestView::from_request(&req)).unwrap();
+//! assert_eq!(key.as_bytes(), b"acme");
+//! ```
+
+mod builtin;
+mod client_ip;
+
+use std::fmt;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+
+use http::{Extensions, HeaderMap, HeaderValue, Method, Request, Uri};
+use smallvec::SmallVec;
+
+#[cfg(feature = "axum")]
+pub use builtin::RouteKey;
+pub use builtin::{Composite, GlobalKey, HeaderKey, MetadataKey, MethodKey, PathKey, PeerIp};
+pub use client_ip::{ClientIp, ForwardedHeader, TrustedProxies};
+
+/// The longest key accepted by default; longer keys count as missing (see
+/// [`crate::RateLimitLayerBuilder::max_key_len`]).
+pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
+
+/// A borrowed view of a request's head: what key extractors and route rules look at.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestView<'a> {
+    method: &'a Method,
+    uri: &'a Uri,
+    headers: &'a HeaderMap,
+    extensions: &'a Extensions,
+}
+
+impl<'a> RequestView<'a> {
+    /// A view of these parts.
+    pub fn new(
+        method: &'a Method,
+        uri: &'a Uri,
+        headers: &'a HeaderMap,
+        extensions: &'a Extensions,
+    ) -> Self {
+        RequestView {
+            method,
+            uri,
+            headers,
+            extensions,
+        }
+    }
+
+    /// A view of `req`'s head.
+    pub fn from_request<B>(req: &'a Request<B>) -> Self {
+        RequestView::new(req.method(), req.uri(), req.headers(), req.extensions())
+    }
+
+    /// A view of a request's parts.
+    pub fn from_parts(parts: &'a http::request::Parts) -> Self {
+        RequestView::new(&parts.method, &parts.uri, &parts.headers, &parts.extensions)
+    }
+
+    /// The method.
+    pub fn method(&self) -> &'a Method {
+        self.method
+    }
+
+    /// The URI.
+    pub fn uri(&self) -> &'a Uri {
+        self.uri
+    }
+
+    /// The path of the URI.
+    pub fn path(&self) -> &'a str {
+        self.uri.path()
+    }
+
+    /// The headers (gRPC metadata, for gRPC requests).
+    pub fn headers(&self) -> &'a HeaderMap {
+        self.headers
+    }
+
+    /// The first value of header `name`.
+    pub fn header(&self, name: &str) -> Option<&'a HeaderValue> {
+        self.headers.get(name)
+    }
+
+    /// The extensions (connection info, matched route, ...).
+    pub fn extensions(&self) -> &'a Extensions {
+        self.extensions
+    }
+
+    /// Whether this is a gRPC request: its `content-type` starts with `application/grpc`
+    /// (`application/grpc`, `application/grpc+proto`, `application/grpc-web`, ...).
+    pub fn is_grpc(&self) -> bool {
+        crate::grpc::is_grpc(self.headers)
+    }
+
+    /// The address of the connection's peer, from a [`SocketAddr`] extension, axum's
+    /// `ConnectInfo<SocketAddr>` (feature `axum`), or tonic's `TcpConnectInfo` (feature
+    /// `tonic`).
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        if let Some(addr) = self.extensions.get::<SocketAddr>() {
+            return Some(*addr);
+        }
+        #[cfg(feature = "axum")]
+        if let Some(info) = self
+            .extensions
+            .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        {
+            return Some(info.0);
+        }
+        #[cfg(feature = "tonic")]
+        if let Some(info) = self
+            .extensions
+            .get::<tonic::transport::server::TcpConnectInfo>()
+        {
+            return info.remote_addr();
+        }
+        None
+    }
+
+    /// The matched route pattern (axum's `MatchedPath`), when the layer runs inside a router.
+    #[cfg(feature = "axum")]
+    pub fn matched_path(&self) -> Option<&'a str> {
+        self.extensions
+            .get::<axum::extract::MatchedPath>()
+            .map(|m| m.as_str())
+    }
+}
+
+/// A rate-limit key: any bytes. Short keys (most IPs, API keys) are stored inline.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Key(SmallVec<[u8; 48]>);
+
+impl Key {
+    /// A key of these bytes.
+    pub fn new(bytes: &[u8]) -> Self {
+        Key(SmallVec::from_slice(bytes))
+    }
+
+    /// The key's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The key's length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether the key is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The key of an IP address; IPv6 addresses are grouped by their first `v6_prefix` bits
+    /// (`2001:db8:1:2::/64`), IPv4-mapped IPv6 addresses count as IPv4.
+    pub fn from_ip(ip: IpAddr, v6_prefix: u8) -> Self {
+        use std::fmt::Write as _;
+        let mut key = Key::default();
+        match canonical_ip(ip) {
+            IpAddr::V4(v4) => {
+                let _ = write!(key, "{v4}");
+            }
+            IpAddr::V6(v6) if v6_prefix >= 128 => {
+                let _ = write!(key, "{v6}");
+            }
+            IpAddr::V6(v6) => {
+                let bits = u128::from(v6);
+                let mask = if v6_prefix == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - u32::from(v6_prefix))
+                };
+                let net = std::net::Ipv6Addr::from(bits & mask);
+                let _ = write!(key, "{net}/{v6_prefix}");
+            }
+        }
+        key
+    }
+
+    pub(crate) fn push(&mut self, byte: u8) {
+        self.0.push(byte);
+    }
+}
+
+impl fmt::Write for Key {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.0.extend_from_slice(s.as_bytes());
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Key(\"{}\")", crate::telemetry::Escaped::new(&self.0))
+    }
+}
+
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&crate::telemetry::Escaped::new(&self.0), f)
+    }
+}
+
+impl AsRef<[u8]> for Key {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl From<&[u8]> for Key {
+    fn from(bytes: &[u8]) -> Self {
+        Key::new(bytes)
+    }
+}
+
+impl From<&str> for Key {
+    fn from(s: &str) -> Self {
+        Key::new(s.as_bytes())
+    }
+}
+
+impl From<String> for Key {
+    fn from(s: String) -> Self {
+        Key::new(s.as_bytes())
+    }
+}
+
+impl From<Vec<u8>> for Key {
+    fn from(v: Vec<u8>) -> Self {
+        Key(SmallVec::from_vec(v))
+    }
+}
+
+impl From<IpAddr> for Key {
+    /// The address itself (IPv6 not grouped; see [`Key::from_ip`]).
+    fn from(ip: IpAddr) -> Self {
+        Key::from_ip(ip, 128)
+    }
+}
+
+/// IPv4-mapped IPv6 addresses (`::ffff:192.0.2.1`) as IPv4.
+pub(crate) fn canonical_ip(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// Why no key could be taken from a request.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The request has nothing to key on.
+    #[error("the request has no {what}")]
+    Missing {
+        /// What was looked for: `"peer address"`, `"x-api-key header"`, ...
+        what: &'static str,
+    },
+    /// The key is longer than allowed.
+    #[error("the key is {len} bytes long, more than the {max} allowed")]
+    TooLong {
+        /// Its length.
+        len: usize,
+        /// The most allowed.
+        max: usize,
+    },
+    /// The request has a value, but not a usable one.
+    #[error("invalid {what}")]
+    Invalid {
+        /// What was wrong.
+        what: &'static str,
+    },
+}
+
+/// Finds the key of a request, synchronously.
+///
+/// Implemented for closures `Fn(&RequestView<'_>) -> Option<Key>` (`None` counts as a missing
+/// key).
+pub trait KeyExtractor: Send + Sync + 'static {
+    /// The key of `req`.
+    fn extract(&self, req: &RequestView<'_>) -> Result<Key, KeyError>;
+}
+
+impl<F> KeyExtractor for F
+where
+    F: Fn(&RequestView<'_>) -> Option<Key> + Send + Sync + 'static,
+{
+    fn extract(&self, req: &RequestView<'_>) -> Result<Key, KeyError> {
+        self(req).ok_or(KeyError::Missing { what: "key" })
+    }
+}
+
+impl<K: KeyExtractor + ?Sized> KeyExtractor for std::sync::Arc<K> {
+    fn extract(&self, req: &RequestView<'_>) -> Result<Key, KeyError> {
+        (**self).extract(req)
+    }
+}
+
+/// Finds the key of a request with I/O (a token lookup, ...).
+///
+/// The future must not borrow the request: copy what it needs first. Implemented for
+/// closures `Fn(&RequestView<'_>) -> impl Future<Output = Option<Key>>`.
+///
+/// ```
+/// use floodgate_tower::key::{AsyncKeyExtractor, Key, RequestView};
+///
+/// let account = |req: &RequestView<'_>| {
+///     let token = req.header("authorization").map(|v| v.as_bytes().to_vec());
+///     async move { token.map(|t| Key::from(format!("account-of-{}", t.len()))) }
+/// };
+/// # fn assert_async(_: impl AsyncKeyExtractor) {}
+/// assert_async(account);
+/// ```
+pub trait AsyncKeyExtractor: Send + Sync + 'static {
+    /// The future returned by [`AsyncKeyExtractor::extract`].
+    type Future: Future<Output = Result<Key, KeyError>> + Send + 'static;
+
+    /// Starts finding the key of `req`.
+    fn extract(&self, req: &RequestView<'_>) -> Self::Future;
+}
+
+impl<F, Fut> AsyncKeyExtractor for F
+where
+    F: Fn(&RequestView<'_>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Option<Key>> + Send + 'static,
+{
+    type Future = futures_util::future::Map<Fut, fn(Option<Key>) -> Result<Key, KeyError>>;
+
+    fn extract(&self, req: &RequestView<'_>) -> Self::Future {
+        use futures_util::FutureExt as _;
+        self(req).map(missing_to_error as fn(Option<Key>) -> Result<Key, KeyError>)
+    }
+}
+
+fn missing_to_error(key: Option<Key>) -> Result<Key, KeyError> {
+    key.ok_or(KeyError::Missing { what: "key" })
+}
+
+pub(crate) type KeyFuture = Pin<Box<dyn Future<Output = Result<Key, KeyError>> + Send>>;
+
+pub(crate) trait ErasedAsync: Send + Sync + 'static {
+    fn extract_boxed(&self, req: &RequestView<'_>) -> KeyFuture;
+}
+
+impl<K: AsyncKeyExtractor> ErasedAsync for K {
+    fn extract_boxed(&self, req: &RequestView<'_>) -> KeyFuture {
+        Box::pin(self.extract(req))
+    }
+}
+
+/// A key extractor of either kind, type-erased.
+#[derive(Clone)]
+pub(crate) enum AnyExtractor {
+    Sync(std::sync::Arc<dyn KeyExtractor>),
+    Async(std::sync::Arc<dyn ErasedAsync>),
+}
+
+impl AnyExtractor {
+    pub(crate) fn sync(k: impl KeyExtractor) -> Self {
+        AnyExtractor::Sync(std::sync::Arc::new(k))
+    }
+
+    pub(crate) fn asynchronous(k: impl AsyncKeyExtractor) -> Self {
+        AnyExtractor::Async(std::sync::Arc::new(k))
+    }
+}
+
+/// What a rule's extractor gave for one request.
+pub(crate) enum Extracted {
+    Ready(Result<Key, KeyError>),
+    Pending(KeyFuture),
+}
+
+impl AnyExtractor {
+    pub(crate) fn extract(&self, req: &RequestView<'_>) -> Extracted {
+        match self {
+            AnyExtractor::Sync(k) => Extracted::Ready(k.extract(req)),
+            AnyExtractor::Async(k) => Extracted::Pending(k.extract_boxed(req)),
+        }
+    }
+}
+
+impl fmt::Debug for AnyExtractor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AnyExtractor::Sync(_) => "KeyExtractor",
+            AnyExtractor::Async(_) => "AsyncKeyExtractor",
+        })
+    }
+}

@@ -1,0 +1,312 @@
+//! [`RateLimitLayer`] and its builder.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use floodgate_core::{Limiter, MemoryLimiter, Policy};
+use tower::Layer;
+
+use crate::engine::{DynEngine, Engine, Shared};
+use crate::error::ConfigError;
+use crate::headers::{HeaderOptions, policy_item};
+use crate::health::StoreHealth;
+use crate::key::{DEFAULT_MAX_KEY_LEN, Key, KeyExtractor};
+use crate::rejection::{DefaultRejection, RejectionHandler};
+use crate::rule::{Rule, RuleEntry};
+use crate::service::RateLimit;
+use crate::telemetry::{LayerMetrics, PolicyMetrics};
+
+/// The default decision timeout (see [`RateLimitLayerBuilder::timeout`]).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(500);
+/// The default time a failing store is left alone (see
+/// [`RateLimitLayerBuilder::store_retry_interval`]).
+pub const DEFAULT_STORE_RETRY_INTERVAL: Duration = Duration::from_millis(500);
+/// Delay mode checks at most this many times per request.
+pub(crate) const MAX_DELAY_ATTEMPTS: u32 = 8;
+
+/// What to do with a request over the limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Mode {
+    /// Turn it away at once (429).
+    #[default]
+    Reject,
+    /// Make it wait its turn, up to `max_wait`, then turn it away: shaper policies reserve a
+    /// slot and the request sleeps until it; other policies are checked again after their
+    /// `retry_after`, if that fits in what is left of `max_wait`.
+    Delay {
+        /// The longest a request waits.
+        max_wait: Duration,
+    },
+}
+
+/// What to do with a request that has no key (no peer address, no API key header, a key longer
+/// than the maximum, ...).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnMissingKey {
+    /// Turn it away: 400 with a problem+json body (gRPC `INVALID_ARGUMENT`).
+    #[default]
+    Reject,
+    /// Let it through: the rule does not apply to it.
+    Allow,
+    /// Count it under this key, shared by every keyless request.
+    UseKey(Key),
+}
+
+/// What to do when the store fails or does not decide within the timeout.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum OnStoreError {
+    /// Let requests through undecided (no rate-limit headers).
+    FailOpen,
+    /// Turn requests away: 503 with a problem+json body (gRPC `UNAVAILABLE`).
+    FailClosed,
+    /// Decide with this in-memory limiter and the same policies: each replica enforces the
+    /// limits on its own until the store is back. The default.
+    Fallback(MemoryLimiter),
+}
+
+impl Default for OnStoreError {
+    fn default() -> Self {
+        OnStoreError::local_fallback()
+    }
+}
+
+impl OnStoreError {
+    /// [`OnStoreError::Fallback`] to a new in-memory limiter.
+    pub fn local_fallback() -> Self {
+        OnStoreError::Fallback(MemoryLimiter::new())
+    }
+
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            OnStoreError::FailOpen => "fail_open",
+            OnStoreError::FailClosed => "fail_closed",
+            OnStoreError::Fallback(_) => "fallback",
+        }
+    }
+}
+
+/// A tower layer that rate-limits requests with the policies of its [`Rule`]s.
+///
+/// Cheap to clone; every service it makes shares the limiter, the rules and the store's health.
+/// See the [crate docs](crate) for an example.
+#[derive(Clone)]
+pub struct RateLimitLayer {
+    engine: Arc<dyn DynEngine>,
+}
+
+impl RateLimitLayer {
+    /// Starts a layer deciding with `limiter` (a [`MemoryLimiter`], a Redis limiter, ...).
+    pub fn builder<L>(limiter: L) -> RateLimitLayerBuilder<L>
+    where
+        L: Limiter + Clone + 'static,
+    {
+        RateLimitLayerBuilder {
+            limiter,
+            rules: Vec::new(),
+            mode: Mode::Reject,
+            on_missing_key: OnMissingKey::Reject,
+            on_store_error: None,
+            timeout: DEFAULT_TIMEOUT,
+            store_retry_interval: DEFAULT_STORE_RETRY_INTERVAL,
+            headers: HeaderOptions {
+                ietf: true,
+                legacy: false,
+            },
+            handler: Arc::new(DefaultRejection),
+            request_info: true,
+            max_key_len: DEFAULT_MAX_KEY_LEN,
+        }
+    }
+
+    /// A layer with one policy keyed by `key`, and every other setting at its default.
+    pub fn new<L>(limiter: L, policy: Policy, key: impl KeyExtractor) -> Result<Self, ConfigError>
+    where
+        L: Limiter + Clone + 'static,
+    {
+        RateLimitLayer::builder(limiter)
+            .rule(Rule::new(policy).key(key))
+            .build()
+    }
+}
+
+impl fmt::Debug for RateLimitLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("config", self.engine.shared())
+            .finish()
+    }
+}
+
+impl<S> Layer<S> for RateLimitLayer {
+    type Service = RateLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit::from_engine(inner, Arc::clone(&self.engine))
+    }
+}
+
+/// Configures a [`RateLimitLayer`].
+#[must_use]
+pub struct RateLimitLayerBuilder<L> {
+    limiter: L,
+    rules: Vec<Rule>,
+    mode: Mode,
+    on_missing_key: OnMissingKey,
+    on_store_error: Option<OnStoreError>,
+    timeout: Duration,
+    store_retry_interval: Duration,
+    headers: HeaderOptions,
+    handler: Arc<dyn RejectionHandler>,
+    request_info: bool,
+    max_key_len: usize,
+}
+
+impl<L> fmt::Debug for RateLimitLayerBuilder<L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayerBuilder")
+            .field("rules", &self.rules)
+            .field("mode", &self.mode)
+            .field("on_missing_key", &self.on_missing_key)
+            .field("on_store_error", &self.on_store_error)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<L> RateLimitLayerBuilder<L>
+where
+    L: Limiter + Clone + 'static,
+{
+    /// Adds a rule. All rules that apply to a request are checked together, all-or-nothing,
+    /// in one call to the limiter.
+    pub fn rule(mut self, rule: Rule) -> Self {
+        self.rules.push(rule);
+        self
+    }
+
+    /// Adds a rule for `policy`, keyed by `key`, on every request.
+    pub fn policy(self, policy: Policy, key: impl KeyExtractor) -> Self {
+        self.rule(Rule::new(policy).key(key))
+    }
+
+    /// Rejects (the default) or delays requests over the limit.
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Delays requests over the limit up to `max_wait` (see [`Mode::Delay`]).
+    pub fn delay(self, max_wait: Duration) -> Self {
+        self.mode(Mode::Delay { max_wait })
+    }
+
+    /// What to do with requests without a key (default: 400).
+    pub fn on_missing_key(mut self, on_missing_key: OnMissingKey) -> Self {
+        self.on_missing_key = on_missing_key;
+        self
+    }
+
+    /// What to do when the store fails or times out (default: a local in-memory fallback).
+    pub fn on_store_error(mut self, on_store_error: OnStoreError) -> Self {
+        self.on_store_error = Some(on_store_error);
+        self
+    }
+
+    /// The longest the layer waits for the store to decide (default 500 ms), on top of the
+    /// store's own timeouts; after that the failure policy applies.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// After a store error, requests skip the store for this long (default 500 ms); then one
+    /// request tries it again. Zero tries the store on every request.
+    pub fn store_retry_interval(mut self, interval: Duration) -> Self {
+        self.store_retry_interval = interval;
+        self
+    }
+
+    /// Adds `RateLimit-Policy` and `RateLimit` to every decided response (default on).
+    pub fn ietf_headers(mut self, on: bool) -> Self {
+        self.headers.ietf = on;
+        self
+    }
+
+    /// Adds `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` for the
+    /// strictest policy to every decided response (default off).
+    pub fn legacy_headers(mut self, on: bool) -> Self {
+        self.headers.legacy = on;
+        self
+    }
+
+    /// Builds rejection responses with `handler` instead of [`DefaultRejection`].
+    pub fn rejection_handler(mut self, handler: impl RejectionHandler) -> Self {
+        self.handler = Arc::new(handler);
+        self
+    }
+
+    /// Inserts a [`crate::RateLimitInfo`] into the extensions of allowed requests (default on).
+    pub fn request_info(mut self, on: bool) -> Self {
+        self.request_info = on;
+        self
+    }
+
+    /// Keys longer than this many bytes count as missing (default 1 KiB).
+    pub fn max_key_len(mut self, max: usize) -> Self {
+        self.max_key_len = max;
+        self
+    }
+
+    /// Builds the layer.
+    pub fn build(self) -> Result<RateLimitLayer, ConfigError> {
+        if self.rules.is_empty() {
+            return Err(ConfigError::NoRules);
+        }
+        if self.timeout.is_zero() {
+            return Err(ConfigError::Zero { field: "timeout" });
+        }
+        let mut names = HashSet::new();
+        for rule in &self.rules {
+            if !names.insert(rule.policy().name()) {
+                return Err(ConfigError::DuplicatePolicy {
+                    name: rule.policy().name().to_owned(),
+                });
+            }
+        }
+        let on_store_error = self.on_store_error.unwrap_or_default();
+        let table: Arc<[RuleEntry]> = self
+            .rules
+            .into_iter()
+            .map(|rule| RuleEntry {
+                policy_item: policy_item(rule.policy()),
+                metrics: PolicyMetrics::default(),
+                rule,
+            })
+            .collect();
+        let shared = Shared {
+            table,
+            mode: self.mode,
+            on_missing_key: self.on_missing_key,
+            health: StoreHealth::new(self.store_retry_interval, on_store_error.name()),
+            fallback: match &on_store_error {
+                OnStoreError::Fallback(m) => Some(m.clone()),
+                _ => None,
+            },
+            fail_closed: matches!(on_store_error, OnStoreError::FailClosed),
+            timeout: self.timeout,
+            headers: self.headers,
+            handler: self.handler,
+            request_info: self.request_info,
+            max_key_len: self.max_key_len,
+            metrics: LayerMetrics::default(),
+        };
+        Ok(RateLimitLayer {
+            engine: Arc::new(Engine::new(self.limiter, shared)),
+        })
+    }
+}

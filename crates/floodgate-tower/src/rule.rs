@@ -1,0 +1,255 @@
+//! [`Rule`]: a policy, the key it counts, its cost, and the requests it applies to.
+
+use std::fmt;
+use std::sync::Arc;
+
+use floodgate_core::Policy;
+use http::{HeaderValue, Method};
+
+use crate::key::{AnyExtractor, AsyncKeyExtractor, Key, KeyExtractor, PeerIp, RequestView};
+use crate::layer::OnMissingKey;
+use crate::telemetry::PolicyMetrics;
+
+/// One policy of a layer: what is counted (the key), how much a request costs, and which
+/// requests it applies to (all by default).
+///
+/// ```
+/// use floodgate_core::Policy;
+/// use floodgate_tower::Rule;
+/// use floodgate_tower::key::{GlobalKey, HeaderKey};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // 5 logins per minute per client, on POST /login only.
+/// let login = Rule::new(Policy::per_minute(5)?.named("login")?)
+///     .path_prefix("/login")
+///     .methods([http::Method::POST]);
+/// // 1000 per second for the whole service, uploads cost 10.
+/// let global = Rule::new(Policy::per_second(1000)?.named("global")?)
+///     .key(GlobalKey)
+///     .cost_fn(|req| if req.method() == http::Method::PUT { 10 } else { 1 });
+/// // Per API key.
+/// let api = Rule::new(Policy::per_hour(10_000)?.named("api-key")?).key(HeaderKey::named("x-api-key")?);
+/// # let _ = (login, global, api);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Rule {
+    policy: Policy,
+    pub(crate) key: AnyExtractor,
+    cost: Cost,
+    prefixes: Vec<Arc<str>>,
+    routes: Vec<Arc<str>>,
+    methods: Vec<Method>,
+    predicate: Option<Predicate>,
+    pub(crate) on_missing_key: Option<OnMissingKey>,
+}
+
+type Predicate = Arc<dyn Fn(&RequestView<'_>) -> bool + Send + Sync>;
+
+#[derive(Clone)]
+enum Cost {
+    Fixed(u64),
+    Dynamic(Arc<dyn Fn(&RequestView<'_>) -> u64 + Send + Sync>),
+}
+
+impl Rule {
+    /// A rule for `policy`, keyed on the peer IP ([`PeerIp`]; behind proxies use
+    /// [`crate::key::ClientIp`]), costing 1, applying to every request.
+    pub fn new(policy: Policy) -> Self {
+        Rule {
+            policy,
+            key: AnyExtractor::sync(PeerIp::new()),
+            cost: Cost::Fixed(1),
+            prefixes: Vec::new(),
+            routes: Vec::new(),
+            methods: Vec::new(),
+            predicate: None,
+            on_missing_key: None,
+        }
+    }
+
+    /// Keys requests with `key`.
+    #[must_use]
+    pub fn key(mut self, key: impl KeyExtractor) -> Self {
+        self.key = AnyExtractor::sync(key);
+        self
+    }
+
+    /// Keys requests with a closure (the same as [`Rule::key`], with the closure's argument
+    /// type spelled out for you).
+    #[must_use]
+    pub fn key_fn<F>(self, key: F) -> Self
+    where
+        F: Fn(&RequestView<'_>) -> Option<Key> + Send + Sync + 'static,
+    {
+        self.key(key)
+    }
+
+    /// Keys requests with an asynchronous extractor.
+    #[must_use]
+    pub fn key_async(mut self, key: impl AsyncKeyExtractor) -> Self {
+        self.key = AnyExtractor::asynchronous(key);
+        self
+    }
+
+    /// Each request costs `cost` units (0 only peeks).
+    #[must_use]
+    pub fn cost(mut self, cost: u64) -> Self {
+        self.cost = Cost::Fixed(cost);
+        self
+    }
+
+    /// Each request costs what `cost` says.
+    #[must_use]
+    pub fn cost_fn(
+        mut self,
+        cost: impl Fn(&RequestView<'_>) -> u64 + Send + Sync + 'static,
+    ) -> Self {
+        self.cost = Cost::Dynamic(Arc::new(cost));
+        self
+    }
+
+    /// Applies to paths under `prefix` (segment-wise: `/api` matches `/api` and `/api/x`,
+    /// not `/apix`). With several prefixes and routes, any one matching is enough.
+    #[must_use]
+    pub fn path_prefix(mut self, prefix: &str) -> Self {
+        let trimmed = prefix.trim_end_matches('/');
+        self.prefixes.push(trimmed.into());
+        self
+    }
+
+    /// Applies to the axum route pattern `route` (`/users/{id}`), as in `MatchedPath`.
+    #[cfg(feature = "axum")]
+    #[must_use]
+    pub fn route(mut self, route: &str) -> Self {
+        self.routes.push(route.into());
+        self
+    }
+
+    /// Applies only to these methods.
+    #[must_use]
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.methods.extend(methods);
+        self
+    }
+
+    /// Applies only to requests for which `predicate` holds (on top of paths and methods).
+    #[must_use]
+    pub fn when(
+        mut self,
+        predicate: impl Fn(&RequestView<'_>) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.predicate = Some(Arc::new(predicate));
+        self
+    }
+
+    /// What to do when this rule finds no key (overrides the layer's setting).
+    #[must_use]
+    pub fn on_missing_key(mut self, on_missing_key: OnMissingKey) -> Self {
+        self.on_missing_key = Some(on_missing_key);
+        self
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// Whether the rule applies to `req`.
+    pub fn applies_to(&self, req: &RequestView<'_>) -> bool {
+        if !self.methods.is_empty() && !self.methods.contains(req.method()) {
+            return false;
+        }
+        if !self.prefixes.is_empty() || !self.routes.is_empty() {
+            let path = req.path();
+            let by_prefix = self.prefixes.iter().any(|p| {
+                p.is_empty()
+                    || path
+                        .strip_prefix(&**p)
+                        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+            });
+            if !by_prefix && !self.matches_route(req) {
+                return false;
+            }
+        }
+        self.predicate.as_ref().is_none_or(|p| p(req))
+    }
+
+    #[cfg(feature = "axum")]
+    fn matches_route(&self, req: &RequestView<'_>) -> bool {
+        !self.routes.is_empty()
+            && req
+                .matched_path()
+                .is_some_and(|m| self.routes.iter().any(|r| **r == *m))
+    }
+
+    #[cfg(not(feature = "axum"))]
+    fn matches_route(&self, _: &RequestView<'_>) -> bool {
+        false
+    }
+
+    /// The cost of `req`.
+    pub fn cost_of(&self, req: &RequestView<'_>) -> u64 {
+        match &self.cost {
+            Cost::Fixed(c) => *c,
+            Cost::Dynamic(f) => f(req),
+        }
+    }
+}
+
+impl fmt::Debug for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Rule");
+        d.field("policy", &self.policy.name())
+            .field("key", &self.key);
+        match &self.cost {
+            Cost::Fixed(c) => d.field("cost", c),
+            Cost::Dynamic(_) => d.field("cost", &"dynamic"),
+        };
+        d.field("path_prefixes", &self.prefixes)
+            .field("routes", &self.routes)
+            .field("methods", &self.methods)
+            .field("predicate", &self.predicate.is_some())
+            .finish()
+    }
+}
+
+/// A rule as the layer holds it: with its pre-rendered header item and its counters.
+#[derive(Debug)]
+pub(crate) struct RuleEntry {
+    pub(crate) rule: Rule,
+    pub(crate) policy_item: HeaderValue,
+    pub(crate) metrics: PolicyMetrics,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_matching() {
+        let p = Policy::per_second(1).expect("policy");
+        let rule = Rule::new(p.clone())
+            .path_prefix("/api/")
+            .path_prefix("/login")
+            .methods([Method::POST]);
+        let check = |method: Method, path: &str| {
+            let req = http::Request::builder()
+                .method(method)
+                .uri(path)
+                .body(())
+                .expect("request");
+            rule.applies_to(&RequestView::from_request(&req))
+        };
+        assert!(check(Method::POST, "/api"));
+        assert!(check(Method::POST, "/api/x/y"));
+        assert!(check(Method::POST, "/login"));
+        assert!(!check(Method::POST, "/loginx"));
+        assert!(!check(Method::GET, "/login"));
+        assert!(!check(Method::POST, "/"));
+        let all = Rule::new(p).path_prefix("/");
+        let req = http::Request::get("/anything").body(()).expect("request");
+        assert!(all.applies_to(&RequestView::from_request(&req)));
+    }
+}

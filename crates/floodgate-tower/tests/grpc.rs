@@ -1,0 +1,179 @@
+//! The layer in front of a tonic server, with the in-memory limiter.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::greeter::{self, retry_delay, say_hello};
+use floodgate_core::{MemoryLimiter, Policy};
+use floodgate_tower::key::{GlobalKey, MetadataKey};
+use floodgate_tower::{RateLimitLayer, Rule};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tonic::Code;
+
+fn policy(limit: u64, name: &str) -> Policy {
+    Policy::fixed_window(limit, Duration::from_secs(60))
+        .expect("policy")
+        .named(name)
+        .expect("name")
+}
+
+#[tokio::test]
+async fn the_call_over_the_limit_is_resource_exhausted() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(2, "grpc")).key(GlobalKey))
+        .build()
+        .expect("layer");
+    let channel = greeter::channel(greeter::serve(layer).await).await;
+
+    for left in [1, 0] {
+        let res = say_hello(channel.clone(), "a", &[]).await.expect("allowed");
+        assert_eq!(
+            res.get_ref().message,
+            format!("hello a (Some({left}) left)")
+        );
+        let md = res.metadata();
+        assert_eq!(
+            md.get("ratelimit-policy")
+                .expect("policy")
+                .to_str()
+                .expect("ascii"),
+            "\"grpc\";q=2;w=60"
+        );
+        let rl = md
+            .get("ratelimit")
+            .expect("ratelimit")
+            .to_str()
+            .expect("ascii");
+        assert!(rl.starts_with(&format!("\"grpc\";r={left};t=")), "{rl}");
+    }
+
+    let status = say_hello(channel.clone(), "a", &[])
+        .await
+        .expect_err("limited");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert!(status.message().contains("grpc"), "{}", status.message());
+    let delay = retry_delay(&status).expect("RetryInfo");
+    assert!(
+        delay > Duration::from_secs(58) && delay <= Duration::from_secs(60),
+        "{delay:?}"
+    );
+    let secs: u64 = status
+        .metadata()
+        .get("retry-after")
+        .expect("retry-after metadata")
+        .to_str()
+        .expect("ascii")
+        .parse()
+        .expect("seconds");
+    assert_eq!(secs, delay.as_millis().div_ceil(1000) as u64);
+    let rl = status
+        .metadata()
+        .get("ratelimit")
+        .expect("ratelimit")
+        .to_str()
+        .expect("ascii");
+    assert!(rl.starts_with("\"grpc\";r=0;t="), "{rl}");
+}
+
+#[tokio::test]
+async fn metadata_keys_and_missing_keys() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(1, "tenant")).key(MetadataKey::named("x-tenant").expect("name")))
+        .build()
+        .expect("layer");
+    let channel = greeter::channel(greeter::serve(layer).await).await;
+    assert!(
+        say_hello(channel.clone(), "a", &[("x-tenant", "acme")])
+            .await
+            .is_ok()
+    );
+    assert!(
+        say_hello(channel.clone(), "a", &[("x-tenant", "other")])
+            .await
+            .is_ok()
+    );
+    let status = say_hello(channel.clone(), "a", &[("x-tenant", "acme")])
+        .await
+        .expect_err("limited");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    let status = say_hello(channel.clone(), "a", &[])
+        .await
+        .expect_err("no key");
+    assert_eq!(status.code(), Code::InvalidArgument);
+}
+
+/// Any `application/grpc*` content type is a gRPC request; others get HTTP errors.
+#[tokio::test]
+async fn grpc_detection_by_content_type() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(1, "detect")).key(GlobalKey))
+        .build()
+        .expect("layer");
+    let addr = greeter::serve(layer).await;
+    let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let send = |content_type: &'static str| {
+        let client = client.clone();
+        async move {
+            // An empty HelloRequest: flag 0, length 0.
+            let req = http::Request::post(format!("http://{addr}/test.Greeter/SayHello"))
+                .header("content-type", content_type)
+                .header("te", "trailers")
+                .body(Full::new(Bytes::from_static(&[0, 0, 0, 0, 0])))
+                .expect("request");
+            let res = client.request(req).await.expect("response");
+            let (parts, body) = res.into_parts();
+            let collected = body.collect().await.expect("body");
+            (parts, collected)
+        }
+    };
+    let (parts, body) = send("application/grpc+proto").await;
+    assert_eq!(parts.status, 200);
+    let trailers = body.trailers().cloned().unwrap_or_default();
+    assert_eq!(
+        trailers.get("grpc-status").map(|v| v.as_bytes()),
+        Some(&b"0"[..])
+    );
+
+    for ct in [
+        "application/grpc+proto",
+        "application/grpc",
+        "application/grpc+json",
+    ] {
+        let (parts, body) = send(ct).await;
+        assert_eq!(parts.status, 200, "{ct}");
+        assert_eq!(parts.headers["content-type"], "application/grpc", "{ct}");
+        assert_eq!(parts.headers["grpc-status"], "8", "{ct}");
+        let message = parts.headers["grpc-message"].to_str().expect("ascii");
+        // Printable ASCII stays as is in grpc-message (only other bytes and `%` are encoded).
+        assert!(
+            message.starts_with("rate limit \"detect\" exceeded; retry in "),
+            "{message}"
+        );
+        assert!(parts.headers.contains_key("grpc-status-details-bin"));
+        assert!(parts.headers.contains_key("retry-after"));
+        assert!(body.to_bytes().is_empty(), "trailers-only");
+    }
+    let (parts, body) = send("application/json").await;
+    assert_eq!(parts.status, 429);
+    assert_eq!(parts.headers["content-type"], "application/problem+json");
+    assert!(!body.to_bytes().is_empty());
+}
+
+#[cfg(feature = "tonic")]
+#[tokio::test]
+async fn peer_ip_from_tonic_connect_info() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(1, "per-peer")).key(floodgate_tower::key::PeerIp::new()))
+        .build()
+        .expect("layer");
+    let channel = greeter::channel(greeter::serve(layer).await).await;
+    assert!(say_hello(channel.clone(), "a", &[]).await.is_ok());
+    let status = say_hello(channel, "a", &[]).await.expect_err("limited");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+}

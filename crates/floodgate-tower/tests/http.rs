@@ -1,0 +1,768 @@
+//! The layer in an axum app over real sockets, with the in-memory limiter.
+// RouteKey, route rules and the RateLimitInfo extractor need the `axum` feature.
+#![cfg(feature = "axum")]
+
+mod common;
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::{get, post};
+use bytes::Bytes;
+use common::{HttpClient, ok, serve, sf_list};
+use floodgate_core::{
+    Check, CheckOptions, LeaseId, Limiter, MemoryError, MemoryLimiter, Policy, Verdict,
+};
+use floodgate_tower::key::{
+    ClientIp, GlobalKey, HeaderKey, Key, PeerIp, RequestView, RouteKey, TrustedProxies,
+};
+use floodgate_tower::{
+    OnMissingKey, OnStoreError, RateLimitInfo, RateLimitLayer, Rejection, RejectionKind, Rule,
+};
+use http::{Method, Response, StatusCode};
+use http_body::Frame;
+
+fn policy(limit: u64, window_secs: u64, name: &str) -> Policy {
+    Policy::fixed_window(limit, Duration::from_secs(window_secs))
+        .expect("policy")
+        .named(name)
+        .expect("name")
+}
+
+#[tokio::test]
+async fn the_request_over_the_limit_gets_429_with_headers() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(3, 10, "per-ip")).key(PeerIp::new()))
+        .build()
+        .expect("layer");
+    let addr = serve(Router::new().route("/", get(ok)).layer(layer)).await;
+    let client = HttpClient::new(addr);
+
+    for expected_remaining in [2, 1, 0] {
+        let res = client.get("/").await;
+        assert_eq!(res.status, StatusCode::OK);
+        assert_eq!(res.body, "ok");
+        let policies = sf_list(&res.headers, "ratelimit-policy");
+        assert_eq!(policies.len(), 1);
+        assert_eq!(policies[0].name, "per-ip");
+        assert_eq!(policies[0].int("q"), 3);
+        assert_eq!(policies[0].int("w"), 10);
+        let limits = sf_list(&res.headers, "ratelimit");
+        assert_eq!(limits.len(), 1);
+        assert_eq!(limits[0].name, "per-ip");
+        assert_eq!(limits[0].int("r"), expected_remaining);
+        let t = limits[0].int("t");
+        assert!((9..=10).contains(&t), "t={t}");
+        assert!(res.header("retry-after").is_none());
+    }
+
+    let res = client.get("/").await;
+    assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(res.header("content-type"), Some("application/problem+json"));
+    let retry_after: u64 = res
+        .header("retry-after")
+        .expect("retry-after")
+        .parse()
+        .expect("secs");
+    assert!((9..=10).contains(&retry_after), "retry-after={retry_after}");
+    let limits = sf_list(&res.headers, "ratelimit");
+    assert_eq!(limits[0].int("r"), 0);
+    // Retry-After never points before the end of the effective window.
+    assert!(limits[0].int("t") <= retry_after);
+    assert_eq!(sf_list(&res.headers, "ratelimit-policy")[0].int("q"), 3);
+
+    let problem = res.json();
+    assert_eq!(
+        problem["type"],
+        "https://iana.org/assignments/http-problem-types#quota-exceeded"
+    );
+    assert_eq!(problem["title"], "Too Many Requests");
+    assert_eq!(problem["status"], 429);
+    assert_eq!(problem["policy"], "per-ip");
+    assert_eq!(problem["violated-policies"], serde_json::json!(["per-ip"]));
+    let retry_ms = problem["retry_after_ms"].as_u64().expect("retry_after_ms");
+    assert_eq!(retry_ms.div_ceil(1000), retry_after);
+    assert!(
+        problem["detail"]
+            .as_str()
+            .expect("detail")
+            .contains("per-ip")
+    );
+}
+
+#[tokio::test]
+async fn several_policies_are_all_or_nothing() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(2, 60, "per-user")).key(HeaderKey::named("x-user").expect("name")))
+        .rule(Rule::new(policy(3, 60, "global")).key(GlobalKey))
+        .legacy_headers(true)
+        .build()
+        .expect("layer");
+    let addr = serve(Router::new().route("/", get(ok)).layer(layer)).await;
+    let client = HttpClient::new(addr);
+    let as_user = |u: &'static str| {
+        let client = client.clone();
+        async move { client.get_with("/", &[("x-user", u.as_bytes())]).await }
+    };
+
+    assert_eq!(as_user("a").await.status, StatusCode::OK);
+    let second = as_user("a").await;
+    assert_eq!(second.status, StatusCode::OK);
+    let items = sf_list(&second.headers, "ratelimit");
+    assert_eq!(
+        items
+            .iter()
+            .map(|i| (i.name.as_str(), i.int("r")))
+            .collect::<Vec<_>>(),
+        [("per-user", 0), ("global", 1)]
+    );
+    assert_eq!(sf_list(&second.headers, "ratelimit-policy").len(), 2);
+    // Legacy headers describe the strictest policy.
+    assert_eq!(second.header("x-ratelimit-limit"), Some("2"));
+    assert_eq!(second.header("x-ratelimit-remaining"), Some("0"));
+
+    // Denied by per-user: nothing is counted, so the global quota still has room for b.
+    let denied = as_user("a").await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(denied.json()["policy"], "per-user");
+    assert_eq!(as_user("b").await.status, StatusCode::OK);
+    let global = as_user("b").await;
+    assert_eq!(global.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(global.json()["policy"], "global");
+    assert_eq!(
+        global.json()["violated-policies"],
+        serde_json::json!(["global"])
+    );
+}
+
+#[tokio::test]
+async fn missing_keys_follow_the_configured_behaviour() {
+    let app = |on_missing: OnMissingKey| {
+        let layer = RateLimitLayer::builder(MemoryLimiter::new())
+            .rule(
+                Rule::new(policy(2, 60, "api-key"))
+                    .key(HeaderKey::named("x-api-key").expect("name")),
+            )
+            .on_missing_key(on_missing)
+            .build()
+            .expect("layer");
+        Router::new().route("/", get(ok)).layer(layer)
+    };
+
+    // Reject: 400 problem+json, for absent, empty and too long keys.
+    let client = HttpClient::new(serve(app(OnMissingKey::Reject)).await);
+    let huge = vec![b'k'; 2048];
+    for headers in [
+        vec![],
+        vec![("x-api-key", &b""[..])],
+        vec![("x-api-key", &huge[..])],
+    ] {
+        let res = client.get_with("/", &headers).await;
+        assert_eq!(res.status, StatusCode::BAD_REQUEST, "{headers:?}");
+        assert_eq!(res.header("content-type"), Some("application/problem+json"));
+        assert_eq!(res.json()["status"], 400);
+        assert_eq!(res.json()["policy"], "api-key");
+    }
+    // Hostile but acceptable keys: opaque bytes, never a 500.
+    let binary = b"\xff\xfe\x80key\x90";
+    for _ in 0..2 {
+        assert_eq!(
+            client.get_with("/", &[("x-api-key", binary)]).await.status,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        client.get_with("/", &[("x-api-key", binary)]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let kib = vec![b'k'; 1024];
+    assert_eq!(
+        client.get_with("/", &[("x-api-key", &kib)]).await.status,
+        StatusCode::OK
+    );
+
+    // Allow: the rule does not apply; no headers.
+    let client = HttpClient::new(serve(app(OnMissingKey::Allow)).await);
+    for _ in 0..5 {
+        let res = client.get("/").await;
+        assert_eq!(res.status, StatusCode::OK);
+        assert!(res.headers.get("ratelimit").is_none());
+    }
+
+    // A fallback key: every keyless request shares one bucket.
+    let client = HttpClient::new(serve(app(OnMissingKey::UseKey(Key::from("anonymous")))).await);
+    assert_eq!(client.get("/").await.status, StatusCode::OK);
+    assert_eq!(
+        client
+            .get_with("/", &[("x-api-key", &huge[..])])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(client.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
+    // A keyed request is unaffected.
+    assert_eq!(
+        client.get_with("/", &[("x-api-key", b"k1")]).await.status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn rules_apply_per_route_and_method() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy(1, 60, "login"))
+                .path_prefix("/login")
+                .methods([Method::POST]),
+        )
+        .rule(
+            Rule::new(policy(2, 60, "per-user-route"))
+                .route("/users/{id}")
+                .key(RouteKey),
+        )
+        .build()
+        .expect("layer");
+    let app = Router::new()
+        .route("/login", post(ok).get(ok))
+        .route("/users/{id}", get(ok))
+        .route("/", get(ok))
+        .layer(layer);
+    let client = HttpClient::new(serve(app).await);
+
+    assert_eq!(
+        client.send(http::Request::post("/login"), &[]).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        client.send(http::Request::post("/login"), &[]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // GET /login and / are not limited, and carry no headers.
+    for path in ["/login", "/", "/login", "/"] {
+        let res = client.get(path).await;
+        assert_eq!(res.status, StatusCode::OK);
+        assert!(res.headers.get("ratelimit").is_none());
+    }
+    // Keyed by the route pattern: different ids share the quota.
+    assert_eq!(client.get("/users/1").await.status, StatusCode::OK);
+    let res = client.get("/users/2").await;
+    assert_eq!(res.status, StatusCode::OK);
+    assert_eq!(sf_list(&res.headers, "ratelimit")[0].name, "per-user-route");
+    assert_eq!(
+        client.get("/users/3").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn spoofed_forwarding_headers_do_not_change_the_key() {
+    // The test client connects from 127.0.0.1: make it a trusted proxy.
+    let trusted = TrustedProxies::parse("127.0.0.0/8").expect("nets");
+    let app = |client_ip: ClientIp| {
+        let layer = RateLimitLayer::builder(MemoryLimiter::new())
+            .rule(Rule::new(policy(2, 60, "per-client")).key(client_ip))
+            .build()
+            .expect("layer");
+        Router::new().route("/", get(ok)).layer(layer)
+    };
+
+    let client = HttpClient::new(serve(app(ClientIp::new(trusted.clone()))).await);
+    let xff = |v: &'static str| {
+        let client = client.clone();
+        async move {
+            client
+                .get_with("/", &[("x-forwarded-for", v.as_bytes())])
+                .await
+                .status
+        }
+    };
+    assert_eq!(xff("203.0.113.9").await, StatusCode::OK);
+    assert_eq!(xff("6.6.6.6, 203.0.113.9").await, StatusCode::OK);
+    // Forged entries on the left, or a forged first header instance, change nothing.
+    assert_eq!(
+        xff("1.1.1.1, 2.2.2.2, 203.0.113.9").await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let res = client
+        .get_with(
+            "/",
+            &[
+                ("x-forwarded-for", b"7.7.7.7"),
+                ("x-forwarded-for", b"203.0.113.9"),
+            ],
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+    // Another client behind the same proxy has its own quota.
+    assert_eq!(xff("198.51.100.1").await, StatusCode::OK);
+
+    // RFC 7239 Forwarded, IPv6 grouped by /64.
+    let client = HttpClient::new(serve(app(ClientIp::new(trusted).forwarded())).await);
+    let fwd = |v: &'static str| {
+        let client = client.clone();
+        async move {
+            client
+                .get_with("/", &[("forwarded", v.as_bytes())])
+                .await
+                .status
+        }
+    };
+    assert_eq!(
+        fwd("for=\"[2001:db8:1:2::1]:4711\";proto=https").await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        fwd("for=6.6.6.6, for=\"[2001:db8:1:2::99]\"").await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        fwd("for=\"[2001:db8:1:2::5]\"").await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(fwd("for=\"[2001:db8:1:3::1]\"").await, StatusCode::OK);
+    // X-Forwarded-For is not read when Forwarded is configured.
+    let res = client
+        .get_with(
+            "/",
+            &[
+                ("x-forwarded-for", b"9.9.9.9"),
+                ("forwarded", b"for=\"[2001:db8:1:2::7]\""),
+            ],
+        )
+        .await;
+    assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+
+    // An untrusted peer: headers are ignored, the key is the peer address.
+    let untrusted = ClientIp::new(TrustedProxies::parse("10.0.0.0/8").expect("nets"));
+    let client = HttpClient::new(serve(app(untrusted)).await);
+    for (i, forged) in ["1.1.1.1", "2.2.2.2", "3.3.3.3"].iter().enumerate() {
+        let status = client
+            .get_with("/", &[("x-forwarded-for", forged.as_bytes())])
+            .await
+            .status;
+        let expected = if i < 2 {
+            StatusCode::OK
+        } else {
+            StatusCode::TOO_MANY_REQUESTS
+        };
+        assert_eq!(status, expected, "{forged}");
+    }
+}
+
+#[tokio::test]
+async fn handlers_see_the_decision() {
+    async fn show(info: RateLimitInfo) -> String {
+        let (policy, decision) = info.strictest().expect("a decision");
+        format!(
+            "{} {} {} {:?}",
+            policy.name(),
+            decision.remaining,
+            info.policies().count(),
+            info.source()
+        )
+    }
+    async fn maybe(info: Option<RateLimitInfo>) -> String {
+        format!("{}", info.is_some())
+    }
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(5, 60, "loose")).key(GlobalKey))
+        .rule(Rule::new(policy(3, 60, "tight")).key(GlobalKey))
+        .build()
+        .expect("layer");
+    let app = Router::new()
+        .route("/info", get(show))
+        .route_layer(layer)
+        .route("/open", get(maybe));
+    let client = HttpClient::new(serve(app).await);
+    assert_eq!(client.get("/info").await.body, "tight 2 2 Store");
+    assert_eq!(client.get("/open").await.body, "false");
+}
+
+#[tokio::test]
+async fn a_custom_rejection_handler_shapes_the_response() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(1, 60, "one")).key(GlobalKey))
+        .rejection_handler(|r: &Rejection<'_>| {
+            assert_eq!(r.kind(), RejectionKind::Limited);
+            let mut res = Response::new(Bytes::from(format!(
+                "slow down: {}",
+                r.policy().expect("policy").name()
+            )));
+            *res.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            res
+        })
+        .build()
+        .expect("layer");
+    let client = HttpClient::new(serve(Router::new().route("/", get(ok)).layer(layer)).await);
+    assert_eq!(client.get("/").await.status, StatusCode::OK);
+    let res = client.get("/").await;
+    assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.body, "slow down: one");
+    assert!(res.header("retry-after").is_some());
+    assert_eq!(sf_list(&res.headers, "ratelimit")[0].int("r"), 0);
+}
+
+/// Arrival times at the handler.
+type Arrivals = Arc<Mutex<Vec<Instant>>>;
+
+fn recording_app(layer: RateLimitLayer, arrivals: Arrivals) -> Router {
+    Router::new()
+        .route(
+            "/",
+            get(move || {
+                let arrivals = arrivals.clone();
+                async move {
+                    arrivals.lock().expect("lock").push(Instant::now());
+                    "ok"
+                }
+            }),
+        )
+        .layer(layer)
+}
+
+async fn burst(client: &HttpClient, n: usize) -> Vec<StatusCode> {
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move { client.get("/").await.status }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.expect("task"));
+    }
+    out
+}
+
+fn assert_spaced(arrivals: &Arrivals, at_least: Duration) {
+    let mut times = arrivals.lock().expect("lock").clone();
+    times.sort();
+    for pair in times.windows(2) {
+        let gap = pair[1] - pair[0];
+        assert!(
+            gap >= at_least,
+            "requests {gap:?} apart, expected at least {at_least:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn delay_mode_spaces_requests_out() {
+    // A shaper: one every 100 ms; requests reserve their turn and wait for it.
+    let arrivals = Arrivals::default();
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(
+                Policy::shaper(10, Duration::from_secs(1))
+                    .expect("policy")
+                    .named("shaper")
+                    .expect("name"),
+            )
+            .key(GlobalKey),
+        )
+        .delay(Duration::from_secs(2))
+        .build()
+        .expect("layer");
+    let client = HttpClient::new(serve(recording_app(layer, arrivals.clone())).await);
+    let started = Instant::now();
+    let statuses = burst(&client, 5).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    assert_spaced(&arrivals, Duration::from_millis(90));
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(380), "{took:?}");
+
+    // GCRA without burst: denied requests sleep their retry_after and try again.
+    let arrivals = Arrivals::default();
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(
+                Policy::gcra(0, 10, Duration::from_secs(1))
+                    .expect("policy")
+                    .named("gcra")
+                    .expect("name"),
+            )
+            .key(GlobalKey),
+        )
+        .delay(Duration::from_secs(2))
+        .build()
+        .expect("layer");
+    let client = HttpClient::new(serve(recording_app(layer, arrivals.clone())).await);
+    let statuses = burst(&client, 4).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    assert_spaced(&arrivals, Duration::from_millis(90));
+
+    // Past the maximum wait, requests are turned away.
+    let arrivals = Arrivals::default();
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(
+                Policy::shaper(4, Duration::from_secs(1))
+                    .expect("policy")
+                    .named("slow")
+                    .expect("name"),
+            )
+            .key(GlobalKey),
+        )
+        .delay(Duration::from_millis(300))
+        .build()
+        .expect("layer");
+    let client = HttpClient::new(serve(recording_app(layer, arrivals.clone())).await);
+    let statuses = burst(&client, 5).await;
+    let ok = statuses.iter().filter(|s| **s == StatusCode::OK).count();
+    let limited = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
+        .count();
+    assert_eq!((ok, limited), (2, 3), "{statuses:?}");
+}
+
+/// A body that sends one chunk, then waits for the test to end it.
+struct HeldBody {
+    first: Option<Bytes>,
+    end: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl http_body::Body for HeldBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if let Some(first) = self.first.take() {
+            return Poll::Ready(Some(Ok(Frame::data(first))));
+        }
+        match Pin::new(&mut self.end).poll(cx) {
+            Poll::Ready(_) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+use std::future::Future as _;
+
+#[tokio::test]
+async fn a_concurrency_lease_lasts_until_the_body_ends() {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<tokio::sync::oneshot::Sender<()>>();
+    let rx = Arc::new(tokio::sync::Mutex::new(rx));
+    let _ = rx;
+    let senders: Arc<Mutex<Vec<tokio::sync::oneshot::Sender<()>>>> = Arc::default();
+    let held = senders.clone();
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(
+                Policy::concurrency(1, Duration::from_secs(60))
+                    .expect("policy")
+                    .named("one-at-a-time")
+                    .expect("name"),
+            )
+            .key(GlobalKey),
+        )
+        .build()
+        .expect("layer");
+    let app = Router::new()
+        .route(
+            "/stream",
+            get(move || {
+                let held = held.clone();
+                async move {
+                    let (end_tx, end_rx) = tokio::sync::oneshot::channel();
+                    held.lock().expect("lock").push(end_tx);
+                    axum::body::Body::new(HeldBody {
+                        first: Some(Bytes::from_static(b"first chunk")),
+                        end: end_rx,
+                    })
+                }
+            }),
+        )
+        .layer(layer);
+    drop(tx);
+    let addr = serve(app).await;
+
+    // Raw HTTP/1.1 so that the test controls when the body is read and when it is dropped.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    async fn open(addr: std::net::SocketAddr) -> (tokio::net::TcpStream, String) {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let mut buf = vec![0; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("head in time")
+            .expect("read");
+        (s, String::from_utf8_lossy(&buf[..n]).into_owned())
+    }
+
+    let (mut first, head) = open(addr).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("first chunk"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("ratelimit: \"one-at-a-time\";r=0"),
+        "{head}"
+    );
+
+    // The body is still streaming: the lease is held.
+    let (_second, head) = open(addr).await;
+    assert!(head.starts_with("HTTP/1.1 429"), "{head}");
+
+    // End the first body; read it to the end.
+    senders
+        .lock()
+        .expect("lock")
+        .remove(0)
+        .send(())
+        .expect("end");
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buf = [0u8; 1024];
+        loop {
+            let n = first.read(&mut buf).await.expect("read");
+            rest.extend_from_slice(&buf[..n]);
+            if n == 0 || rest.ends_with(b"0\r\n\r\n") {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(
+        rest.ends_with(b"0\r\n\r\n"),
+        "{:?}",
+        String::from_utf8_lossy(&rest)
+    );
+
+    let (third, head) = open(addr).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+
+    // Dropping the connection mid-body drops the body: the lease is released too.
+    drop(third);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_s, head) = open(addr).await;
+        if head.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "lease never released: {head}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A store that never answers, and one that always fails.
+#[derive(Clone)]
+struct BrokenStore {
+    hang: bool,
+}
+
+impl Limiter for BrokenStore {
+    type Error = MemoryError;
+
+    async fn check(&self, _: &[Check<'_>], _: CheckOptions) -> Result<Verdict, MemoryError> {
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
+        Err(MemoryError::InvalidCheck("the store is broken".into()))
+    }
+
+    async fn release(&self, _: &[Check<'_>], _: LeaseId) -> Result<(), MemoryError> {
+        Ok(())
+    }
+
+    async fn reset(&self, _: &[u8], _: &Policy) -> Result<(), MemoryError> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn store_failures_follow_the_failure_policy() {
+    for hang in [true, false] {
+        let app = |on_error: OnStoreError| {
+            let layer = RateLimitLayer::builder(BrokenStore { hang })
+                .rule(Rule::new(policy(2, 60, "per-ip")))
+                .on_store_error(on_error)
+                .timeout(Duration::from_millis(50))
+                .build()
+                .expect("layer");
+            Router::new()
+                .route(
+                    "/",
+                    get(|info: Option<RateLimitInfo>| async move {
+                        format!("{:?}", info.map(|i| i.source()))
+                    }),
+                )
+                .layer(layer)
+        };
+
+        let client = HttpClient::new(serve(app(OnStoreError::FailOpen)).await);
+        for _ in 0..4 {
+            let res = client.get("/").await;
+            assert_eq!(res.status, StatusCode::OK);
+            assert_eq!(res.body, "Some(FailOpen)");
+            assert!(res.headers.get("ratelimit").is_none());
+        }
+
+        let client = HttpClient::new(serve(app(OnStoreError::FailClosed)).await);
+        let res = client.get("/").await;
+        assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(res.header("content-type"), Some("application/problem+json"));
+        assert_eq!(res.json()["status"], 503);
+        assert!(res.header("retry-after").is_some());
+
+        let client = HttpClient::new(serve(app(OnStoreError::local_fallback())).await);
+        for _ in 0..2 {
+            let res = client.get("/").await;
+            assert_eq!(res.status, StatusCode::OK);
+            assert_eq!(res.body, "Some(Fallback)");
+            assert!(res.headers.get("ratelimit").is_some());
+        }
+        assert_eq!(client.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
+    }
+}
+
+#[tokio::test]
+async fn async_key_extractors() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy(1, 60, "account")).key_async(|req: &RequestView<'_>| {
+                let token = req.header("authorization").map(|v| v.as_bytes().to_vec());
+                async move {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    token.map(|t| Key::from(format!("account-{}", t.len())))
+                }
+            }),
+        )
+        .build()
+        .expect("layer");
+    let client = HttpClient::new(serve(Router::new().route("/", get(ok)).layer(layer)).await);
+    assert_eq!(
+        client
+            .get_with("/", &[("authorization", b"abc")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        client
+            .get_with("/", &[("authorization", b"xyz")])
+            .await
+            .status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        client
+            .get_with("/", &[("authorization", b"abcd")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(client.get("/").await.status, StatusCode::BAD_REQUEST);
+}

@@ -1,0 +1,271 @@
+//! The layer over the Redis backend, on real redis-server processes (floodgate-testkit).
+// RouteKey, route rules and the RateLimitInfo extractor need the `axum` feature.
+#![cfg(feature = "axum")]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::get;
+use common::greeter::{self, retry_delay, say_hello};
+use common::{HttpClient, serve, sf_list};
+use floodgate_core::{MemoryLimiter, Policy};
+use floodgate_redis::{RedisConfig, RedisLimiter};
+use floodgate_testkit::RedisServer;
+use floodgate_tower::key::{GlobalKey, PeerIp};
+use floodgate_tower::{DecisionSource, OnStoreError, RateLimitInfo, RateLimitLayer, Rule};
+use http::StatusCode;
+use tonic::Code;
+
+fn policy(limit: u64, name: &str) -> Policy {
+    Policy::fixed_window(limit, Duration::from_secs(60))
+        .expect("policy")
+        .named(name)
+        .expect("name")
+}
+
+fn start_redis() -> RedisServer {
+    RedisServer::start().expect("redis-server (run scripts/install-redis if it is missing)")
+}
+
+async fn limiter(server: &RedisServer) -> RedisLimiter {
+    let config = RedisConfig::new(&server.url())
+        .expect("url")
+        .timeout(Duration::from_millis(250))
+        .connect_timeout(Duration::from_millis(250));
+    RedisLimiter::connect(&config).await.expect("connect")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_limits_hold_across_replicas() {
+    let redis = start_redis();
+    // Two "replicas" of the app, each with its own layer, sharing Redis.
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        let layer = RateLimitLayer::builder(limiter(&redis).await)
+            .rule(Rule::new(policy(3, "per-ip")).key(PeerIp::new()))
+            .rule(Rule::new(policy(100, "global")).key(GlobalKey))
+            .legacy_headers(true)
+            .build()
+            .expect("layer");
+        let app = Router::new().route("/", get(common::ok)).layer(layer);
+        clients.push(HttpClient::new(serve(app).await));
+    }
+    for (i, remaining) in [2, 1, 0].into_iter().enumerate() {
+        let res = clients[i % 2].get("/").await;
+        assert_eq!(res.status, StatusCode::OK);
+        let items = sf_list(&res.headers, "ratelimit");
+        assert_eq!(items[0].name, "per-ip");
+        assert_eq!(items[0].int("r"), remaining);
+        assert_eq!(items[1].name, "global");
+        assert_eq!(items[1].int("r"), 99 - i as u64);
+        assert_eq!(
+            res.header("x-ratelimit-remaining"),
+            Some(remaining.to_string().as_str())
+        );
+        let policies = sf_list(&res.headers, "ratelimit-policy");
+        assert_eq!((policies[0].int("q"), policies[0].int("w")), (3, 60));
+    }
+    let res = clients[1].get("/").await;
+    assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = res
+        .header("retry-after")
+        .expect("retry-after")
+        .parse()
+        .expect("secs");
+    assert!((58..=60).contains(&retry), "{retry}");
+    let problem = res.json();
+    assert_eq!(problem["policy"], "per-ip");
+    assert_eq!(
+        problem["retry_after_ms"]
+            .as_u64()
+            .expect("ms")
+            .div_ceil(1000),
+        retry
+    );
+    assert_eq!(sf_list(&res.headers, "ratelimit")[0].int("r"), 0);
+    // The denied request counted nowhere: the global policy still has 97 left.
+    assert_eq!(sf_list(&res.headers, "ratelimit")[1].int("r"), 97);
+    // The state is in Redis.
+    let size = redis
+        .cmd(&["DBSIZE"])
+        .expect("dbsize")
+        .as_int()
+        .expect("int");
+    assert!(size >= 2, "{size} keys");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_over_the_limit_are_resource_exhausted() {
+    let redis = start_redis();
+    let layer = RateLimitLayer::builder(limiter(&redis).await)
+        .rule(Rule::new(policy(2, "grpc")).key(GlobalKey))
+        .build()
+        .expect("layer");
+    let channel = greeter::channel(greeter::serve(layer).await).await;
+    for left in [1, 0] {
+        let res = say_hello(channel.clone(), "r", &[]).await.expect("allowed");
+        let rl = res
+            .metadata()
+            .get("ratelimit")
+            .expect("ratelimit")
+            .to_str()
+            .expect("ascii");
+        assert!(rl.starts_with(&format!("\"grpc\";r={left};t=")), "{rl}");
+    }
+    let status = say_hello(channel, "r", &[]).await.expect_err("limited");
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    let delay = retry_delay(&status).expect("RetryInfo");
+    assert!(
+        delay > Duration::from_secs(58) && delay <= Duration::from_secs(60),
+        "{delay:?}"
+    );
+    assert!(status.metadata().get("retry-after").is_some());
+}
+
+/// Requests until one is decided by `want`, or panics after a few seconds.
+async fn wait_for_source(client: &HttpClient, want: &str) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let res = client.get("/").await;
+        if res.status == StatusCode::OK && res.body == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never decided by {want}: last {} {:?}",
+            res.status,
+            res.body
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn app(layer: RateLimitLayer) -> Router {
+    Router::new()
+        .route(
+            "/",
+            get(|info: Option<RateLimitInfo>| async move {
+                match info.map(|i| i.source()) {
+                    Some(DecisionSource::Store) => "store",
+                    Some(DecisionSource::Fallback) => "fallback",
+                    Some(DecisionSource::FailOpen) => "open",
+                    _ => "?",
+                }
+            }),
+        )
+        .layer(layer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_policies_with_redis_down_and_back() {
+    let redis = start_redis();
+    let build = |limiter: RedisLimiter, on_error: OnStoreError, name: &str| {
+        RateLimitLayer::builder(limiter)
+            .rule(Rule::new(policy(1000, name)).key(GlobalKey))
+            .on_store_error(on_error)
+            .timeout(Duration::from_millis(300))
+            .store_retry_interval(Duration::from_millis(50))
+            .build()
+            .expect("layer")
+    };
+    let open = HttpClient::new(
+        serve(app(build(
+            limiter(&redis).await,
+            OnStoreError::FailOpen,
+            "open",
+        )))
+        .await,
+    );
+    let closed = HttpClient::new(
+        serve(app(build(
+            limiter(&redis).await,
+            OnStoreError::FailClosed,
+            "closed",
+        )))
+        .await,
+    );
+    let local = MemoryLimiter::new();
+    let fallback = HttpClient::new(
+        serve(app(build(
+            limiter(&redis).await,
+            OnStoreError::Fallback(local.clone()),
+            "fallback",
+        )))
+        .await,
+    );
+    for client in [&open, &closed, &fallback] {
+        let res = client.get("/").await;
+        assert_eq!(
+            (res.status, res.body.as_ref()),
+            (StatusCode::OK, &b"store"[..])
+        );
+    }
+
+    tokio::task::block_in_place(|| redis.kill()).expect("kill");
+
+    let res = open.get("/").await;
+    assert_eq!(
+        (res.status, res.body.as_ref()),
+        (StatusCode::OK, &b"open"[..])
+    );
+    assert!(res.headers.get("ratelimit").is_none());
+
+    let res = closed.get("/").await;
+    assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.header("content-type"), Some("application/problem+json"));
+    assert!(res.header("retry-after").is_some());
+
+    let res = fallback.get("/").await;
+    assert_eq!(
+        (res.status, res.body.as_ref()),
+        (StatusCode::OK, &b"fallback"[..])
+    );
+    // The fallback enforces the same policy, with its own counters.
+    let items = sf_list(&res.headers, "ratelimit");
+    assert_eq!(
+        (items[0].name.as_str(), items[0].int("r")),
+        ("fallback", 999)
+    );
+
+    // Redis comes back (empty): decisions go back to it.
+    tokio::task::block_in_place(|| redis.restart()).expect("restart");
+    wait_for_source(&open, "store").await;
+    wait_for_source(&closed, "store").await;
+    wait_for_source(&fallback, "store").await;
+    let size = redis
+        .cmd(&["DBSIZE"])
+        .expect("dbsize")
+        .as_int()
+        .expect("int");
+    assert!(size >= 1, "{size} keys after restart");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_redis_hits_the_layer_timeout() {
+    let redis = start_redis();
+    let config = RedisConfig::new(&redis.url())
+        .expect("url")
+        .timeout(Duration::from_secs(5));
+    let layer = RateLimitLayer::builder(RedisLimiter::connect(&config).await.expect("connect"))
+        .rule(Rule::new(policy(10, "paused")).key(GlobalKey))
+        .on_store_error(OnStoreError::FailOpen)
+        .timeout(Duration::from_millis(100))
+        .store_retry_interval(Duration::from_millis(50))
+        .build()
+        .expect("layer");
+    let client = HttpClient::new(serve(app(layer)).await);
+    assert_eq!(client.get("/").await.body, "store");
+    tokio::task::block_in_place(|| redis.pause()).expect("pause");
+    let started = Instant::now();
+    let res = client.get("/").await;
+    let took = started.elapsed();
+    assert_eq!(res.body, "open");
+    assert!(
+        took < Duration::from_secs(2),
+        "{took:?}: the layer's timeout must apply"
+    );
+    tokio::task::block_in_place(|| redis.resume()).expect("resume");
+    wait_for_source(&client, "store").await;
+}
