@@ -42,6 +42,22 @@ pub(crate) enum CliError {
     /// Drawing the chart failed.
     #[error("cannot draw the chart: {0}")]
     Plot(String),
+    /// Talking to Redis failed; `context` says what was being done, on which server (its URL
+    /// with the password redacted) and for which key.
+    #[error("{context}: {source}")]
+    Redis {
+        /// What was being done.
+        context: String,
+        /// The cause (floodgate-redis' errors never show a password).
+        #[source]
+        source: floodgate_redis::Error,
+    },
+    /// Connecting to Redis failed (the message names the server, password redacted).
+    #[error(transparent)]
+    Connect(floodgate_redis::Error),
+    /// Something else went wrong at run time (a benchmark that made no decision at all).
+    #[error("{0}")]
+    Failed(String),
 }
 
 impl CliError {
@@ -53,6 +69,14 @@ impl CliError {
     /// An I/O error while doing `context`.
     pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
         CliError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// A Redis error while doing `context`.
+    pub(crate) fn redis(context: impl Into<String>, source: floodgate_redis::Error) -> Self {
+        CliError::Redis {
             context: context.into(),
             source,
         }

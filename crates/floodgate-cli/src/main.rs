@@ -4,8 +4,15 @@
 //! this file only wires them together and turns errors into messages and exit codes.
 
 mod args;
+mod bench;
+mod check;
 mod error;
+mod histogram;
+mod inspect;
 mod plot;
+mod policy_args;
+mod redis_args;
+mod reset;
 mod simulate;
 
 use std::process::ExitCode;
@@ -26,6 +33,10 @@ struct Cli {
 enum Command {
     Simulate(simulate::SimulateArgs),
     Plot(plot::PlotArgs),
+    Check(check::CheckArgs),
+    Inspect(inspect::InspectArgs),
+    Reset(reset::ResetArgs),
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -33,6 +44,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Simulate(args) => simulate::run(args),
         Command::Plot(args) => plot::run(args),
+        Command::Check(args) => check::run(args),
+        Command::Inspect(args) => inspect::run(args),
+        Command::Reset(args) => reset::run(args),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,8 +12,8 @@ use floodgate_core::{
 };
 use serde::Serialize;
 
-use crate::args;
 use crate::error::CliError;
+use crate::policy_args::{PolicyArgs, PolicySet, algorithms_help};
 
 const LONG_ABOUT: &str = "\
 Run a rate-limiting policy over events read from stdin and print each decision as JSON.
@@ -25,28 +25,9 @@ algorithms the Redis backend runs as scripts.
 Choose the policy either with --algorithm and that algorithm's flags, or with --policy and a
 policy string (repeat --policy to check several policies all-or-nothing).";
 
-const AFTER_HELP: &str = "\
-Algorithms and their flags (DUR is a duration: 500ms, 1s, 1.5s, 30m, 2h, 1d):
-  fixed_window    --limit N --window DUR
-                    a window opens at the first request and counts up to N
-                  --limit N --calendar UNIT [--units N] [--utc-offset +08:00]
-                    windows aligned to the calendar: UNIT is second, minute, hour, day,
-                    week or month; --units 5 --calendar minute is every 5 minutes
-  sliding_log     --limit N --window DUR        at most N in any window (exact)
-  sliding_window  --limit N --window DUR        about N in any window (two counters)
-  token_bucket    --capacity N --refill N --interval DUR [--intervally]
-                    N tokens per DUR, one at a time (or all at once with --intervally)
-  leaky_bucket    --capacity N --drain DUR      (alias funnel) the bucket drains in DUR
-  gcra            --max-burst N --count N --period DUR
-                    redis-cell's CL.THROTTLE: max-burst + 1 at once, then count per period
-  shaper          --count N --period DUR [--burst N] [--max-wait DUR]
-                    requests wait up to --max-wait for their turn (adds \"wait_ms\")
-  concurrency     --limit N --lease-ttl DUR     at most N in flight (adds \"lease\")
-  --policy STR    any policy string: \"10/minute\", \"funnel:1/30m\", \"calendar:10/day@+08:00\",
-                  \"log:100/h\", \"token:10/s intervally\", \"shaper:5/s burst 2\",
-                  \"concurrency:2 ttl 30s\"; repeat --policy to check all-or-nothing (adds
-                  \"policies\", one decision per policy; nothing is counted unless all allow)
-
+const AFTER_HELP: &str = concat!(
+    algorithms_help!(),
+    "
 Input (stdin), one event per line:
   <t_ms> <key> [cost]    t_ms: milliseconds since the start (never decreasing), key: any
                          word, cost: a whole number of units (default 1; 0 only peeks)
@@ -74,7 +55,8 @@ More:
   floodgate simulate --policy 5/s --policy 100/hour < trace
 
 Exit status: 0 when every line was processed, 1 for a bad input line (the decisions before it
-are printed), 2 for a bad command line or policy.";
+are printed), 2 for a bad command line or policy."
+);
 
 /// Flags of `floodgate simulate`.
 #[derive(Debug, Args)]
@@ -84,284 +66,17 @@ are printed), 2 for a bad command line or policy.";
     after_help = AFTER_HELP
 )]
 pub(crate) struct SimulateArgs {
-    /// The algorithm: fixed_window, sliding_log, sliding_window, token_bucket, leaky_bucket
-    /// (alias funnel), gcra, shaper or concurrency.
-    #[arg(long, short = 'a', value_name = "NAME", value_parser = args::algorithm)]
-    algorithm: Option<AlgorithmKind>,
-
-    /// A policy string such as "10/minute" instead of --algorithm and its flags; repeat (or
-    /// separate with ';') to check several policies all-or-nothing.
-    #[arg(long, short = 'p', value_name = "POLICY", conflicts_with = "algorithm")]
-    policy: Vec<String>,
-
-    /// gcra: requests admitted at once beyond the first (redis-cell's max_burst).
-    #[arg(long, value_name = "N", help_heading = "Policy flags")]
-    max_burst: Option<u64>,
-
-    /// gcra, shaper: requests per --period.
-    #[arg(long, value_name = "N", help_heading = "Policy flags")]
-    count: Option<u64>,
-
-    /// gcra, shaper: the period --count requests are spread over.
-    #[arg(long, value_name = "DUR", value_parser = args::duration, help_heading = "Policy flags")]
-    period: Option<Duration>,
-
-    /// fixed_window, sliding_log, sliding_window, concurrency: units per window (in flight).
-    #[arg(long, value_name = "N", help_heading = "Policy flags")]
-    limit: Option<u64>,
-
-    /// fixed_window, sliding_log, sliding_window: the window.
-    #[arg(long, value_name = "DUR", value_parser = args::duration, help_heading = "Policy flags")]
-    window: Option<Duration>,
-
-    /// fixed_window: align windows to the calendar (second, minute, hour, day, week, month).
-    #[arg(long, value_name = "UNIT", value_parser = args::calendar_unit, help_heading = "Policy flags")]
-    calendar: Option<CalendarUnit>,
-
-    /// fixed_window with --calendar: calendar units per window [default: 1].
-    #[arg(long, value_name = "N", help_heading = "Policy flags")]
-    units: Option<u32>,
-
-    /// fixed_window with --calendar: the time zone's UTC offset, such as +08:00 [default: UTC].
-    #[arg(
-        long,
-        value_name = "OFFSET",
-        value_parser = args::utc_offset,
-        allow_hyphen_values = true,
-        help_heading = "Policy flags"
-    )]
-    utc_offset: Option<i32>,
-
-    /// token_bucket, leaky_bucket: the bucket's capacity.
-    #[arg(long, value_name = "N", help_heading = "Policy flags")]
-    capacity: Option<u64>,
-
-    /// token_bucket: tokens added per --interval.
-    #[arg(long, value_name = "N", help_heading = "Policy flags")]
-    refill: Option<u64>,
-
-    /// token_bucket: the refill interval.
-    #[arg(long, value_name = "DUR", value_parser = args::duration, help_heading = "Policy flags")]
-    interval: Option<Duration>,
-
-    /// token_bucket: add the --refill tokens all at once at the end of each interval.
-    #[arg(long, help_heading = "Policy flags")]
-    intervally: bool,
-
-    /// leaky_bucket: the time a full bucket takes to drain.
-    #[arg(long, value_name = "DUR", value_parser = args::duration, help_heading = "Policy flags")]
-    drain: Option<Duration>,
-
-    /// shaper: requests that may leave at once [default: 1].
-    #[arg(long, value_name = "N", help_heading = "Policy flags")]
-    burst: Option<u64>,
-
-    /// shaper (also with --policy): how long a request may wait for its turn [default: 0].
-    #[arg(long, value_name = "DUR", value_parser = args::duration, help_heading = "Policy flags")]
-    max_wait: Option<Duration>,
-
-    /// concurrency: how long a lease lasts unless released.
-    #[arg(long, value_name = "DUR", value_parser = args::duration, help_heading = "Policy flags")]
-    lease_ttl: Option<Duration>,
+    #[command(flatten)]
+    policy: PolicyArgs,
 
     /// The Unix time in milliseconds of t=0 in the input.
     #[arg(long, value_name = "UNIX_MS", default_value_t = 0)]
     start: u64,
 }
 
-/// The policy flags given on the command line, by name.
-fn given_flags(a: &SimulateArgs) -> Vec<&'static str> {
-    let flags = [
-        ("--max-burst", a.max_burst.is_some()),
-        ("--count", a.count.is_some()),
-        ("--period", a.period.is_some()),
-        ("--limit", a.limit.is_some()),
-        ("--window", a.window.is_some()),
-        ("--calendar", a.calendar.is_some()),
-        ("--units", a.units.is_some()),
-        ("--utc-offset", a.utc_offset.is_some()),
-        ("--capacity", a.capacity.is_some()),
-        ("--refill", a.refill.is_some()),
-        ("--interval", a.interval.is_some()),
-        ("--intervally", a.intervally),
-        ("--drain", a.drain.is_some()),
-        ("--burst", a.burst.is_some()),
-        ("--max-wait", a.max_wait.is_some()),
-        ("--lease-ttl", a.lease_ttl.is_some()),
-    ];
-    flags
-        .into_iter()
-        .filter_map(|(name, given)| given.then_some(name))
-        .collect()
-}
-
-/// The flags each algorithm takes.
-fn flags_of(kind: AlgorithmKind) -> &'static [&'static str] {
-    match kind {
-        AlgorithmKind::FixedWindow => &[
-            "--limit",
-            "--window",
-            "--calendar",
-            "--units",
-            "--utc-offset",
-        ],
-        AlgorithmKind::SlidingLog | AlgorithmKind::SlidingWindow => &["--limit", "--window"],
-        AlgorithmKind::TokenBucket => &["--capacity", "--refill", "--interval", "--intervally"],
-        AlgorithmKind::LeakyBucket => &["--capacity", "--drain"],
-        AlgorithmKind::Gcra => &["--max-burst", "--count", "--period"],
-        AlgorithmKind::Shaper => &["--count", "--period", "--burst", "--max-wait"],
-        AlgorithmKind::Concurrency => &["--limit", "--lease-ttl"],
-        _ => &[],
-    }
-}
-
-/// What to run: the policies, checked together, and the shaper's patience.
-#[derive(Debug)]
-struct Setup {
-    policies: Vec<Policy>,
-    max_wait: Duration,
-}
-
-/// Builds the policies from the flags, refusing missing, conflicting and stray flags.
-fn setup(a: &SimulateArgs) -> Result<Setup, CliError> {
-    let given = given_flags(a);
-    let max_wait = a.max_wait.unwrap_or(Duration::ZERO);
-    if !a.policy.is_empty() {
-        if let Some(flag) = given.iter().find(|f| **f != "--max-wait") {
-            return Err(CliError::usage(format!(
-                "{flag} cannot be used with --policy: the policy string sets the parameters \
-                 (or use --algorithm instead of --policy)"
-            )));
-        }
-        let mut policies: Vec<Policy> = Vec::with_capacity(a.policy.len());
-        for text in &a.policy {
-            for policy in Policy::parse_many(text)? {
-                if policies.iter().any(|p| p.ident() == policy.ident()) {
-                    return Err(CliError::usage(format!(
-                        "policy {policy} is given twice in --policy; give each policy once"
-                    )));
-                }
-                policies.push(policy);
-            }
-        }
-        let shaping = policies
-            .iter()
-            .any(|p| p.algorithm() == AlgorithmKind::Shaper);
-        if a.max_wait.is_some() && !shaping {
-            return Err(CliError::usage(
-                "--max-wait only applies to shaper policies (such as --policy shaper:5/s)",
-            ));
-        }
-        return Ok(Setup { policies, max_wait });
-    }
-    let Some(kind) = a.algorithm else {
-        return Err(CliError::usage(
-            "choose the policy with --algorithm NAME and its flags, or with --policy \"10/minute\"",
-        ));
-    };
-    let takes = flags_of(kind);
-    if let Some(flag) = given.iter().find(|f| !takes.contains(f)) {
-        return Err(CliError::usage(format!(
-            "{flag} does not apply to --algorithm {kind} (it takes {})",
-            takes.join(", ")
-        )));
-    }
-    let need = |flag: &str| CliError::usage(format!("{flag} is required for --algorithm {kind}"));
-    let policy = match kind {
-        AlgorithmKind::Gcra => Policy::gcra(
-            a.max_burst.ok_or_else(|| need("--max-burst"))?,
-            a.count.ok_or_else(|| need("--count"))?,
-            a.period.ok_or_else(|| need("--period"))?,
-        )?,
-        AlgorithmKind::FixedWindow => fixed_window(a, kind)?,
-        AlgorithmKind::SlidingLog => Policy::sliding_log(
-            a.limit.ok_or_else(|| need("--limit"))?,
-            a.window.ok_or_else(|| need("--window"))?,
-        )?,
-        AlgorithmKind::SlidingWindow => Policy::sliding_window(
-            a.limit.ok_or_else(|| need("--limit"))?,
-            a.window.ok_or_else(|| need("--window"))?,
-        )?,
-        AlgorithmKind::TokenBucket => {
-            let capacity = a.capacity.ok_or_else(|| need("--capacity"))?;
-            let refill = a.refill.ok_or_else(|| need("--refill"))?;
-            let interval = a.interval.ok_or_else(|| need("--interval"))?;
-            if a.intervally {
-                Policy::token_bucket_intervally(capacity, refill, interval)?
-            } else {
-                Policy::token_bucket(capacity, refill, interval)?
-            }
-        }
-        AlgorithmKind::LeakyBucket => Policy::funnel(
-            a.capacity.ok_or_else(|| need("--capacity"))?,
-            a.drain.ok_or_else(|| need("--drain"))?,
-        )?,
-        AlgorithmKind::Shaper => {
-            let policy = Policy::shaper(
-                a.count.ok_or_else(|| need("--count"))?,
-                a.period.ok_or_else(|| need("--period"))?,
-            )?;
-            match a.burst {
-                Some(burst) => policy.with_burst(burst)?,
-                None => policy,
-            }
-        }
-        AlgorithmKind::Concurrency => Policy::concurrency(
-            a.limit.ok_or_else(|| need("--limit"))?,
-            a.lease_ttl.ok_or_else(|| need("--lease-ttl"))?,
-        )?,
-        other => {
-            return Err(CliError::usage(format!(
-                "--algorithm {other} is not supported by this floodgate"
-            )));
-        }
-    };
-    Ok(Setup {
-        policies: vec![policy],
-        max_wait,
-    })
-}
-
-/// A rolling (`--window`) or calendar-aligned (`--calendar`) fixed window.
-fn fixed_window(a: &SimulateArgs, kind: AlgorithmKind) -> Result<Policy, CliError> {
-    let limit = a
-        .limit
-        .ok_or_else(|| CliError::usage(format!("--limit is required for --algorithm {kind}")))?;
-    match (a.window, a.calendar) {
-        (Some(_), Some(_)) => Err(CliError::usage(
-            "--window and --calendar cannot be used together: --window makes a window open at \
-             the first request, --calendar aligns windows to the calendar",
-        )),
-        (None, None) => Err(CliError::usage(format!(
-            "--window (or --calendar) is required for --algorithm {kind}"
-        ))),
-        (Some(window), None) => {
-            if let Some(flag) = [
-                ("--units", a.units.is_some()),
-                ("--utc-offset", a.utc_offset.is_some()),
-            ]
-            .iter()
-            .find_map(|(f, given)| given.then_some(f))
-            {
-                return Err(CliError::usage(format!(
-                    "{flag} only applies with --calendar, not with --window"
-                )));
-            }
-            Ok(Policy::fixed_window(limit, window)?)
-        }
-        (None, Some(unit)) => {
-            let policy = Policy::calendar_window(limit, a.units.unwrap_or(1), unit)?;
-            Ok(match a.utc_offset {
-                Some(offset) => policy.with_utc_offset(offset)?,
-                None => policy,
-            })
-        }
-    }
-}
-
 /// Runs `floodgate simulate`.
 pub(crate) fn run(args: SimulateArgs) -> Result<(), CliError> {
-    let setup = setup(&args)?;
+    let setup = args.policy.build()?;
     let mut sim = Simulator::new(setup, args.start);
     let input = BufReader::new(io::stdin());
     let out = io::BufWriter::new(io::stdout().lock());
@@ -474,7 +189,7 @@ struct Simulator {
 }
 
 impl Simulator {
-    fn new(setup: Setup, start_ms: u64) -> Self {
+    fn new(setup: PolicySet, start_ms: u64) -> Self {
         let clock = ManualClock::new(Timestamp::from_millis(start_ms));
         // The limiter's clock is moved to each event's time: releasing a lease reads it.
         let limiter = MemoryLimiter::builder().clock(clock.clone()).build();
@@ -664,7 +379,7 @@ mod tests {
             .map(|p| p.parse().expect("valid policy"))
             .collect();
         Simulator::new(
-            Setup {
+            PolicySet {
                 policies,
                 max_wait: Duration::ZERO,
             },

@@ -1,5 +1,6 @@
 //! floodgate's Redis backend.
 
+mod batch;
 mod bloom;
 mod config;
 mod conn;
@@ -7,8 +8,9 @@ mod error;
 pub mod keys;
 mod limiter;
 
+pub use batch::BatchConfig;
 pub use bloom::*;
 pub use config::*;
 pub use conn::*;
 pub use error::*;
-pub use limiter::RedisLimiter;
+pub use limiter::{CHECK_SCRIPT, RedisLimiter, ScriptArgs};

@@ -1,18 +1,22 @@
-//! [`RedisLimiter`]: every floodgate algorithm as one atomic Lua script per check.
+//! [`RedisLimiter`]: every floodgate algorithm as one atomic Lua script, with automatic batching.
 
 use std::fmt;
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
 use floodgate_core::algorithm::fixed_window::Window;
-use floodgate_core::{Check, CheckOptions, Decision, Kind, LeaseId, Limiter, Policy, Verdict};
+use floodgate_core::{
+    Check, CheckOptions, Decision, Kind, LeaseId, Limiter, Policy, Timestamp, Verdict,
+};
 use redis::{Script, Value};
 use smallvec::SmallVec;
+use tokio::sync::{mpsc, oneshot};
 
+use crate::batch::{self, BatchConfig, Job};
 use crate::keys::{key_slot, state_key};
 use crate::{ConnectionKind, Error, RedisConfig, RedisConn};
 
-/// The check script: the prelude, every algorithm, then the all-or-nothing driver.
+/// The check script: the prelude, every algorithm, then the batch driver.
 pub(crate) const CHECK_SRC: &str = concat!(
     include_str!("lua/prelude.lua"),
     include_str!("lua/gcra.lua"),
@@ -31,8 +35,18 @@ const RELEASE_SRC: &str = concat!(
     include_str!("lua/release.lua")
 );
 
-pub(crate) static CHECK: LazyLock<Script> = LazyLock::new(|| Script::new(CHECK_SRC));
+/// The check script, as sent with `EVALSHA`.
+pub static CHECK_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(CHECK_SRC));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_SRC));
+
+/// The keys and arguments of one call of [`CHECK_SCRIPT`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScriptArgs {
+    /// `KEYS`.
+    pub keys: Vec<Vec<u8>>,
+    /// `ARGV`.
+    pub args: Vec<Vec<u8>>,
+}
 
 /// Fields of one decision in the script's reply.
 const FIELDS: usize = 6;
@@ -40,30 +54,59 @@ const FIELDS: usize = 6;
 /// A rate limiter whose state lives in Redis: every replica that shares the server (or
 /// cluster) and the key prefix shares the limits.
 ///
-/// Each check is one `EVALSHA` of one script that reads, decides and writes atomically, with the
-/// time taken from the Redis server (`TIME`), so replicas with skewed clocks agree. Every key
-/// it writes gets a TTL no longer than the time after which its state no longer matters.
+/// Each check reads, decides and writes atomically in one Lua script, with the time taken from
+/// the Redis server (`TIME`), so replicas with skewed clocks agree. Every key it writes gets a
+/// TTL no longer than the time after which its state no longer matters.
+///
+/// **Batching.** Checks issued concurrently by many tasks are grouped into one script call
+/// (each check still all-or-nothing on its own), and several such calls are kept in flight on
+/// the connection. A check waits at most [`BatchConfig::window`] for company, and only while
+/// another batch is already in flight: an idle limiter sends at once. See [`BatchConfig`].
 ///
 /// On Redis Cluster, a check's keys must share a slot: all policies of one user key do (the
-/// user key is the hash tag). A check across user keys in different slots returns
-/// [`Error::CrossSlot`].
+/// user key is the hash tag); batches are formed per slot. A check across user keys in
+/// different slots returns [`Error::CrossSlot`].
 #[derive(Clone)]
 pub struct RedisLimiter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     conn: RedisConn,
     prefix: Arc<str>,
+    batch: BatchConfig,
+    jobs: OnceLock<mpsc::Sender<Job>>,
 }
 
 impl fmt::Debug for RedisLimiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisLimiter")
-            .field("conn", &self.conn)
-            .field("prefix", &self.prefix)
+            .field("conn", &self.inner.conn)
+            .field("prefix", &self.inner.prefix)
+            .field("batch", &self.inner.batch)
             .finish()
     }
 }
 
+/// One check ready for the script: its keys and, per check, policy and cost.
+pub(crate) struct Group {
+    pub(crate) keys: SmallVec<[Vec<u8>; 2]>,
+    pub(crate) policies: SmallVec<[(&'static str, [i64; 4]); 2]>,
+    pub(crate) costs: SmallVec<[u64; 2]>,
+    pub(crate) max_wait: u64,
+    pub(crate) lease: u64,
+    pub(crate) now: Option<Timestamp>,
+}
+
+impl Group {
+    /// The slot of the group's keys (they share one).
+    pub(crate) fn slot(&self) -> u16 {
+        key_slot(&self.keys[0])
+    }
+}
+
 impl RedisLimiter {
-    /// Connects with `config`.
+    /// Connects with `config`, batching with the default settings.
     pub async fn connect(config: &RedisConfig) -> Result<Self, Error> {
         let conn = RedisConn::connect(config).await?;
         Ok(RedisLimiter::new(conn, config.get_key_prefix()))
@@ -71,25 +114,55 @@ impl RedisLimiter {
 
     /// A limiter over an existing connection, with its keys under `prefix`.
     pub fn new(conn: RedisConn, prefix: &str) -> Self {
+        RedisLimiter::with_batching(conn, prefix, BatchConfig::default())
+    }
+
+    /// A limiter with explicit batching settings (`BatchConfig::disabled()` sends every check
+    /// on its own).
+    pub fn with_batching(conn: RedisConn, prefix: &str, batch: BatchConfig) -> Self {
         RedisLimiter {
-            conn,
-            prefix: prefix.into(),
+            inner: Arc::new(Inner {
+                conn,
+                prefix: prefix.into(),
+                batch,
+                jobs: OnceLock::new(),
+            }),
         }
     }
 
     /// The connection.
     pub fn conn(&self) -> &RedisConn {
-        &self.conn
+        &self.inner.conn
     }
 
     /// The key prefix.
     pub fn prefix(&self) -> &str {
-        &self.prefix
+        &self.inner.prefix
+    }
+
+    /// The batching settings.
+    pub fn batching(&self) -> &BatchConfig {
+        &self.inner.batch
     }
 
     /// The Redis key holding `policy`'s state for `key`.
     pub fn state_key(&self, policy: &Policy, key: &[u8]) -> Vec<u8> {
-        state_key(&self.prefix, policy, key)
+        state_key(&self.inner.prefix, policy, key)
+    }
+
+    /// The keys and arguments of [`CHECK_SCRIPT`] for one check, as `EVALSHA` sends them (for
+    /// benchmarks that compare against raw `EVALSHA`).
+    pub fn script_call(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<ScriptArgs, Error> {
+        let group = self.encode(checks, opts)?;
+        let args = batch::encode_args(&[&group]);
+        Ok(ScriptArgs {
+            keys: group.keys.into_vec(),
+            args,
+        })
     }
 
     /// Releases concurrency lease `lease` of `checks` (see [`Limiter::release`]), with the time
@@ -99,7 +172,7 @@ impl RedisLimiter {
         &self,
         checks: &[Check<'_>],
         lease: LeaseId,
-        now: Option<floodgate_core::Timestamp>,
+        now: Option<Timestamp>,
     ) -> Result<u64, Error> {
         let lease = lease.0.to_string();
         let now = now.map_or(String::new(), |t| t.as_micros().to_string());
@@ -111,6 +184,7 @@ impl RedisLimiter {
             }
             let key = self.state_key(c.policy, c.key);
             let reply = self
+                .inner
                 .conn
                 .invoke_script(&RELEASE, &[&key], &[lease.as_bytes(), now.as_bytes()])
                 .await?;
@@ -127,7 +201,8 @@ impl RedisLimiter {
         Ok(released)
     }
 
-    async fn run_check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, Error> {
+    /// Validates and encodes one check.
+    fn encode(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Group, Error> {
         if checks.is_empty() {
             return Err(Error::Config("a check needs at least one policy".into()));
         }
@@ -142,11 +217,11 @@ impl RedisLimiter {
                 )));
             }
         }
-        let keys: SmallVec<[Vec<u8>; 4]> = checks
+        let keys: SmallVec<[Vec<u8>; 2]> = checks
             .iter()
             .map(|c| self.state_key(c.policy, c.key))
             .collect();
-        if self.conn.kind() == ConnectionKind::Cluster {
+        if self.inner.conn.kind() == ConnectionKind::Cluster {
             let slot = key_slot(&keys[0]);
             if let Some(other) = keys.iter().find(|k| key_slot(k) != slot) {
                 return Err(Error::CrossSlot {
@@ -158,46 +233,77 @@ impl RedisLimiter {
                 });
             }
         }
-        let lease = checks
+        let lease = if checks
             .iter()
             .any(|c| matches!(c.policy.kind(), Kind::Concurrency(_)))
-            .then(|| fastrand::u64(1..));
-        let args = encode_args(checks, &opts, lease);
-        let key_refs: SmallVec<[&[u8]; 4]> = keys.iter().map(Vec::as_slice).collect();
-        let arg_refs: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
-        let reply = self
-            .conn
-            .invoke_script(&CHECK, &key_refs, &arg_refs)
-            .await?;
-        let verdict = decode_reply(&reply, checks.len())?;
+        {
+            fastrand::u64(1..)
+        } else {
+            0
+        };
+        Ok(Group {
+            keys,
+            policies: checks.iter().map(|c| params(c.policy.kind())).collect(),
+            costs: checks.iter().map(|c| c.cost).collect(),
+            max_wait: u64::try_from(opts.max_wait.as_micros()).unwrap_or(u64::MAX),
+            lease,
+            now: opts.now,
+        })
+    }
+
+    async fn run_check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, Error> {
+        let group = self.encode(checks, opts)?;
+        let lease = group.lease;
+        let verdict = match self.batcher() {
+            Some(jobs) => {
+                let (tx, rx) = oneshot::channel();
+                if jobs.send(Job { group, reply: tx }).await.is_err() {
+                    return Err(batcher_gone());
+                }
+                // The batcher bounds each call by the connection's timeout; this only guards
+                // against a batcher that stopped answering.
+                let patience = self.inner.conn.timeout() * 2 + self.inner.batch.window;
+                match tokio::time::timeout(patience, rx).await {
+                    Ok(Ok(result)) => result?,
+                    Ok(Err(_)) => return Err(batcher_gone()),
+                    Err(_) => {
+                        return Err(Error::Timeout {
+                            after: patience,
+                            op: "batched check",
+                        });
+                    }
+                }
+            }
+            None => {
+                let mut results = batch::run(&self.inner.conn, &[&group]).await?;
+                results.pop().unwrap_or_else(|| Err(batcher_gone()))?
+            }
+        };
         Ok(Verdict {
-            lease: lease.filter(|_| verdict.allowed()).map(LeaseId),
+            lease: (lease != 0 && verdict.allowed()).then_some(LeaseId(lease)),
             ..verdict
         })
     }
+
+    /// The batcher's queue, started on first use (it needs a running tokio runtime).
+    fn batcher(&self) -> Option<&mpsc::Sender<Job>> {
+        if !self.inner.batch.enabled {
+            return None;
+        }
+        Some(self.inner.jobs.get_or_init(|| {
+            let (tx, rx) = mpsc::channel(self.inner.batch.queue);
+            tokio::spawn(batch::batcher(
+                self.inner.conn.clone(),
+                self.inner.batch.clone(),
+                rx,
+            ));
+            tx
+        }))
+    }
 }
 
-/// The script's arguments: now, max wait, lease, count, then six per check.
-fn encode_args(checks: &[Check<'_>], opts: &CheckOptions, lease: Option<u64>) -> Vec<String> {
-    let mut args = Vec::with_capacity(4 + FIELDS * checks.len());
-    args.push(
-        opts.now
-            .map_or(String::new(), |t| t.as_micros().to_string()),
-    );
-    args.push(
-        u64::try_from(opts.max_wait.as_micros())
-            .unwrap_or(u64::MAX)
-            .to_string(),
-    );
-    args.push(lease.unwrap_or(0).to_string());
-    args.push(checks.len().to_string());
-    for c in checks {
-        let (tag, p) = params(c.policy.kind());
-        args.push(tag.to_owned());
-        args.push(c.cost.to_string());
-        args.extend(p.iter().map(i64::to_string));
-    }
-    args
+fn batcher_gone() -> Error {
+    Error::Config("the batching task has stopped (was its tokio runtime shut down?)".into())
 }
 
 /// The algorithm's tag and its four parameters, as the scripts expect them.
@@ -238,28 +344,12 @@ pub(crate) fn params(kind: &Kind) -> (&'static str, [i64; 4]) {
     (tag, p)
 }
 
-fn decode_reply(reply: &Value, n: usize) -> Result<Verdict, Error> {
-    let unexpected = || Error::UnexpectedReply {
-        expected: "an array of integers from the check script",
-        got: format!("{reply:?}").chars().take(200).collect(),
-    };
-    let Value::Array(items) = reply else {
-        return Err(unexpected());
-    };
-    if items.len() != n * FIELDS + 1 {
-        return Err(unexpected());
-    }
-    let ints: SmallVec<[i64; 32]> = items
-        .iter()
-        .map(|v| match v {
-            Value::Int(i) => Ok(*i),
-            _ => Err(unexpected()),
-        })
-        .collect::<Result<_, _>>()?;
-    let u = |v: i64| u64::try_from(v).map_err(|_| unexpected());
+/// Decodes one group's decisions from the reply's integers.
+pub(crate) fn decode_group(ints: &[i64]) -> Option<Verdict> {
+    let u = |v: i64| u64::try_from(v).ok();
     let mut decisions = SmallVec::new();
     let mut wait = 0;
-    for f in ints[..n * FIELDS].chunks_exact(FIELDS) {
+    for f in ints.chunks_exact(FIELDS) {
         let retry = if f[3] < 0 { None } else { Some(u(f[3])?) };
         decisions.push(Decision::from_micros(
             f[0] == 1,
@@ -270,7 +360,7 @@ fn decode_reply(reply: &Value, n: usize) -> Result<Verdict, Error> {
         ));
         wait = wait.max(u(f[5])?);
     }
-    Ok(Verdict {
+    Some(Verdict {
         decisions,
         wait: Duration::from_micros(wait),
         lease: None,
@@ -291,6 +381,6 @@ impl Limiter for RedisLimiter {
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), Error> {
         let mut cmd = redis::cmd("DEL");
         cmd.arg(self.state_key(policy, key));
-        self.conn.query::<i64>(cmd).await.map(|_| ())
+        self.inner.conn.query::<i64>(cmd).await.map(|_| ())
     }
 }

@@ -117,7 +117,7 @@ fn key_bytes(case: u64, key: u8, policies: usize, same_key: bool) -> Vec<Vec<u8>
 
 /// A policy of every algorithm, with the gap between events that exercises it.
 fn policy() -> impl Strategy<Value = (Policy, u64)> {
-    let ms = |lo: u64, hi: u64| (lo..=hi).prop_map(|v| Duration::from_millis(v));
+    let ms = |lo: u64, hi: u64| (lo..=hi).prop_map(Duration::from_millis);
     prop_oneof![
         (0u64..8, 1u64..10, ms(1, 5_000))
             .prop_map(|(b, c, p)| (Policy::gcra(b, c, p).expect("valid"), p.as_micros() as u64)),
@@ -242,7 +242,9 @@ async fn fixed_cases(redis: &RedisLimiter) {
     // redis-cell's own table (limit 5, 1 per second), through the Redis scripts.
     let gcra = Policy::gcra(4, 1, Duration::from_secs(1)).expect("valid");
     let key = format!("cell-{}", CASE.fetch_add(1, Ordering::Relaxed));
-    let table: &[(u64, u64, (bool, u64, Option<u64>, u64))] = &[
+    // (ms, quantity) => (allowed, remaining, retry_after_ms, reset_after_ms)
+    type Row = (u64, u64, (bool, u64, Option<u64>, u64));
+    let table: &[Row] = &[
         (0, 6, (false, 5, None, 0)),
         (0, 1, (true, 4, None, 1000)),
         (0, 1, (true, 3, None, 2000)),

@@ -157,6 +157,8 @@ pub(crate) trait DynEngine: Send + Sync + 'static {
     fn shared(&self) -> &Shared;
     fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided>;
     /// Decides without a future when the limiter allows it; gives the job back otherwise.
+    // Both variants move once per request; boxing would cost the allocation this avoids.
+    #[allow(clippy::result_large_err)]
     fn decide_now(&self, this: &Arc<dyn DynEngine>, job: Job) -> Result<Decided, Job>;
     fn release(self: Arc<Self>, job: LeaseJob);
 }
@@ -545,6 +547,7 @@ where
 
     /// The in-memory limiter decides synchronously: no future, no box, no clone of the inner
     /// service. `None` for any other limiter, in delay mode, or with keys still pending.
+    #[allow(clippy::result_large_err)]
     fn decide_sync(&self, this: &Arc<dyn DynEngine>, job: Job) -> Result<Decided, Job> {
         if !job.pending.is_empty() || self.shared.mode != Mode::Reject {
             return Err(job);
@@ -623,6 +626,7 @@ where
         Box::pin(self.run(job))
     }
 
+    #[allow(clippy::result_large_err)]
     fn decide_now(&self, this: &Arc<dyn DynEngine>, job: Job) -> Result<Decided, Job> {
         self.decide_sync(this, job)
     }

@@ -552,9 +552,6 @@ use std::future::Future as _;
 
 #[tokio::test]
 async fn a_concurrency_lease_lasts_until_the_body_ends() {
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<tokio::sync::oneshot::Sender<()>>();
-    let rx = Arc::new(tokio::sync::Mutex::new(rx));
-    let _ = rx;
     let senders: Arc<Mutex<Vec<tokio::sync::oneshot::Sender<()>>>> = Arc::default();
     let held = senders.clone();
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
@@ -585,7 +582,6 @@ async fn a_concurrency_lease_lasts_until_the_body_ends() {
             }),
         )
         .layer(layer);
-    drop(tx);
     let addr = serve(app).await;
 
     // Raw HTTP/1.1 so that the test controls when the body is read and when it is dropped.

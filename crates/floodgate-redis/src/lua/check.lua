@@ -1,12 +1,16 @@
--- floodgate check: several policies, all-or-nothing, in one atomic call.
+-- floodgate check: a batch of groups, each group several checks decided all-or-nothing, in one
+-- atomic call. A single check is a batch of one group of one.
 --
--- KEYS: one state key per check (all in one cluster slot).
--- ARGV: now (us, or '' for the server's TIME), max wait (us), lease id, number of checks,
---       then per check: algorithm tag, cost, and four parameters.
--- Reply: per check {allowed, limit, remaining, retry_after_us (-1: none), reset_after_us,
---        wait_us}, then the time used.
--- Every state is read and validated before anything is written: a corrupted key fails the
--- whole call and changes nothing.
+-- KEYS: one state key per check, group after group (on a cluster, all in one slot).
+-- ARGV: now (us, or '' for the server's TIME),
+--       P, then P policies of 5 values: algorithm tag and four parameters,
+--       G, then G groups: n, max wait (us), lease id, then n checks of 2 values:
+--       policy number (1-based) and cost.
+-- Reply: the time used, then per group either 1 followed by 6 integers per check
+--        {allowed, limit, remaining, retry_after_us (-1: none), reset_after_us, wait_us},
+--        or 0 followed by the group's error (a corrupted or wrong-type key).
+-- A group reads and validates every state before it writes anything, so a failing group
+-- changes nothing, and the other groups of the batch are unaffected.
 
 local now
 if ARGV[1] ~= '' then
@@ -16,51 +20,103 @@ else
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
-local max_wait = tonumber(ARGV[2])
-local lease = ARGV[3]
-local n = tonumber(ARGV[4])
-if now == nil or max_wait == nil or n == nil or n ~= #KEYS or #ARGV ~= 4 + 6 * n then
-  fail('FLOODGATE_BADARG', 0, 'malformed arguments')
+
+local function malformed(where)
+  error({ err = 'FLOODGATE_BADARG 0 malformed arguments at ' .. where })
 end
 
-local checks = {}
-for i = 1, n do
-  local b = 4 + (i - 1) * 6
-  local alg = ALG[ARGV[b + 1]]
-  local cost = tonumber(ARGV[b + 2])
-  local p = { tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6]) }
-  if alg == nil or cost == nil or p[1] == nil or p[2] == nil or p[3] == nil or p[4] == nil then
-    fail('FLOODGATE_BADARG', i - 1, 'malformed check ' .. shown(ARGV[b + 1]))
+local a = 2
+local np = tonumber(ARGV[a])
+if now == nil or np == nil then
+  malformed('header')
+end
+a = a + 1
+local policies = {}
+for i = 1, np do
+  local alg = ALG[ARGV[a]]
+  local p = { tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]) }
+  if alg == nil or p[1] == nil or p[2] == nil or p[3] == nil or p[4] == nil then
+    malformed('policy ' .. i)
   end
-  checks[i] = { alg = alg, cost = cost, p = p, key = KEYS[i] }
+  policies[i] = { alg = alg, p = p }
+  a = a + 5
 end
 
-for i, c in ipairs(checks) do
-  c.st = c.alg.load(i - 1, c.key, c.p, now)
-end
-
-local all = true
-for _, c in ipairs(checks) do
-  c.out = c.alg.decide(c.st, c.p, now, c.cost, max_wait)
-  if c.out[1] == 0 then
-    all = false
+local function run_group(checks, max_wait, lease)
+  for i, c in ipairs(checks) do
+    c.st = c.alg.load(i - 1, c.key, c.p, now)
   end
-end
-
-local reply = {}
-for _, c in ipairs(checks) do
-  if all then
-    if c.cost > 0 then
-      c.alg.commit(c.st, c.p, now, c.cost, lease)
-      c.alg.save(c.key, c.st, c.p, now)
+  local all = true
+  for _, c in ipairs(checks) do
+    c.out = c.alg.decide(c.st, c.p, now, c.cost, max_wait)
+    if c.out[1] == 0 then
+      all = false
     end
-  elseif c.out[1] == 1 then
-    -- Nothing is counted: report this policy's state as it stands.
-    c.out = c.alg.decide(c.st, c.p, now, 0, max_wait)
   end
-  for j = 1, 6 do
-    reply[#reply + 1] = c.out[j]
+  local out = {}
+  for _, c in ipairs(checks) do
+    if all then
+      if c.cost > 0 then
+        c.alg.commit(c.st, c.p, now, c.cost, lease)
+        c.alg.save(c.key, c.st, c.p, now)
+      end
+    elseif c.out[1] == 1 then
+      -- Nothing is counted: report this policy's state as it stands.
+      c.out = c.alg.decide(c.st, c.p, now, 0, max_wait)
+    end
+    for j = 1, 6 do
+      out[#out + 1] = c.out[j]
+    end
+  end
+  return out
+end
+
+local ng = tonumber(ARGV[a])
+if ng == nil then
+  malformed('group count')
+end
+a = a + 1
+-- Parse and validate every argument before anything runs.
+local k = 1
+local groups = {}
+for g = 1, ng do
+  local n, max_wait, lease = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), ARGV[a + 2]
+  if n == nil or max_wait == nil or lease == nil then
+    malformed('group ' .. g)
+  end
+  a = a + 3
+  local checks = {}
+  for i = 1, n do
+    local pol = policies[tonumber(ARGV[a])]
+    local cost = tonumber(ARGV[a + 1])
+    if pol == nil or cost == nil or KEYS[k] == nil then
+      malformed('group ' .. g .. ' check ' .. i)
+    end
+    checks[i] = { alg = pol.alg, p = pol.p, cost = cost, key = KEYS[k] }
+    a = a + 2
+    k = k + 1
+  end
+  groups[g] = { checks = checks, max_wait = max_wait, lease = lease }
+end
+if k ~= #KEYS + 1 or a ~= #ARGV + 1 then
+  malformed('the end')
+end
+
+local reply = { now }
+for _, group in ipairs(groups) do
+  local ok, res = pcall(run_group, group.checks, group.max_wait, group.lease)
+  if ok then
+    reply[#reply + 1] = 1
+    for _, v in ipairs(res) do
+      reply[#reply + 1] = v
+    end
+  else
+    reply[#reply + 1] = 0
+    -- Redis hands pcall our error tables as their message.
+    if type(res) == 'table' and res.err then
+      res = res.err
+    end
+    reply[#reply + 1] = tostring(res)
   end
 end
-reply[#reply + 1] = now
 return reply

@@ -1,0 +1,301 @@
+//! Automatic batching: checks issued concurrently are grouped into one script call.
+//!
+//! A single task owns the batching. It takes every check waiting in its queue (up to
+//! [`BatchConfig::max_batch`]) and sends them as one `EVALSHA` of the check script, in which
+//! each check remains its own all-or-nothing group. Up to [`BatchConfig::max_in_flight`] such
+//! calls are pipelined on the connection. While a call is in flight, the next batch may wait up
+//! to [`BatchConfig::window`] to fill; when nothing is in flight, a check goes out at once, so
+//! batching adds no latency to an idle limiter. On a cluster, a batch is split per slot.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::future::join_all;
+use futures_util::stream::FuturesUnordered;
+use redis::Value;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::limiter::{CHECK_SCRIPT, Group, decode_group};
+use crate::{ConnectionKind, Error, RedisConn, display_key};
+use floodgate_core::Verdict;
+
+/// How checks are batched (see the [module docs](self)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// Whether to batch at all.
+    pub enabled: bool,
+    /// The longest a check waits for others to join its batch, and only while another batch
+    /// is in flight. Default 100 µs.
+    pub window: Duration,
+    /// The most checks in one script call. Default 128.
+    pub max_batch: usize,
+    /// The most script calls in flight at once. Default 4.
+    pub max_in_flight: usize,
+    /// How many checks may queue for the batcher before callers wait. Default 16384.
+    pub queue: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        BatchConfig {
+            enabled: true,
+            window: Duration::from_micros(100),
+            max_batch: 128,
+            max_in_flight: 4,
+            queue: 16_384,
+        }
+    }
+}
+
+impl BatchConfig {
+    /// No batching: every check is its own script call.
+    pub fn disabled() -> Self {
+        BatchConfig {
+            enabled: false,
+            ..BatchConfig::default()
+        }
+    }
+}
+
+/// A check waiting for its batch.
+pub(crate) struct Job {
+    pub(crate) group: Group,
+    pub(crate) reply: oneshot::Sender<Result<Verdict, Error>>,
+}
+
+/// The check script's arguments for `groups` (see `lua/check.lua`).
+pub(crate) fn encode_args(groups: &[&Group]) -> Vec<Vec<u8>> {
+    let mut policies: Vec<(&'static str, [i64; 4])> = Vec::new();
+    let mut index_of = |p: &(&'static str, [i64; 4])| -> usize {
+        match policies.iter().position(|q| q == p) {
+            Some(i) => i + 1,
+            None => {
+                policies.push(*p);
+                policies.len()
+            }
+        }
+    };
+    let mut body: Vec<Vec<u8>> = Vec::new();
+    let mut buf = itoa::Buffer::new();
+    let mut num = |v: u64| buf.format(v).as_bytes().to_vec();
+    body.push(num(groups.len() as u64));
+    for g in groups {
+        body.push(num(g.keys.len() as u64));
+        body.push(num(g.max_wait));
+        body.push(num(g.lease));
+        for (p, cost) in g.policies.iter().zip(&g.costs) {
+            body.push(num(index_of(p) as u64));
+            body.push(num(*cost));
+        }
+    }
+    let now = groups
+        .first()
+        .and_then(|g| g.now)
+        .map_or_else(Vec::new, |t| t.as_micros().to_string().into_bytes());
+    let mut args = Vec::with_capacity(2 + policies.len() * 5 + body.len());
+    args.push(now);
+    args.push(policies.len().to_string().into_bytes());
+    for (tag, p) in &policies {
+        args.push(tag.as_bytes().to_vec());
+        args.extend(p.iter().map(|v| v.to_string().into_bytes()));
+    }
+    args.extend(body);
+    args
+}
+
+/// Runs `groups` in one script call. The groups must share a slot on a cluster and an
+/// injected time, if any. The outer error fails every group; inner errors are per group.
+pub(crate) async fn run(
+    conn: &RedisConn,
+    groups: &[&Group],
+) -> Result<Vec<Result<Verdict, Error>>, Error> {
+    let keys: Vec<&[u8]> = groups
+        .iter()
+        .flat_map(|g| g.keys.iter().map(Vec::as_slice))
+        .collect();
+    let args = encode_args(groups);
+    let arg_refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+    let reply = conn.invoke_script(&CHECK_SCRIPT, &keys, &arg_refs).await?;
+    decode(&reply, groups)
+}
+
+fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Verdict, Error>>, Error> {
+    let unexpected = || Error::UnexpectedReply {
+        expected: "the check script's reply",
+        got: format!("{reply:?}").chars().take(200).collect(),
+    };
+    let Value::Array(items) = reply else {
+        return Err(unexpected());
+    };
+    let mut at = 1; // items[0] is the time used
+    let mut out = Vec::with_capacity(groups.len());
+    for g in groups {
+        match items.get(at) {
+            Some(Value::Int(1)) => {
+                let n = g.keys.len() * 6;
+                let ints: Option<Vec<i64>> = items.get(at + 1..at + 1 + n).and_then(|s| {
+                    s.iter()
+                        .map(|v| match v {
+                            Value::Int(i) => Some(*i),
+                            _ => None,
+                        })
+                        .collect()
+                });
+                let verdict = ints
+                    .as_deref()
+                    .and_then(decode_group)
+                    .ok_or_else(unexpected)?;
+                out.push(Ok(verdict));
+                at += 1 + n;
+            }
+            Some(Value::Int(0)) => {
+                let message = match items.get(at + 1) {
+                    Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                    Some(Value::SimpleString(s)) => s.clone(),
+                    _ => return Err(unexpected()),
+                };
+                out.push(Err(group_error(&message, &g.keys)));
+                at += 2;
+            }
+            _ => return Err(unexpected()),
+        }
+    }
+    if at != items.len() {
+        return Err(unexpected());
+    }
+    Ok(out)
+}
+
+/// Maps the error a group raised (`FLOODGATE_CORRUPT <i> <detail>`, `FLOODGATE_WRONGTYPE <i>`,
+/// `WRONGTYPE ...`) to a typed error naming the key.
+fn group_error(message: &str, keys: &[Vec<u8>]) -> Error {
+    let (code, rest) = message.split_once(' ').unwrap_or((message, ""));
+    let key_at = |i: &str| {
+        i.parse::<usize>()
+            .ok()
+            .and_then(|i| keys.get(i))
+            .map_or_else(|| "(unknown)".to_owned(), |k| display_key(k))
+    };
+    match code {
+        "FLOODGATE_CORRUPT" => {
+            let (i, detail) = rest.split_once(' ').unwrap_or((rest, ""));
+            Error::Corrupted {
+                key: key_at(i),
+                detail: detail.to_owned(),
+            }
+        }
+        "FLOODGATE_WRONGTYPE" => Error::WrongType {
+            key: key_at(rest.trim()),
+        },
+        "WRONGTYPE" => Error::WrongType {
+            key: keys
+                .first()
+                .map_or_else(|| "(no key)".to_owned(), |k| display_key(k)),
+        },
+        _ => Error::Script {
+            message: message.to_owned(),
+        },
+    }
+}
+
+/// The same error again, for every check of a failed batch.
+fn duplicate(e: &Error) -> Error {
+    match e {
+        Error::Config(m) => Error::Config(m.clone()),
+        Error::Connect { addr, source } => Error::Connect {
+            addr: addr.clone(),
+            source: source.clone(),
+        },
+        Error::Timeout { after, op } => Error::Timeout { after: *after, op },
+        Error::WrongType { key } => Error::WrongType { key: key.clone() },
+        Error::Corrupted { key, detail } => Error::Corrupted {
+            key: key.clone(),
+            detail: detail.clone(),
+        },
+        Error::CrossSlot { message } => Error::CrossSlot {
+            message: message.clone(),
+        },
+        Error::Script { message } => Error::Script {
+            message: message.clone(),
+        },
+        Error::UnexpectedReply { expected, got } => Error::UnexpectedReply {
+            expected,
+            got: got.clone(),
+        },
+        Error::Redis(r) => Error::Redis(r.clone()),
+        #[allow(unreachable_patterns)]
+        other => Error::Script {
+            message: other.to_string(),
+        },
+    }
+}
+
+/// The batching task: runs until every sender is gone, then finishes what is in flight.
+pub(crate) async fn batcher(conn: RedisConn, cfg: BatchConfig, mut rx: mpsc::Receiver<Job>) {
+    let max_batch = cfg.max_batch.max(1);
+    let max_in_flight = cfg.max_in_flight.max(1);
+    let mut in_flight = FuturesUnordered::new();
+    loop {
+        let first = tokio::select! {
+            biased;
+            Some(()) = in_flight.next(), if !in_flight.is_empty() => continue,
+            job = rx.recv(), if in_flight.len() < max_in_flight => match job {
+                Some(job) => job,
+                None => break,
+            },
+        };
+        let mut batch = vec![first];
+        while batch.len() < max_batch {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        // Wait for company only while the pipeline is busy anyway.
+        if batch.len() < max_batch && !in_flight.is_empty() && !cfg.window.is_zero() {
+            let deadline = Instant::now() + cfg.window;
+            while batch.len() < max_batch {
+                tokio::select! {
+                    biased;
+                    job = rx.recv() => match job {
+                        Some(job) => batch.push(job),
+                        None => break,
+                    },
+                    _ = tokio::time::sleep_until(deadline) => break,
+                }
+            }
+        }
+        in_flight.push(dispatch(conn.clone(), batch));
+    }
+    while in_flight.next().await.is_some() {}
+}
+
+/// Sends one batch: one script call per (slot, injected time), concurrently.
+async fn dispatch(conn: RedisConn, jobs: Vec<Job>) {
+    let cluster = conn.kind() == ConnectionKind::Cluster;
+    let mut sets: HashMap<(u16, Option<u64>), Vec<Job>> = HashMap::new();
+    for job in jobs {
+        let slot = if cluster { job.group.slot() } else { 0 };
+        let now = job.group.now.map(|t| t.as_micros());
+        sets.entry((slot, now)).or_default().push(job);
+    }
+    join_all(sets.into_values().map(|set| run_set(&conn, set))).await;
+}
+
+async fn run_set(conn: &RedisConn, jobs: Vec<Job>) {
+    let groups: Vec<&Group> = jobs.iter().map(|j| &j.group).collect();
+    match run(conn, &groups).await {
+        Ok(results) => {
+            for (job, result) in jobs.into_iter().zip(results) {
+                let _ = job.reply.send(result);
+            }
+        }
+        Err(e) => {
+            for job in jobs {
+                let _ = job.reply.send(Err(duplicate(&e)));
+            }
+        }
+    }
+}
