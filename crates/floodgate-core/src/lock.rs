@@ -77,6 +77,15 @@ pub trait LockStore: Send + Sync + 'static {
     /// A future that resolves when `name` may have been released. Call it *before* trying to
     /// take the lock, so that a release between the attempt and the wait is not missed.
     fn released(&self, name: &[u8]) -> Released;
+
+    /// How much of a `ttl` lease a holder must assume lost to clock drift between itself and
+    /// the store: a lease taken or extended at `t` is trusted until `t + ttl - clock_drift(ttl)`.
+    /// Zero for a store that expires leases on the holder's own clock (memory) or on one server
+    /// it measures from (a single Redis); Redlock uses `ttl / 100 + 2 ms`.
+    fn clock_drift(&self, ttl: Duration) -> Duration {
+        let _ = ttl;
+        Duration::ZERO
+    }
 }
 
 /// The longest lock name or token accepted by the stores.
@@ -336,8 +345,9 @@ mod tests {
     fn only_the_holder_releases_or_extends() {
         let (clock, locks) = locks();
         let ttl = Duration::from_secs(10);
-        let LockAttempt::Acquired { fence: f1 } =
-            locks.try_lock_sync(b"campaign-7", b"alice", ttl).expect("ok")
+        let LockAttempt::Acquired { fence: f1 } = locks
+            .try_lock_sync(b"campaign-7", b"alice", ttl)
+            .expect("ok")
         else {
             panic!("not acquired")
         };
@@ -370,10 +380,22 @@ mod tests {
     #[test]
     fn bad_names_are_errors() {
         let (_, locks) = locks();
-        assert!(locks.try_lock_sync(b"", b"t", Duration::from_secs(1)).is_err());
-        assert!(locks.try_lock_sync(b"n", b"", Duration::from_secs(1)).is_err());
+        assert!(
+            locks
+                .try_lock_sync(b"", b"t", Duration::from_secs(1))
+                .is_err()
+        );
+        assert!(
+            locks
+                .try_lock_sync(b"n", b"", Duration::from_secs(1))
+                .is_err()
+        );
         let huge = vec![b'x'; MAX_LOCK_NAME + 1];
-        assert!(locks.try_lock_sync(&huge, b"t", Duration::from_secs(1)).is_err());
+        assert!(
+            locks
+                .try_lock_sync(&huge, b"t", Duration::from_secs(1))
+                .is_err()
+        );
     }
 
     #[tokio::test]

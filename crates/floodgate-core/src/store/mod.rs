@@ -1,11 +1,13 @@
 //! The store interface every backend implements, and the in-memory stores.
 
+mod deny_cache;
 mod memory;
 pub(crate) mod sharded;
 
 use std::future::Future;
 use std::time::Duration;
 
+pub use deny_cache::{DenyCache, DenyCacheStats};
 pub use memory::{DEFAULT_MAX_KEYS, MemoryLimiter, MemoryLimiterBuilder};
 pub use sharded::{OnFull, StoreStats};
 

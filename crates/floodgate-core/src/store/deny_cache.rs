@@ -1,0 +1,370 @@
+//! [`DenyCache`]: answers checks that are certain to be denied without asking the store.
+//!
+//! Once a check is denied with a retry time, the same check (same policies, keys and costs) is
+//! denied locally until that time: an attacker hammering one key costs the shared store almost
+//! nothing. When an allowed check spends a key's last unit and the algorithm tells exactly when
+//! the next unit comes (GCRA, the funnel, the greedy token bucket, fixed windows), that time is
+//! cached as a denial too, so a key held at its limit costs one store call per admitted request.
+//!
+//! When a cached denial runs out, one caller probes the store while the others of the same
+//! check wait for its answer instead of all asking at once.
+//!
+//! A local denial can only be wrong in one direction: another replica cannot make a key's retry
+//! time earlier, so the cache never admits what the store would deny. It can deny a little
+//! longer than needed if the store's state is reset (an operator's `reset`); concurrency
+//! policies, whose leases may be released early, are never cached.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::sharded::{NewSlot, OnFull, ShardedMap};
+use super::{Check, CheckOptions, Limiter};
+use crate::clock::{Clock, SystemClock, duration_micros};
+use crate::policy::Kind;
+use crate::{Decision, LeaseId, Policy, Verdict};
+
+/// How long after a cached denial ran out its check keeps probing one caller at a time (a
+/// caller waits for the probe ahead of it, so a key that was just at its limit is served one
+/// store call at a time for this long).
+const PROBE_GRACE_US: u64 = 1_000_000;
+/// The longest a caller waits for another's probe before asking the store itself.
+const PROBE_PATIENCE: Duration = Duration::from_secs(1);
+
+/// Counters of a [`DenyCache`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DenyCacheStats {
+    /// Checks answered locally.
+    pub hits: u64,
+    /// Checks passed to the store.
+    pub misses: u64,
+    /// Checks that waited for another caller's probe of the same check.
+    pub coalesced: u64,
+    /// Denials held now.
+    pub entries: usize,
+}
+
+struct Entry {
+    /// Denied until this time (local clock, µs).
+    until: u64,
+    /// When the verdict was cached.
+    at: u64,
+    verdict: Verdict,
+}
+
+struct Shared<C> {
+    map: ShardedMap<Entry>,
+    clock: C,
+    fingerprints: foldhash::fast::RandomState,
+    probes: Mutex<HashMap<[u64; 2], Arc<Notify>>>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    coalesced: AtomicU64,
+}
+
+/// A [`Limiter`] in front of another that remembers denials (see the [module docs](self)).
+pub struct DenyCache<L, C = SystemClock> {
+    inner: L,
+    shared: Arc<Shared<C>>,
+}
+
+impl<L: Clone, C> Clone for DenyCache<L, C> {
+    fn clone(&self) -> Self {
+        DenyCache {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<L: std::fmt::Debug, C> std::fmt::Debug for DenyCache<L, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DenyCache")
+            .field("inner", &self.inner)
+            .field("max_entries", &self.shared.map.max_keys())
+            .finish()
+    }
+}
+
+impl<L> DenyCache<L, SystemClock> {
+    /// Caches up to 100,000 denials in front of `inner`.
+    pub fn new(inner: L) -> Self {
+        DenyCache::with_clock(inner, SystemClock::new(), 100_000)
+    }
+}
+
+impl<L, C: Clock> DenyCache<L, C> {
+    /// Caches up to `max_entries` denials, timed by `clock`.
+    pub fn with_clock(inner: L, clock: C, max_entries: usize) -> Self {
+        DenyCache {
+            inner,
+            shared: Arc::new(Shared {
+                map: ShardedMap::new(max_entries, 64, OnFull::EvictSoonest),
+                clock,
+                fingerprints: foldhash::fast::RandomState::default(),
+                probes: Mutex::new(HashMap::new()),
+                hits: AtomicU64::new(0),
+                misses: AtomicU64::new(0),
+                coalesced: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The limiter behind the cache.
+    pub fn inner(&self) -> &L {
+        &self.inner
+    }
+
+    /// The cache's counters.
+    pub fn stats(&self) -> DenyCacheStats {
+        DenyCacheStats {
+            hits: self.shared.hits.load(Ordering::Relaxed),
+            misses: self.shared.misses.load(Ordering::Relaxed),
+            coalesced: self.shared.coalesced.load(Ordering::Relaxed),
+            entries: self.shared.map.stats().keys,
+        }
+    }
+
+    /// A 128-bit fingerprint of the check: every policy, key and cost, and the max wait.
+    fn fingerprint(&self, checks: &[Check<'_>], opts: &CheckOptions) -> [u64; 2] {
+        let mut out = [0; 2];
+        for (salt, slot) in out.iter_mut().enumerate() {
+            let mut h = self.shared.fingerprints.build_hasher();
+            salt.hash(&mut h);
+            opts.max_wait.hash(&mut h);
+            for c in checks {
+                c.policy.ident().hash(&mut h);
+                c.key.hash(&mut h);
+                c.cost.hash(&mut h);
+            }
+            *slot = h.finish();
+        }
+        out
+    }
+
+    /// A cached denial still in force, adjusted to `now`; or whether one ran out recently.
+    fn lookup(&self, fp: &[u64; 2], now: u64) -> Lookup {
+        let key = fp_bytes(fp);
+        let map = &self.shared.map;
+        let hash = map.hash(0, &key);
+        let shard = map.lock(map.shard_of(hash));
+        match shard.find(hash, 0, &key) {
+            Some(slot) if slot.value.until > now => Lookup::Denied(Box::new(aged(&slot.value, now))),
+            Some(slot) if slot.expires_at > now => Lookup::Probe,
+            _ => Lookup::Miss,
+        }
+    }
+
+    fn remember(&self, fp: &[u64; 2], now: u64, entry: Entry) {
+        let key = fp_bytes(fp);
+        let map = &self.shared.map;
+        let hash = map.hash(0, &key);
+        let mut shard = map.lock(map.shard_of(hash));
+        let expires_at = entry.until + PROBE_GRACE_US;
+        if let Some(slot) = shard.find_mut(hash, 0, &key) {
+            slot.value = entry;
+            slot.expires_at = expires_at;
+            shard.note_expiry(expires_at);
+        } else {
+            // A full cache evicts the denials that end soonest: nothing is lost but a store
+            // call.
+            let _ = map.insert(
+                &mut shard,
+                NewSlot {
+                    hash,
+                    ident: 0,
+                    key: &key,
+                    value: entry,
+                    expires_at,
+                },
+                now,
+            );
+        }
+    }
+}
+
+enum Lookup {
+    Denied(Box<Verdict>),
+    Probe,
+    Miss,
+}
+
+fn fp_bytes(fp: &[u64; 2]) -> [u8; 16] {
+    let mut out = [0; 16];
+    out[..8].copy_from_slice(&fp[0].to_le_bytes());
+    out[8..].copy_from_slice(&fp[1].to_le_bytes());
+    out
+}
+
+/// The cached verdict as seen `now`: waits shortened by the time passed.
+fn aged(entry: &Entry, now: u64) -> Verdict {
+    let elapsed = Duration::from_micros(now.saturating_sub(entry.at));
+    let decisions = entry
+        .verdict
+        .decisions
+        .iter()
+        .map(|d| Decision {
+            retry_after: d
+                .retry_after
+                .map(|r| r.saturating_sub(elapsed).max(Duration::from_millis(1))),
+            reset_after: d.reset_after.saturating_sub(elapsed),
+            ..*d
+        })
+        .collect();
+    Verdict {
+        decisions,
+        wait: Duration::ZERO,
+        lease: None,
+    }
+}
+
+/// How long a verdict makes the same check certain to be denied, if it does.
+fn denial_for(checks: &[Check<'_>], verdict: &Verdict) -> Option<Duration> {
+    if verdict.allowed() {
+        // The check spent a key's last unit: denied until the next one comes, when the
+        // algorithm says exactly when (minus a millisecond of rounding, to stay on the safe side).
+        return checks
+            .iter()
+            .zip(&verdict.decisions)
+            .filter(|(c, d)| d.remaining < c.cost.max(1))
+            .filter_map(|(c, d)| next_unit(c.policy, d))
+            .map(|d| d.saturating_sub(Duration::from_millis(1)))
+            .filter(|d| !d.is_zero())
+            .max();
+    }
+    verdict
+        .decisions
+        .iter()
+        .filter(|d| !d.allowed)
+        .filter_map(|d| d.retry_after)
+        .max()
+}
+
+/// After an allowed check left `d.remaining == 0`: the time until one more unit is admitted.
+fn next_unit(policy: &Policy, d: &Decision) -> Option<Duration> {
+    let spacing = |per_unit_us: u64, limit: u64| {
+        let full = Duration::from_micros(per_unit_us.saturating_mul(limit.saturating_sub(1)));
+        Some(d.reset_after.saturating_sub(full))
+    };
+    match policy.kind() {
+        Kind::Gcra(g) => spacing(g.emission_us(), g.limit()),
+        Kind::LeakyBucket(f) => spacing(f.unit_us(), f.capacity()),
+        Kind::TokenBucket(t) if t.per_step() == 1 => spacing(t.step_us(), t.capacity()),
+        Kind::FixedWindow(_) => Some(d.reset_after),
+        _ => None,
+    }
+}
+
+impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
+    type Error = L::Error;
+
+    async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, L::Error> {
+        let cacheable = opts.now.is_none()
+            && checks
+                .iter()
+                .all(|c| !matches!(c.policy.kind(), Kind::Concurrency(_)) && c.cost > 0);
+        if !cacheable {
+            return self.inner.check(checks, opts).await;
+        }
+        let fp = self.fingerprint(checks, &opts);
+        let shared = &self.shared;
+        loop {
+            let now = shared.clock.now().as_micros();
+            let lookup = self.lookup(&fp, now);
+            let probing = match lookup {
+                Lookup::Denied(verdict) => {
+                    shared.hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok(*verdict);
+                }
+                Lookup::Probe => true,
+                Lookup::Miss => false,
+            };
+            // A denial just ran out: one caller probes, the others wait for its answer.
+            let mut leader = None;
+            if probing {
+                let notified = {
+                    let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
+                    match probes.get(&fp) {
+                        Some(n) => Some(Arc::clone(n).notified_owned()),
+                        None => {
+                            let n = Arc::new(Notify::new());
+                            probes.insert(fp, Arc::clone(&n));
+                            leader = Some(n);
+                            None
+                        }
+                    }
+                };
+                if let Some(notified) = notified {
+                    shared.coalesced.fetch_add(1, Ordering::Relaxed);
+                    let _ = tokio::time::timeout(PROBE_PATIENCE, notified).await;
+                    continue;
+                }
+            }
+            shared.misses.fetch_add(1, Ordering::Relaxed);
+            let result = self.inner.check(checks, opts).await;
+            let now = shared.clock.now().as_micros();
+            if let Ok(verdict) = &result {
+                let entry = denial_for(checks, verdict).map(|d| Entry {
+                    until: now.saturating_add(duration_micros(d)),
+                    at: now,
+                    verdict: if verdict.allowed() {
+                        synthesized_denial(checks, verdict, d)
+                    } else {
+                        verdict.clone()
+                    },
+                });
+                // An allowed probe leaves the expired entry in place: for a moment after a
+                // denial ran out, callers of this check keep coming one at a time, so a crowd
+                // that was waiting does not all reach the store at once.
+                if let Some(entry) = entry {
+                    self.remember(&fp, now, entry);
+                }
+            }
+            if let Some(n) = leader {
+                shared
+                    .probes
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&fp);
+                n.notify_waiters();
+            }
+            return result;
+        }
+    }
+
+    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), L::Error> {
+        self.inner.release(checks, lease).await
+    }
+
+    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), L::Error> {
+        self.inner.reset(key, policy).await
+    }
+}
+
+/// The denial the next identical check will get after `verdict` spent the last unit.
+fn synthesized_denial(checks: &[Check<'_>], verdict: &Verdict, wait: Duration) -> Verdict {
+    let decisions = checks
+        .iter()
+        .zip(&verdict.decisions)
+        .map(|(c, d)| {
+            if d.remaining < c.cost.max(1) {
+                Decision {
+                    allowed: false,
+                    retry_after: Some(wait),
+                    ..*d
+                }
+            } else {
+                *d
+            }
+        })
+        .collect();
+    Verdict {
+        decisions,
+        wait: Duration::ZERO,
+        lease: None,
+    }
+}

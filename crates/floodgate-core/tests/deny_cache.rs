@@ -1,0 +1,210 @@
+//! The deny cache: hammered denied keys cost the store (almost) nothing, and the cache never
+//! admits what the store would deny.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use floodgate_core::{
+    Check, CheckOptions, DenyCache, LeaseId, Limiter, MemoryError, MemoryLimiter, Policy, Verdict,
+};
+
+/// A limiter that counts the calls that reach it.
+#[derive(Clone)]
+struct Counting {
+    inner: MemoryLimiter,
+    calls: Arc<AtomicU64>,
+}
+
+impl Limiter for Counting {
+    type Error = MemoryError;
+
+    async fn check(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<Verdict, MemoryError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        // A store round trip takes time: let concurrent callers pile up as they would.
+        tokio::time::sleep(Duration::from_micros(300)).await;
+        self.inner.check(checks, opts).await
+    }
+
+    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
+        self.inner.release(checks, lease).await
+    }
+
+    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
+        self.inner.reset(key, policy).await
+    }
+}
+
+fn counting() -> (Counting, Arc<AtomicU64>) {
+    let calls = Arc::new(AtomicU64::new(0));
+    (
+        Counting {
+            inner: MemoryLimiter::new(),
+            calls: Arc::clone(&calls),
+        },
+        calls,
+    )
+}
+
+/// 64 tasks hammer one key for `run`; returns (store calls, admitted).
+async fn hammer(limiter: DenyCache<Counting>, policy: Policy, run: Duration) -> (u64, u64) {
+    let policy = Arc::new(policy);
+    let admitted = Arc::new(AtomicU64::new(0));
+    let stop = Instant::now() + run;
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let (limiter, policy, admitted) =
+                (limiter.clone(), Arc::clone(&policy), Arc::clone(&admitted));
+            tokio::spawn(async move {
+                while Instant::now() < stop {
+                    let v = limiter
+                        .check(&[Check::new(b"attacker", &policy)], CheckOptions::default())
+                        .await
+                        .expect("check");
+                    if v.allowed() {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        assert!(v.decisions[0].retry_after.is_some(), "{v:?}");
+                        tokio::task::yield_now().await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.expect("task");
+    }
+    (
+        limiter.inner().calls.load(Ordering::Relaxed),
+        admitted.load(Ordering::Relaxed),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hammered_key_costs_one_store_call_per_admitted_request() {
+    for policy in [
+        Policy::per(1, Duration::from_millis(200)).expect("valid"),
+        Policy::funnel(2, Duration::from_millis(400)).expect("valid"),
+        Policy::fixed_window(3, Duration::from_millis(300)).expect("valid"),
+    ] {
+        let (store, _) = counting();
+        let cache = DenyCache::new(store);
+        let run = Duration::from_millis(1_500);
+        let (calls, admitted) = hammer(cache.clone(), policy.clone(), run).await;
+        let stats = cache.stats();
+        // The first burst of 64 reaches the store before any denial is known; after that,
+        // about one call per admitted request.
+        assert!(
+            calls <= 64 + 2 * admitted + 4,
+            "{}: {calls} store calls for {admitted} admitted; {stats:?}",
+            policy.name()
+        );
+        assert!(stats.hits > 10_000, "{}: {stats:?}", policy.name());
+        // And never more admitted than the policy allows: the cache only denies.
+        let bound = match policy.name() {
+            n if n.starts_with("gcra") => 1 + 1_500 / 200,
+            n if n.starts_with("funnel") => 2 + 1_500 / 200,
+            _ => 3 * (1 + 1_500 / 300),
+        };
+        assert!(admitted <= bound, "{}: {admitted} > {bound}", policy.name());
+        assert!(
+            admitted >= bound / 2,
+            "{}: only {admitted} admitted",
+            policy.name()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn algorithms_without_a_known_next_unit_still_cost_little() {
+    let policy = Policy::sliding_log(2, Duration::from_millis(300)).expect("valid");
+    let (store, _) = counting();
+    let cache = DenyCache::new(store);
+    let (calls, admitted) = hammer(cache.clone(), policy, Duration::from_millis(1_500)).await;
+    // Probes are one at a time: a couple of calls per admitted request at most.
+    assert!(
+        calls <= 64 + 3 * admitted + 8,
+        "{calls} calls, {admitted} admitted"
+    );
+}
+
+#[tokio::test]
+async fn cached_denials_report_shrinking_retry_times() {
+    let (store, calls) = counting();
+    let cache = DenyCache::new(store);
+    let p = Policy::per(1, Duration::from_secs(10)).expect("valid");
+    let checks = [Check::new(b"k", &p)];
+    assert!(
+        cache
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed()
+    );
+    let first = cache
+        .check(&checks, CheckOptions::default())
+        .await
+        .expect("ok");
+    assert!(!first.allowed());
+    let before = calls.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let cached = cache
+        .check(&checks, CheckOptions::default())
+        .await
+        .expect("ok");
+    assert_eq!(calls.load(Ordering::Relaxed), before, "answered locally");
+    let (r0, r1) = (
+        first.decisions[0].retry_after.expect("retry"),
+        cached.decisions[0].retry_after.expect("retry"),
+    );
+    assert!(
+        r1 < r0 && r1 > r0 - Duration::from_millis(200),
+        "{r0:?} then {r1:?}"
+    );
+    // A different cost or key is not the same check.
+    assert!(
+        cache
+            .check(&[Check::new(b"other", &p)], CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed()
+    );
+    assert!(calls.load(Ordering::Relaxed) > before);
+}
+
+#[tokio::test]
+async fn concurrency_and_injected_time_bypass_the_cache() {
+    let (store, calls) = counting();
+    let cache = DenyCache::new(store);
+    let p = Policy::concurrency(1, Duration::from_secs(10)).expect("valid");
+    let checks = [Check::new(b"k", &p)];
+    let held = cache
+        .check(&checks, CheckOptions::default())
+        .await
+        .expect("ok");
+    assert!(held.allowed());
+    assert!(
+        !cache
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed()
+    );
+    cache
+        .release(&checks, held.lease.expect("lease"))
+        .await
+        .expect("release");
+    // Released early: the next check must see it, so concurrency is never cached.
+    assert!(
+        cache
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed()
+    );
+    assert_eq!(calls.load(Ordering::Relaxed), 3);
+}
