@@ -67,6 +67,15 @@ fn bloom(c: &mut Criterion) {
                 .expect("contains_many")
         });
     });
+    // The SMS gateway's case: nearly every number is not opted out.
+    let absent_refs = refs(&absent);
+    group.bench_function("contains_many 10k, all absent", |b| {
+        b.iter(|| {
+            runtime
+                .block_on(filter.contains_many(black_box(&absent_refs)))
+                .expect("contains_many")
+        });
+    });
     let added = refs(&present);
     group.bench_function("add_many 10k, already present", |b| {
         b.iter(|| {

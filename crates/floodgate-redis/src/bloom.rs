@@ -31,6 +31,7 @@
 //! concurrently). Keys have no TTL: a filter lives until [`BloomFilter::delete`].
 
 use std::fmt;
+use std::ops::Range;
 use std::sync::{Arc, LazyLock};
 
 use floodgate_core::bloom::{BloomError, BloomFilter, BloomParams};
@@ -315,16 +316,29 @@ impl RedisBloom {
         }
     }
 
-    /// Runs one call per part and returns each part's payload, in part order.
-    async fn per_part(&self, script: &Script) -> Result<Vec<Vec<Value>>, RedisBloomError> {
-        let calls = (0..self.params.parts())
-            .map(|part| self.call(script, part))
-            .collect();
+    /// Runs one call of `script` per part in `parts` and returns their payloads, in order.
+    async fn per_part(
+        &self,
+        script: &Script,
+        parts: Range<u32>,
+    ) -> Result<Vec<Vec<Value>>, RedisBloomError> {
+        if parts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let calls = parts.clone().map(|part| self.call(script, part)).collect();
         let replies = self.conn.pipeline_scripts(calls).await?;
-        (0..self.params.parts())
+        parts
             .zip(replies)
             .map(|(part, reply)| self.payload(reply, part))
             .collect()
+    }
+
+    /// Creates the parts in `parts`: true if any was created.
+    async fn init_parts(&self, parts: Range<u32>) -> Result<bool, RedisBloomError> {
+        let payloads = self.per_part(&INIT, parts).await?;
+        Ok(payloads
+            .iter()
+            .any(|payload| matches!(payload.first(), Some(Value::Int(1)))))
     }
 
     /// Runs `script` (add or contains) on `items`: grouped by part, in calls of at most
@@ -432,12 +446,12 @@ impl BloomFilter for RedisBloom {
     }
 
     async fn try_init(&self) -> Result<bool, RedisBloomError> {
-        // Parts are created one script each: a part that failed (say, its node was down) is
+        // Part 0 first: every part's config holds the part count, so a filter stored with
+        // other parameters is refused there, before any other part is created.
+        let mut created = self.init_parts(0..1).await?;
+        // Then the others, concurrently. A part that failed (its node was down, say) is
         // created by the next try_init, and the others answer "already there".
-        let mut created = false;
-        for payload in self.per_part(&INIT).await? {
-            created |= matches!(payload.first(), Some(Value::Int(1)));
-        }
+        created |= self.init_parts(1..self.params.parts()).await?;
         Ok(created)
     }
 
@@ -461,7 +475,7 @@ impl BloomFilter for RedisBloom {
 
     async fn count(&self) -> Result<u64, RedisBloomError> {
         let mut set_bits = Vec::with_capacity(self.params.parts() as usize);
-        for payload in self.per_part(&COUNT).await? {
+        for payload in self.per_part(&COUNT, 0..self.params.parts()).await? {
             match payload.first() {
                 Some(Value::Int(n)) if *n >= 0 => set_bits.push(n.unsigned_abs()),
                 _ => {

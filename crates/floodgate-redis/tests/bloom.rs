@@ -108,16 +108,19 @@ async fn million(filter: &RedisBloom) -> Result<f64, Box<dyn std::error::Error>>
     let mut false_positives = 0;
     for start in (0..1_000_000u64).step_by(BATCH) {
         let inserted: Vec<Vec<u8>> = (start..start + BATCH as u64).map(present).collect();
-        let found = filter.contains_many(&refs(&inserted)).await?;
+        let others: Vec<Vec<u8>> = (start..start + BATCH as u64).map(absent).collect();
+        let (inserted_refs, others_refs) = (refs(&inserted), refs(&others));
+        // Two calls in flight, so that the client's work overlaps the server's.
+        let (found, maybe) = tokio::try_join!(
+            filter.contains_many(&inserted_refs),
+            filter.contains_many(&others_refs)
+        )?;
         assert!(
             found.iter().all(|f| *f),
             "an inserted item is reported absent"
         );
-
-        let others: Vec<Vec<u8>> = (start..start + BATCH as u64).map(absent).collect();
-        let found = filter.contains_many(&refs(&others)).await?;
-        assert_eq!(found, memory.contains_many_sync(&refs(&others))?);
-        false_positives += found.iter().filter(|f| **f).count();
+        assert_eq!(maybe, memory.contains_many_sync(&others_refs)?);
+        false_positives += maybe.iter().filter(|f| **f).count();
     }
     // The estimate of the count: within 2% of the truth, and equal to the in-memory one.
     let count = filter.count().await?;
@@ -272,15 +275,15 @@ async fn contract(target: Target<'_>, conn: RedisConn, parts: u32) -> TestResult
     let many = other.contains_many(&[b"x", b"y"]).await;
     assert!(many.expect_err("mismatch").is_mismatch());
     assert!(other.count().await.expect_err("mismatch").is_mismatch());
-    // Same n and p, another split: also another filter.
+    // Same n and p, another split: also another filter, and a refused try_init creates no
+    // part of its own.
+    let keys = all_keys(target)?.len();
     let resplit = RedisBloom::new(conn.clone(), "optout", params.with_parts(parts + 1)?)?;
-    assert!(
-        resplit
-            .contains(b"x")
-            .await
-            .expect_err("mismatch")
-            .is_mismatch()
-    );
+    let err = resplit.contains(b"x").await.expect_err("mismatch");
+    assert!(err.is_mismatch(), "{err}");
+    let err = resplit.try_init().await.expect_err("mismatch");
+    assert!(err.is_mismatch(), "{err}");
+    assert_eq!(all_keys(target)?.len(), keys);
     // None of that changed anything.
     assert!(!filter.contains(b"z").await?);
     assert_eq!(filter.count().await?, 2);
