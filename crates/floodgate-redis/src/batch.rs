@@ -10,11 +10,11 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use std::sync::Arc;
+
 use futures_util::future::join_all;
-use futures_util::stream::FuturesUnordered;
 use redis::Value;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
 use crate::limiter::{CHECK_SCRIPT, Group, decode_group};
@@ -232,33 +232,21 @@ fn duplicate(e: &Error) -> Error {
     }
 }
 
-/// The batching task: runs until every sender is gone, then finishes what is in flight.
+/// The batching task: runs until every sender is gone. Each batch runs as its own task, so
+/// batches in flight progress while the next one fills; a semaphore bounds how many.
 pub(crate) async fn batcher(conn: RedisConn, cfg: BatchConfig, mut rx: mpsc::Receiver<Job>) {
     let max_batch = cfg.max_batch.max(1);
     let max_in_flight = cfg.max_in_flight.max(1);
-    let mut in_flight = FuturesUnordered::new();
-    loop {
-        let first = tokio::select! {
-            biased;
-            Some(()) = in_flight.next(), if !in_flight.is_empty() => continue,
-            job = rx.recv(), if in_flight.len() < max_in_flight => match job {
-                Some(job) => job,
-                None => break,
-            },
-        };
+    let permits = Arc::new(Semaphore::new(max_in_flight));
+    while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
-        while batch.len() < max_batch {
-            match rx.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
+        fill(&mut rx, &mut batch, max_batch);
         // Wait for company only while the pipeline is busy anyway.
-        if batch.len() < max_batch && !in_flight.is_empty() && !cfg.window.is_zero() {
+        let busy = permits.available_permits() < max_in_flight;
+        if busy && batch.len() < max_batch && !cfg.window.is_zero() {
             let deadline = Instant::now() + cfg.window;
             while batch.len() < max_batch {
                 tokio::select! {
-                    biased;
                     job = rx.recv() => match job {
                         Some(job) => batch.push(job),
                         None => break,
@@ -267,9 +255,26 @@ pub(crate) async fn batcher(conn: RedisConn, cfg: BatchConfig, mut rx: mpsc::Rec
                 }
             }
         }
-        in_flight.push(dispatch(conn.clone(), batch));
+        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+            break;
+        };
+        // Whatever queued while we waited for a slot in the pipeline joins this batch.
+        fill(&mut rx, &mut batch, max_batch);
+        let conn = conn.clone();
+        tokio::spawn(async move {
+            dispatch(conn, batch).await;
+            drop(permit);
+        });
     }
-    while in_flight.next().await.is_some() {}
+}
+
+fn fill(rx: &mut mpsc::Receiver<Job>, batch: &mut Vec<Job>, max_batch: usize) {
+    while batch.len() < max_batch {
+        match rx.try_recv() {
+            Ok(job) => batch.push(job),
+            Err(_) => break,
+        }
+    }
 }
 
 /// Sends one batch: one script call per (slot, injected time), concurrently.

@@ -1,0 +1,279 @@
+//! Configuration: command-line flags, environment variables, and an optional TOML file.
+//!
+//! Precedence: a flag or environment variable beats the file, which beats the defaults.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use floodgate::parse::{parse_duration, parse_utc_offset};
+use ipnet::IpNet;
+use serde::Deserialize;
+
+/// An SMS gateway whose limits hold across every replica.
+///
+/// With no REDIS_URL it runs alone, with its limits in memory. With REDIS_URL set, every
+/// replica pointed at the same Redis shares the per-phone, per-IP and global limits, the
+/// opt-out list, idempotency keys and campaigns.
+#[derive(Debug, Parser)]
+#[command(name = "sms-gateway", version, about, long_about = None)]
+pub struct Cli {
+    /// A TOML file with any of the settings below (snake_case keys).
+    #[arg(long, env = "SMS_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long, env = "LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Redis (or Redis Cluster seed) URL; unset: everything in memory.
+    #[arg(long, env = "REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// Where the default provider appends one JSON line per message sent.
+    #[arg(long, env = "OUTBOX_PATH")]
+    pub outbox_path: Option<PathBuf>,
+    /// POST every message to this URL instead of appending to the outbox file.
+    #[arg(long, env = "WEBHOOK_URL")]
+    pub webhook_url: Option<String>,
+    /// Per phone: messages at once (the funnel's capacity).
+    #[arg(long, env = "PHONE_BURST")]
+    pub phone_burst: Option<u64>,
+    /// Per phone: time for the funnel to drain (e.g. 30m).
+    #[arg(long, env = "PHONE_INTERVAL")]
+    pub phone_interval: Option<String>,
+    /// Per phone: messages per calendar day.
+    #[arg(long, env = "PHONE_DAILY_LIMIT")]
+    pub phone_daily_limit: Option<u64>,
+    /// UTC offset of the calendar day (e.g. +08:00).
+    #[arg(long, env = "UTC_OFFSET", allow_hyphen_values = true)]
+    pub utc_offset: Option<String>,
+    /// Per client IP: requests per minute.
+    #[arg(long, env = "IP_PER_MINUTE")]
+    pub ip_per_minute: Option<u64>,
+    /// All requests: per second.
+    #[arg(long, env = "GLOBAL_PER_SECOND")]
+    pub global_per_second: Option<u64>,
+    /// Comma-separated CIDRs of proxies whose X-Forwarded-For / Forwarded headers are trusted.
+    #[arg(long, env = "TRUSTED_PROXIES")]
+    pub trusted_proxies: Option<String>,
+    /// A campaign's dispatch lease (e.g. 10s): how soon another replica resumes a campaign
+    /// whose dispatcher died.
+    #[arg(long, env = "CAMPAIGN_LEASE")]
+    pub campaign_lease: Option<String>,
+    /// This replica's name, in campaign progress and logs.
+    #[arg(long, env = "INSTANCE_ID")]
+    pub instance_id: Option<String>,
+    /// Key prefix in Redis.
+    #[arg(long, env = "REDIS_PREFIX")]
+    pub redis_prefix: Option<String>,
+}
+
+/// The file form of the settings: every key optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<SocketAddr>,
+    redis_url: Option<String>,
+    outbox_path: Option<PathBuf>,
+    webhook_url: Option<String>,
+    phone_burst: Option<u64>,
+    phone_interval: Option<String>,
+    phone_daily_limit: Option<u64>,
+    utc_offset: Option<String>,
+    ip_per_minute: Option<u64>,
+    global_per_second: Option<u64>,
+    trusted_proxies: Option<Vec<String>>,
+    campaign_lease: Option<String>,
+    instance_id: Option<String>,
+    redis_prefix: Option<String>,
+}
+
+/// The gateway's settings, validated.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub redis_url: Option<String>,
+    pub outbox_path: PathBuf,
+    pub webhook_url: Option<String>,
+    pub phone_burst: u64,
+    pub phone_interval: Duration,
+    pub phone_daily_limit: u64,
+    pub utc_offset_secs: i32,
+    pub ip_per_minute: u64,
+    pub global_per_second: u64,
+    pub trusted_proxies: Vec<IpNet>,
+    pub campaign_lease: Duration,
+    pub instance_id: String,
+    pub redis_prefix: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            redis_url: None,
+            outbox_path: PathBuf::from("sms-outbox.jsonl"),
+            webhook_url: None,
+            phone_burst: 1,
+            phone_interval: Duration::from_secs(30 * 60),
+            phone_daily_limit: 10,
+            utc_offset_secs: 0,
+            ip_per_minute: 20,
+            global_per_second: 100,
+            trusted_proxies: Vec::new(),
+            campaign_lease: Duration::from_secs(10),
+            instance_id: format!("sms-gateway-{}", std::process::id()),
+            redis_prefix: "sms".into(),
+        }
+    }
+}
+
+/// A setting that cannot be used, naming it.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid setting {name}: {reason}")]
+pub struct ConfigError {
+    pub name: &'static str,
+    pub reason: String,
+}
+
+fn bad(name: &'static str, reason: impl std::fmt::Display) -> ConfigError {
+    ConfigError {
+        name,
+        reason: reason.to_string(),
+    }
+}
+
+impl Config {
+    /// Settings from the command line, the environment, and the file they name.
+    pub fn load(cli: Cli) -> Result<Config, ConfigError> {
+        let file = match &cli.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| bad("config", format!("{}: {e}", path.display())))?;
+                toml::from_str::<FileConfig>(&text)
+                    .map_err(|e| bad("config", format!("{}: {e}", path.display())))?
+            }
+            None => FileConfig::default(),
+        };
+        let d = Config::default();
+        let duration = |name, v: Option<String>, default| match v {
+            Some(s) => parse_duration(&s).map_err(|e| bad(name, e)),
+            None => Ok(default),
+        };
+        let positive = |name, v: Option<u64>, default: u64| match v {
+            Some(0) => Err(bad(name, "must be greater than zero")),
+            Some(v) => Ok(v),
+            None => Ok(default),
+        };
+        let proxies = match cli.trusted_proxies {
+            Some(list) => list
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect(),
+            None => file.trusted_proxies.unwrap_or_default(),
+        };
+        let trusted_proxies = proxies
+            .iter()
+            .map(|p| {
+                p.parse::<IpNet>()
+                    .or_else(|_| p.parse::<std::net::IpAddr>().map(IpNet::from))
+                    .map_err(|e| bad("trusted_proxies", format!("{p:?}: {e}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let utc_offset_secs = match cli.utc_offset.or(file.utc_offset) {
+            Some(s) => parse_utc_offset(&s).map_err(|e| bad("utc_offset", e))?,
+            None => d.utc_offset_secs,
+        };
+        let config = Config {
+            listen: cli.listen.or(file.listen).unwrap_or(d.listen),
+            redis_url: cli
+                .redis_url
+                .or(file.redis_url)
+                .filter(|u| !u.trim().is_empty()),
+            outbox_path: cli.outbox_path.or(file.outbox_path).unwrap_or(d.outbox_path),
+            webhook_url: cli.webhook_url.or(file.webhook_url),
+            phone_burst: positive("phone_burst", cli.phone_burst.or(file.phone_burst), d.phone_burst)?,
+            phone_interval: duration(
+                "phone_interval",
+                cli.phone_interval.or(file.phone_interval),
+                d.phone_interval,
+            )?,
+            phone_daily_limit: positive(
+                "phone_daily_limit",
+                cli.phone_daily_limit.or(file.phone_daily_limit),
+                d.phone_daily_limit,
+            )?,
+            utc_offset_secs,
+            ip_per_minute: positive(
+                "ip_per_minute",
+                cli.ip_per_minute.or(file.ip_per_minute),
+                d.ip_per_minute,
+            )?,
+            global_per_second: positive(
+                "global_per_second",
+                cli.global_per_second.or(file.global_per_second),
+                d.global_per_second,
+            )?,
+            trusted_proxies,
+            campaign_lease: duration(
+                "campaign_lease",
+                cli.campaign_lease.or(file.campaign_lease),
+                d.campaign_lease,
+            )?,
+            instance_id: cli.instance_id.or(file.instance_id).unwrap_or(d.instance_id),
+            redis_prefix: cli.redis_prefix.or(file.redis_prefix).unwrap_or(d.redis_prefix),
+        };
+        if config.campaign_lease < Duration::from_millis(300) {
+            return Err(bad("campaign_lease", "must be at least 300ms"));
+        }
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        Cli::parse_from(std::iter::once("sms-gateway").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn defaults_match_the_brief() {
+        let c = Config::load(cli(&[])).expect("defaults");
+        assert_eq!(c.phone_burst, 1);
+        assert_eq!(c.phone_interval, Duration::from_secs(1800));
+        assert_eq!(c.phone_daily_limit, 10);
+        assert_eq!(c.ip_per_minute, 20);
+        assert_eq!(c.global_per_second, 100);
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let err = Config::load(cli(&["--phone-interval", "soon"])).expect_err("bad");
+        assert_eq!(err.name, "phone_interval");
+        let err = Config::load(cli(&["--ip-per-minute", "0"])).expect_err("bad");
+        assert_eq!(err.name, "ip_per_minute");
+        let err = Config::load(cli(&["--trusted-proxies", "10.0.0.0/8,nope"])).expect_err("bad");
+        assert_eq!(err.name, "trusted_proxies");
+        let err = Config::load(cli(&["--utc-offset", "+25:00"])).expect_err("bad");
+        assert_eq!(err.name, "utc_offset");
+    }
+
+    #[test]
+    fn file_settings_lose_to_flags() {
+        let dir = std::env::temp_dir().join(format!("sms-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("gateway.toml");
+        std::fs::write(&path, "ip_per_minute = 5\nphone_daily_limit = 3\nutc_offset = \"+08:00\"\n")
+            .expect("write");
+        let c = Config::load(cli(&["--config", path.to_str().expect("utf-8"), "--ip-per-minute", "7"]))
+            .expect("valid");
+        assert_eq!((c.ip_per_minute, c.phone_daily_limit, c.utc_offset_secs), (7, 3, 8 * 3600));
+        std::fs::write(&path, "bogus_key = 1\n").expect("write");
+        let err = Config::load(cli(&["--config", path.to_str().expect("utf-8")])).expect_err("unknown key");
+        assert!(err.reason.contains("bogus_key"), "{err}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

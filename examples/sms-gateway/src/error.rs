@@ -1,0 +1,61 @@
+//! Errors as JSON responses that name what was wrong.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// An error answered to the client: a status and `{"error": {"code", "message", "field"?}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    pub field: Option<String>,
+}
+
+impl ApiError {
+    /// A request field with a bad value: 422.
+    pub fn invalid(field: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::UNPROCESSABLE_ENTITY,
+            code: "invalid_field",
+            message: format!("{field} {}", message.into()),
+            field: Some(field.to_owned()),
+        }
+    }
+
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            field: None,
+        }
+    }
+
+    /// The backing store failed: 503, without details that could leak configuration.
+    pub fn unavailable(what: &str, err: impl std::fmt::Display) -> Self {
+        tracing::warn!(error = %err, "{what} failed");
+        metrics::counter!("sms_errors_total", "what" => what.to_owned()).increment(1);
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            format!("{what} is unavailable; try again later"),
+        )
+    }
+
+    pub fn field(&self) -> Option<&str> {
+        self.field.as_deref()
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut error = json!({"code": self.code, "message": self.message});
+        if let Some(field) = self.field {
+            error["field"] = json!(field);
+        }
+        (self.status, Json(json!({ "error": error }))).into_response()
+    }
+}
