@@ -134,9 +134,10 @@ async fn decide(
     let url = conn.redacted_url();
     let shown = display_key(key);
     let redis_cell = conn.has_redis_cell().await.ok();
-    let server_time_us = conn.server_time().await.map_err(|e| {
-        CliError::redis(format!("cannot read the server's time on {url}"), e)
-    })?;
+    let server_time_us = conn
+        .server_time()
+        .await
+        .map_err(|e| CliError::redis(format!("cannot read the server's time on {url}"), e))?;
     let checks: Vec<Check<'_>> = set
         .policies
         .iter()

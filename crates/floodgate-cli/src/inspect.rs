@@ -457,7 +457,9 @@ async fn scan_node(
             .arg("COUNT")
             .arg(1000);
         let (next, batch): (u64, Vec<Vec<u8>>) = bounded(timeout, scan.query_async(conn)).await?;
-        let batch = &batch[..batch.len().min(max - keys.len())];
+        let room = max - keys.len();
+        let cut = batch.len() > room;
+        let batch = &batch[..batch.len().min(room)];
         if !batch.is_empty() {
             let mut pipe = redis::pipe();
             for key in batch {
@@ -479,6 +481,9 @@ async fn scan_node(
                     pttl_ms: pttl,
                 });
             }
+        }
+        if cut {
+            return Ok(false);
         }
         if next == 0 {
             return Ok(true);

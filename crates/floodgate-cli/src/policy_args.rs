@@ -167,8 +167,8 @@ impl PolicyArgs {
     }
 
     /// Builds the policies like [`PolicyArgs::build`], but a missing algorithm parameter (or a
-    /// missing `--algorithm`: gcra) takes a default of about 10 per second (see
-    /// [`BENCH_DEFAULTS`]).
+    /// missing `--algorithm`: gcra) takes a default of about 10 per second (`floodgate bench
+    /// --help` lists them).
     pub(crate) fn build_or_default(&self) -> Result<PolicySet, CliError> {
         self.build_with(Missing::Default)
     }
@@ -356,10 +356,7 @@ impl PolicyArgs {
                         "{flag} only applies with --calendar, not with --window"
                     )));
                 }
-                Ok(Policy::fixed_window(
-                    limit,
-                    window.unwrap_or(BENCH_PERIOD),
-                )?)
+                Ok(Policy::fixed_window(limit, window.unwrap_or(BENCH_PERIOD))?)
             }
             (None, Some(unit)) => {
                 let policy = Policy::calendar_window(limit, self.units.unwrap_or(1), unit)?;
@@ -376,13 +373,6 @@ impl PolicyArgs {
 const BENCH_RATE: u64 = 10;
 /// `floodgate bench`'s default period, window, interval, drain time or lease ttl.
 const BENCH_PERIOD: Duration = Duration::from_secs(1);
-
-/// How `floodgate bench` fills in missing policy flags, for its `--help`.
-pub(crate) const BENCH_DEFAULTS: &str = "\
-Policy flags that are not given take defaults of about 10 per second: --max-burst 9 --count 10
---period 1s (gcra, the default algorithm), --limit 10 --window 1s, --capacity 10 --refill 10
---interval 1s, --capacity 10 --drain 1s, --count 10 --period 1s (shaper), --limit 10
---lease-ttl 1s (concurrency).";
 
 /// The flags each algorithm takes.
 fn flags_of(kind: AlgorithmKind) -> &'static [&'static str] {

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use clap::Args;
-use floodgate_redis::{ConnectionKind, RedisConfig, RedisConn, RedisLimiter};
+use floodgate_redis::{BatchConfig, ConnectionKind, RedisConfig, RedisConn, RedisLimiter};
 use redis::{ConnectionAddr, IntoConnectionInfo, Value};
 
 use crate::args;
@@ -73,6 +73,15 @@ impl RedisArgs {
         RedisLimiter::connect(&config)
             .await
             .map_err(CliError::Connect)
+    }
+
+    /// Connects a limiter with explicit batching settings.
+    pub(crate) async fn connect_with(&self, batch: BatchConfig) -> Result<RedisLimiter, CliError> {
+        let config = self.config()?;
+        let conn = RedisConn::connect(&config)
+            .await
+            .map_err(CliError::Connect)?;
+        Ok(RedisLimiter::with_batching(conn, &self.prefix, batch))
     }
 
     /// Whether the connection is to a cluster.

@@ -66,10 +66,7 @@ pub(crate) fn run(args: ResetArgs) -> Result<(), CliError> {
         for policy in &set.policies {
             let state = read_state(&limiter, policy, key).await?;
             limiter.reset(key, policy).await.map_err(|e| {
-                CliError::redis(
-                    format!("cannot delete key {} on {url}", state.key),
-                    e,
-                )
+                CliError::redis(format!("cannot delete key {} on {url}", state.key), e)
             })?;
             keys.push(state);
         }
@@ -84,7 +81,11 @@ pub(crate) fn run(args: ResetArgs) -> Result<(), CliError> {
         eprintln!(
             "note: key \"{}\" had no state for {} (nothing to delete)",
             display_key(key),
-            if set.policies.len() == 1 { "this policy" } else { "these policies" }
+            if set.policies.len() == 1 {
+                "this policy"
+            } else {
+                "these policies"
+            }
         );
     }
     Ok(())

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use clap::Args;
 use floodgate_core::{
-    AlgorithmKind, CalendarUnit, Check, CheckOptions, Decision, LeaseId, ManualClock,
-    MemoryLimiter, Policy, State, Timestamp,
+    AlgorithmKind, Check, CheckOptions, Decision, LeaseId, ManualClock, MemoryLimiter, Policy,
+    State, Timestamp,
 };
 use serde::Serialize;
 

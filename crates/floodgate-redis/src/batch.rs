@@ -59,10 +59,13 @@ impl BatchConfig {
     }
 }
 
+/// A decided check, and the time (µs, server or injected) the script decided it at.
+pub(crate) type Checked = (Verdict, u64);
+
 /// A check waiting for its batch.
 pub(crate) struct Job {
     pub(crate) group: Group,
-    pub(crate) reply: oneshot::Sender<Result<Verdict, Error>>,
+    pub(crate) reply: oneshot::Sender<Result<Checked, Error>>,
 }
 
 /// The check script's arguments for `groups` (see `lua/check.lua`).
@@ -85,6 +88,7 @@ pub(crate) fn encode_args(groups: &[&Group]) -> Vec<Vec<u8>> {
         body.push(num(g.keys.len() as u64));
         body.push(num(g.max_wait));
         body.push(num(g.lease));
+        body.push(num(u64::from(g.dry_run)));
         for (p, cost) in g.policies.iter().zip(&g.costs) {
             body.push(num(index_of(p) as u64));
             body.push(num(*cost));
@@ -110,7 +114,7 @@ pub(crate) fn encode_args(groups: &[&Group]) -> Vec<Vec<u8>> {
 pub(crate) async fn run(
     conn: &RedisConn,
     groups: &[&Group],
-) -> Result<Vec<Result<Verdict, Error>>, Error> {
+) -> Result<Vec<Result<Checked, Error>>, Error> {
     let keys: Vec<&[u8]> = groups
         .iter()
         .flat_map(|g| g.keys.iter().map(Vec::as_slice))
@@ -121,7 +125,7 @@ pub(crate) async fn run(
     decode(&reply, groups)
 }
 
-fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Verdict, Error>>, Error> {
+fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Checked, Error>>, Error> {
     let unexpected = || Error::UnexpectedReply {
         expected: "the check script's reply",
         got: format!("{reply:?}").chars().take(200).collect(),
@@ -129,7 +133,11 @@ fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Verdict, Error>
     let Value::Array(items) = reply else {
         return Err(unexpected());
     };
-    let mut at = 1; // items[0] is the time used
+    let now = match items.first() {
+        Some(Value::Int(t)) => u64::try_from(*t).map_err(|_| unexpected())?,
+        _ => return Err(unexpected()),
+    };
+    let mut at = 1;
     let mut out = Vec::with_capacity(groups.len());
     for g in groups {
         match items.get(at) {
@@ -147,7 +155,7 @@ fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Verdict, Error>
                     .as_deref()
                     .and_then(decode_group)
                     .ok_or_else(unexpected)?;
-                out.push(Ok(verdict));
+                out.push(Ok((verdict, now)));
                 at += 1 + n;
             }
             Some(Value::Int(0)) => {

@@ -12,7 +12,7 @@ use redis::{Script, Value};
 use smallvec::SmallVec;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::batch::{self, BatchConfig, Job};
+use crate::batch::{self, BatchConfig, Checked, Job};
 use crate::keys::{key_slot, state_key};
 use crate::{ConnectionKind, Error, RedisConfig, RedisConn};
 
@@ -30,6 +30,19 @@ pub(crate) const CHECK_SRC: &str = concat!(
     include_str!("lua/check.lua"),
 );
 
+const UNDO_SRC: &str = concat!(
+    include_str!("lua/prelude.lua"),
+    include_str!("lua/gcra.lua"),
+    include_str!("lua/shaper.lua"),
+    include_str!("lua/leaky_bucket.lua"),
+    include_str!("lua/token_bucket.lua"),
+    include_str!("lua/fixed_window.lua"),
+    include_str!("lua/sliding_window.lua"),
+    include_str!("lua/sliding_log.lua"),
+    include_str!("lua/concurrency.lua"),
+    include_str!("lua/undo.lua"),
+);
+
 const RELEASE_SRC: &str = concat!(
     include_str!("lua/prelude.lua"),
     include_str!("lua/release.lua")
@@ -38,6 +51,7 @@ const RELEASE_SRC: &str = concat!(
 /// The check script, as sent with `EVALSHA`.
 pub static CHECK_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(CHECK_SRC));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_SRC));
+static UNDO: LazyLock<Script> = LazyLock::new(|| Script::new(UNDO_SRC));
 
 /// The keys and arguments of one call of [`CHECK_SCRIPT`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,9 +77,10 @@ const FIELDS: usize = 6;
 /// the connection. A check waits at most [`BatchConfig::window`] for company, and only while
 /// another batch is already in flight: an idle limiter sends at once. See [`BatchConfig`].
 ///
-/// On Redis Cluster, a check's keys must share a slot: all policies of one user key do (the
-/// user key is the hash tag); batches are formed per slot. A check across user keys in
-/// different slots returns [`Error::CrossSlot`].
+/// On Redis Cluster, all policies of one user key share a slot (the user key is the hash tag)
+/// and are checked in one call; batches are formed per slot. A check across user keys in
+/// different slots (per client IP and global, say) is checked slot by slot: when a later slot
+/// denies, what the earlier slots counted is given back.
 #[derive(Clone)]
 pub struct RedisLimiter {
     inner: Arc<Inner>,
@@ -96,6 +111,8 @@ pub(crate) struct Group {
     pub(crate) max_wait: u64,
     pub(crate) lease: u64,
     pub(crate) now: Option<Timestamp>,
+    /// Decide without counting anything.
+    pub(crate) dry_run: bool,
 }
 
 impl Group {
@@ -201,8 +218,25 @@ impl RedisLimiter {
         Ok(released)
     }
 
-    /// Validates and encodes one check.
+    /// Validates and encodes one check (its keys may span cluster slots: see `split`).
     fn encode(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Group, Error> {
+        let lease = if checks
+            .iter()
+            .any(|c| matches!(c.policy.kind(), Kind::Concurrency(_)))
+        {
+            fastrand::u64(1..)
+        } else {
+            0
+        };
+        self.encode_with(checks, opts, lease)
+    }
+
+    fn encode_with(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+        lease: u64,
+    ) -> Result<Group, Error> {
         if checks.is_empty() {
             return Err(Error::Config("a check needs at least one policy".into()));
         }
@@ -221,26 +255,6 @@ impl RedisLimiter {
             .iter()
             .map(|c| self.state_key(c.policy, c.key))
             .collect();
-        if self.inner.conn.kind() == ConnectionKind::Cluster {
-            let slot = key_slot(&keys[0]);
-            if let Some(other) = keys.iter().find(|k| key_slot(k) != slot) {
-                return Err(Error::CrossSlot {
-                    message: format!(
-                        "{} and {} are in different cluster slots",
-                        crate::display_key(&keys[0]),
-                        crate::display_key(other)
-                    ),
-                });
-            }
-        }
-        let lease = if checks
-            .iter()
-            .any(|c| matches!(c.policy.kind(), Kind::Concurrency(_)))
-        {
-            fastrand::u64(1..)
-        } else {
-            0
-        };
         Ok(Group {
             keys,
             policies: checks.iter().map(|c| params(c.policy.kind())).collect(),
@@ -248,13 +262,36 @@ impl RedisLimiter {
             max_wait: u64::try_from(opts.max_wait.as_micros()).unwrap_or(u64::MAX),
             lease,
             now: opts.now,
+            dry_run: false,
         })
     }
 
     async fn run_check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, Error> {
         let group = self.encode(checks, opts)?;
         let lease = group.lease;
-        let verdict = match self.batcher() {
+        let slots = self.slots_of(&group);
+        let verdict = match slots {
+            Some(slots) => self.run_across_slots(checks, opts, lease, &slots).await?,
+            None => self.run_group(group).await?.0,
+        };
+        Ok(Verdict {
+            lease: (lease != 0 && verdict.allowed()).then_some(LeaseId(lease)),
+            ..verdict
+        })
+    }
+
+    /// On a cluster, the slot of each check when they span several; `None` when one call does.
+    fn slots_of(&self, group: &Group) -> Option<Vec<u16>> {
+        if self.inner.conn.kind() != ConnectionKind::Cluster {
+            return None;
+        }
+        let slots: Vec<u16> = group.keys.iter().map(|k| key_slot(k)).collect();
+        slots.iter().any(|s| *s != slots[0]).then_some(slots)
+    }
+
+    /// One call of the check script, batched with others when batching is on.
+    async fn run_group(&self, group: Group) -> Result<Checked, Error> {
+        match self.batcher() {
             Some(jobs) => {
                 let (tx, rx) = oneshot::channel();
                 if jobs.send(Job { group, reply: tx }).await.is_err() {
@@ -264,25 +301,127 @@ impl RedisLimiter {
                 // against a batcher that stopped answering.
                 let patience = self.inner.conn.timeout() * 2 + self.inner.batch.window;
                 match tokio::time::timeout(patience, rx).await {
-                    Ok(Ok(result)) => result?,
-                    Ok(Err(_)) => return Err(batcher_gone()),
-                    Err(_) => {
-                        return Err(Error::Timeout {
-                            after: patience,
-                            op: "batched check",
-                        });
-                    }
+                    Ok(Ok(result)) => result,
+                    Ok(Err(_)) => Err(batcher_gone()),
+                    Err(_) => Err(Error::Timeout {
+                        after: patience,
+                        op: "batched check",
+                    }),
                 }
             }
             None => {
                 let mut results = batch::run(&self.inner.conn, &[&group]).await?;
-                results.pop().unwrap_or_else(|| Err(batcher_gone()))?
+                results.pop().unwrap_or_else(|| Err(batcher_gone()))
             }
-        };
+        }
+    }
+
+    /// A check whose keys live in several cluster slots: each slot's part is checked
+    /// all-or-nothing in turn; when a part is denied, the parts already counted are given back
+    /// (`undo.lua`) and the parts not reached are peeked at, so nothing stays counted.
+    ///
+    /// Between a part being counted and given back, other checks may see it counted: across
+    /// slots, all-or-nothing holds for the final state, not at every instant.
+    async fn run_across_slots(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+        lease: u64,
+        slots: &[u16],
+    ) -> Result<Verdict, Error> {
+        let mut order: Vec<u16> = slots.to_vec();
+        order.dedup();
+        order.sort_unstable();
+        order.dedup();
+        let parts: Vec<Vec<usize>> = order
+            .iter()
+            .map(|slot| (0..checks.len()).filter(|&i| slots[i] == *slot).collect())
+            .collect();
+        let mut decisions: Vec<Option<Decision>> = vec![None; checks.len()];
+        let mut counted: Vec<(&Vec<usize>, u64)> = Vec::new();
+        let mut wait = Duration::ZERO;
+        let mut denied_at = None;
+        for (n, part) in parts.iter().enumerate() {
+            let sub: Vec<Check<'_>> = part.iter().map(|&i| checks[i]).collect();
+            let result = self.run_group(self.encode_with(&sub, opts, lease)?).await;
+            let (verdict, now) = match result {
+                Ok(v) => v,
+                Err(e) => {
+                    self.undo(checks, &counted, lease).await;
+                    return Err(e);
+                }
+            };
+            for (&i, d) in part.iter().zip(&verdict.decisions) {
+                decisions[i] = Some(*d);
+            }
+            if verdict.allowed() {
+                wait = wait.max(verdict.wait);
+                counted.push((part, now));
+            } else {
+                denied_at = Some(n);
+                break;
+            }
+        }
+        if let Some(n) = denied_at {
+            self.undo(checks, &counted, lease).await;
+            // The parts given back, and the parts never reached, report what they would have
+            // decided with nothing counted: a dry run of each.
+            let mut dry: Vec<&Vec<usize>> = counted.iter().map(|(p, _)| *p).collect();
+            dry.extend(&parts[n + 1..]);
+            for part in dry {
+                let sub: Vec<Check<'_>> = part.iter().map(|&i| checks[i]).collect();
+                let mut group = self.encode_with(&sub, opts, 0)?;
+                group.dry_run = true;
+                let (verdict, _) = self.run_group(group).await?;
+                for (&i, d) in part.iter().zip(&verdict.decisions) {
+                    decisions[i] = Some(*d);
+                }
+            }
+            wait = Duration::ZERO;
+        }
+        let decisions = decisions
+            .into_iter()
+            .map(|d| {
+                d.ok_or_else(|| Error::UnexpectedReply {
+                    expected: "a decision for every check",
+                    got: "a check left undecided".into(),
+                })
+            })
+            .collect::<Result<_, _>>()?;
         Ok(Verdict {
-            lease: (lease != 0 && verdict.allowed()).then_some(LeaseId(lease)),
-            ..verdict
+            decisions,
+            wait,
+            lease: None,
         })
+    }
+
+    /// Gives back what the counted parts took. Failures are logged: the units come back on
+    /// their own when the state expires.
+    async fn undo(&self, checks: &[Check<'_>], counted: &[(&Vec<usize>, u64)], lease: u64) {
+        for (part, now) in counted {
+            let keys: Vec<Vec<u8>> = part
+                .iter()
+                .map(|&i| self.state_key(checks[i].policy, checks[i].key))
+                .collect();
+            let mut args: Vec<Vec<u8>> =
+                vec![now.to_string().into_bytes(), lease.to_string().into_bytes()];
+            for &i in part.iter() {
+                let (tag, p) = params(checks[i].policy.kind());
+                args.push(tag.as_bytes().to_vec());
+                args.extend(p.iter().map(|v| v.to_string().into_bytes()));
+                args.push(checks[i].cost.to_string().into_bytes());
+            }
+            let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+            let arg_refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+            if let Err(e) = self
+                .inner
+                .conn
+                .invoke_script(&UNDO, &key_refs, &arg_refs)
+                .await
+            {
+                tracing::warn!(error = %e, "could not give back a cross-slot check's units");
+            }
+        }
     }
 
     /// The batcher's queue, started on first use (it needs a running tokio runtime).
@@ -359,6 +498,10 @@ pub(crate) fn decode_group(ints: &[i64]) -> Option<Verdict> {
             u(f[4])?,
         ));
         wait = wait.max(u(f[5])?);
+    }
+    // A denied check reserved nothing: it does not wait.
+    if decisions.iter().any(|d: &Decision| !d.allowed) {
+        wait = 0;
     }
     Some(Verdict {
         decisions,

@@ -349,5 +349,8 @@ fn conformance_cluster() {
         let redis = cluster_limiter(&cluster).await;
         fixed_cases(&redis).await;
         random_sequences(&redis, 48, true).await;
+        // One user key per policy: the checks span slots, counted slot by slot and given back
+        // when a later slot denies.
+        random_sequences(&redis, 48, false).await;
     });
 }

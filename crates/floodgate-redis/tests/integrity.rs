@@ -9,6 +9,7 @@ use std::time::Duration;
 use floodgate_core::{Check, CheckOptions, Limiter, Policy};
 use floodgate_redis::keys::key_slot;
 use floodgate_redis::{ConnectionKind, Error};
+
 use support::{cluster, cluster_limiter, limiter, run, server};
 
 const LIMIT: Duration = Duration::from_secs(60);

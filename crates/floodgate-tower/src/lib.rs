@@ -65,10 +65,13 @@
 //!
 //! # Cost
 //!
-//! `RateLimit` is cloned per connection and holds one `Arc`. Per request: the key bytes (inline
-//! up to 48 bytes), one boxed decision future, the `RateLimit` header value, and the
-//! `RateLimitInfo` extension (disable with [`RateLimitLayerBuilder::request_info`]). The policy
-//! headers are rendered once, when the layer is built.
+//! `RateLimit` is cloned per connection and holds one `Arc`; the policy headers are rendered
+//! once, when the layer is built. Per request: the key bytes (inline up to 48 bytes), the
+//! `RateLimit` header value, and the `RateLimitInfo` extension (disable with
+//! [`RateLimitLayerBuilder::request_info`]). With a [`floodgate_core::MemoryLimiter`] in reject
+//! mode the decision is made synchronously inside `call`, like any in-process limiter; other
+//! limiters (Redis) are awaited in one boxed future, and the inner service is cloned for the
+//! call, as tower requires.
 
 mod body;
 mod engine;

@@ -4,9 +4,7 @@
 
 mod common;
 
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -23,7 +21,6 @@ use floodgate_tower::{
     OnMissingKey, OnStoreError, RateLimitInfo, RateLimitLayer, Rejection, RejectionKind, Rule,
 };
 use http::{Method, Response, StatusCode};
-use http_body::Frame;
 
 fn policy(limit: u64, window_secs: u64, name: &str) -> Policy {
     Policy::fixed_window(limit, Duration::from_secs(window_secs))
@@ -524,36 +521,8 @@ async fn delay_mode_spaces_requests_out() {
     assert_eq!((ok, limited), (2, 3), "{statuses:?}");
 }
 
-/// A body that sends one chunk, then waits for the test to end it.
-struct HeldBody {
-    first: Option<Bytes>,
-    end: tokio::sync::oneshot::Receiver<()>,
-}
-
-impl http_body::Body for HeldBody {
-    type Data = Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        if let Some(first) = self.first.take() {
-            return Poll::Ready(Some(Ok(Frame::data(first))));
-        }
-        match Pin::new(&mut self.end).poll(cx) {
-            Poll::Ready(_) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-use std::future::Future as _;
-
 #[tokio::test]
 async fn a_concurrency_lease_lasts_until_the_body_ends() {
-    let senders: Arc<Mutex<Vec<tokio::sync::oneshot::Sender<()>>>> = Arc::default();
-    let held = senders.clone();
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(
             Rule::new(
@@ -566,40 +535,10 @@ async fn a_concurrency_lease_lasts_until_the_body_ends() {
         )
         .build()
         .expect("layer");
-    let app = Router::new()
-        .route(
-            "/stream",
-            get(move || {
-                let held = held.clone();
-                async move {
-                    let (end_tx, end_rx) = tokio::sync::oneshot::channel();
-                    held.lock().expect("lock").push(end_tx);
-                    axum::body::Body::new(HeldBody {
-                        first: Some(Bytes::from_static(b"first chunk")),
-                        end: end_rx,
-                    })
-                }
-            }),
-        )
-        .layer(layer);
+    let (app, senders) = common::held_stream_app(layer);
     let addr = serve(app).await;
 
-    // Raw HTTP/1.1 so that the test controls when the body is read and when it is dropped.
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    async fn open(addr: std::net::SocketAddr) -> (tokio::net::TcpStream, String) {
-        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        s.write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
-            .await
-            .expect("write");
-        let mut buf = vec![0; 4096];
-        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
-            .await
-            .expect("head in time")
-            .expect("read");
-        (s, String::from_utf8_lossy(&buf[..n]).into_owned())
-    }
-
-    let (mut first, head) = open(addr).await;
+    let (mut first, head) = common::open_stream(addr).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(head.contains("first chunk"), "{head}");
     assert!(
@@ -607,50 +546,34 @@ async fn a_concurrency_lease_lasts_until_the_body_ends() {
             .contains("ratelimit: \"one-at-a-time\";r=0"),
         "{head}"
     );
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("ratelimit-policy: \"one-at-a-time\";q=1;qu=\"concurrent-requests\""),
+        "{head}"
+    );
 
     // The body is still streaming: the lease is held.
-    let (_second, head) = open(addr).await;
+    let (_second, head) = common::open_stream(addr).await;
     assert!(head.starts_with("HTTP/1.1 429"), "{head}");
 
-    // End the first body; read it to the end.
+    // End the first body and read it to the end: the lease is back.
     senders
         .lock()
         .expect("lock")
         .remove(0)
         .send(())
         .expect("end");
-    let mut rest = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        let mut buf = [0u8; 1024];
-        loop {
-            let n = first.read(&mut buf).await.expect("read");
-            rest.extend_from_slice(&buf[..n]);
-            if n == 0 || rest.ends_with(b"0\r\n\r\n") {
-                break;
-            }
-        }
-    })
-    .await;
+    let rest = common::read_to_end(&mut first).await;
     assert!(
         rest.ends_with(b"0\r\n\r\n"),
         "{:?}",
         String::from_utf8_lossy(&rest)
     );
-
-    let (third, head) = open(addr).await;
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let third = common::wait_admitted(addr).await;
 
     // Dropping the connection mid-body drops the body: the lease is released too.
     drop(third);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let (_s, head) = open(addr).await;
-        if head.starts_with("HTTP/1.1 200") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "lease never released: {head}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let _fourth = common::wait_admitted(addr).await;
 }
 
 /// A store that never answers, and one that always fails.

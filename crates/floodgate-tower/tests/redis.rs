@@ -269,3 +269,37 @@ async fn a_paused_redis_hits_the_layer_timeout() {
     tokio::task::block_in_place(|| redis.resume()).expect("resume");
     wait_for_source(&client, "store").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrency_lease_in_redis_lasts_until_the_body_ends() {
+    let redis = start_redis();
+    let layer = RateLimitLayer::builder(limiter(&redis).await)
+        .rule(
+            Rule::new(
+                Policy::concurrency(1, Duration::from_secs(60))
+                    .expect("policy")
+                    .named("redis-one")
+                    .expect("name"),
+            )
+            .key(GlobalKey),
+        )
+        .build()
+        .expect("layer");
+    let (app, senders) = common::held_stream_app(layer);
+    let addr = serve(app).await;
+    let (mut first, head) = common::open_stream(addr).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (_second, head) = common::open_stream(addr).await;
+    assert!(head.starts_with("HTTP/1.1 429"), "{head}");
+    senders
+        .lock()
+        .expect("lock")
+        .remove(0)
+        .send(())
+        .expect("end");
+    common::read_to_end(&mut first).await;
+    // The release is an EVALSHA sent in the background.
+    let third = common::wait_admitted(addr).await;
+    drop(third);
+    let _fourth = common::wait_admitted(addr).await;
+}

@@ -191,9 +191,16 @@ impl Config {
                 .redis_url
                 .or(file.redis_url)
                 .filter(|u| !u.trim().is_empty()),
-            outbox_path: cli.outbox_path.or(file.outbox_path).unwrap_or(d.outbox_path),
+            outbox_path: cli
+                .outbox_path
+                .or(file.outbox_path)
+                .unwrap_or(d.outbox_path),
             webhook_url: cli.webhook_url.or(file.webhook_url),
-            phone_burst: positive("phone_burst", cli.phone_burst.or(file.phone_burst), d.phone_burst)?,
+            phone_burst: positive(
+                "phone_burst",
+                cli.phone_burst.or(file.phone_burst),
+                d.phone_burst,
+            )?,
             phone_interval: duration(
                 "phone_interval",
                 cli.phone_interval.or(file.phone_interval),
@@ -221,8 +228,14 @@ impl Config {
                 cli.campaign_lease.or(file.campaign_lease),
                 d.campaign_lease,
             )?,
-            instance_id: cli.instance_id.or(file.instance_id).unwrap_or(d.instance_id),
-            redis_prefix: cli.redis_prefix.or(file.redis_prefix).unwrap_or(d.redis_prefix),
+            instance_id: cli
+                .instance_id
+                .or(file.instance_id)
+                .unwrap_or(d.instance_id),
+            redis_prefix: cli
+                .redis_prefix
+                .or(file.redis_prefix)
+                .unwrap_or(d.redis_prefix),
         };
         if config.campaign_lease < Duration::from_millis(300) {
             return Err(bad("campaign_lease", "must be at least 300ms"));
@@ -266,13 +279,25 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("sms-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let path = dir.join("gateway.toml");
-        std::fs::write(&path, "ip_per_minute = 5\nphone_daily_limit = 3\nutc_offset = \"+08:00\"\n")
-            .expect("write");
-        let c = Config::load(cli(&["--config", path.to_str().expect("utf-8"), "--ip-per-minute", "7"]))
-            .expect("valid");
-        assert_eq!((c.ip_per_minute, c.phone_daily_limit, c.utc_offset_secs), (7, 3, 8 * 3600));
+        std::fs::write(
+            &path,
+            "ip_per_minute = 5\nphone_daily_limit = 3\nutc_offset = \"+08:00\"\n",
+        )
+        .expect("write");
+        let c = Config::load(cli(&[
+            "--config",
+            path.to_str().expect("utf-8"),
+            "--ip-per-minute",
+            "7",
+        ]))
+        .expect("valid");
+        assert_eq!(
+            (c.ip_per_minute, c.phone_daily_limit, c.utc_offset_secs),
+            (7, 3, 8 * 3600)
+        );
         std::fs::write(&path, "bogus_key = 1\n").expect("write");
-        let err = Config::load(cli(&["--config", path.to_str().expect("utf-8")])).expect_err("unknown key");
+        let err = Config::load(cli(&["--config", path.to_str().expect("utf-8")]))
+            .expect_err("unknown key");
         assert!(err.reason.contains("bogus_key"), "{err}");
         let _ = std::fs::remove_dir_all(dir);
     }

@@ -14,7 +14,10 @@ impl Phone {
     /// Validates `raw` as E.164; `field` names it in the error.
     pub fn parse(raw: &str, field: &str) -> Result<Phone, ApiError> {
         let digits = raw.strip_prefix('+').ok_or_else(|| {
-            ApiError::invalid(field, "must be in E.164 form, starting with + (e.g. +8613800000000)")
+            ApiError::invalid(
+                field,
+                "must be in E.164 form, starting with + (e.g. +8613800000000)",
+            )
         })?;
         let ok = (7..=15).contains(&digits.len())
             && digits.bytes().all(|b| b.is_ascii_digit())
@@ -46,8 +49,14 @@ pub fn validate_text(text: &str, field: &str) -> Result<(), ApiError> {
             format!("is {chars} characters long; the most is {MAX_TEXT_CHARS}"),
         ));
     }
-    if text.chars().any(|c| c.is_control() && !matches!(c, '\n' | '\r' | '\t')) {
-        return Err(ApiError::invalid(field, "must not contain control characters"));
+    if text
+        .chars()
+        .any(|c| c.is_control() && !matches!(c, '\n' | '\r' | '\t'))
+    {
+        return Err(ApiError::invalid(
+            field,
+            "must not contain control characters",
+        ));
     }
     Ok(())
 }
@@ -60,7 +69,17 @@ mod tests {
     fn e164() {
         assert!(Phone::parse("+8613800000000", "phone").is_ok());
         assert!(Phone::parse("+14155552671", "phone").is_ok());
-        for bad in ["8613800000000", "+", "+0123456789", "+12345", "+1234567890123456", "+86 138", "+86138000000a0", "", "+８６１３８"] {
+        for bad in [
+            "8613800000000",
+            "+",
+            "+0123456789",
+            "+12345",
+            "+1234567890123456",
+            "+86 138",
+            "+86138000000a0",
+            "",
+            "+８６１３８",
+        ] {
             let err = Phone::parse(bad, "phone").expect_err(bad);
             assert_eq!(err.field(), Some("phone"), "{bad}");
         }

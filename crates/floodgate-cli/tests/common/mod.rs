@@ -1,5 +1,8 @@
 //! Runs the built `floodgate` binary.
 
+// Each test binary uses its own part of this module.
+#![allow(dead_code)]
+
 use std::io::Write;
 use std::process::{Command, ExitStatus, Stdio};
 

@@ -153,7 +153,9 @@ impl<L, C: Clock> DenyCache<L, C> {
         let hash = map.hash(0, &key);
         let shard = map.lock(map.shard_of(hash));
         match shard.find(hash, 0, &key) {
-            Some(slot) if slot.value.until > now => Lookup::Denied(Box::new(aged(&slot.value, now))),
+            Some(slot) if slot.value.until > now => {
+                Lookup::Denied(Box::new(aged(&slot.value, now)))
+            }
             Some(slot) if slot.expires_at > now => Lookup::Probe,
             _ => Lookup::Miss,
         }

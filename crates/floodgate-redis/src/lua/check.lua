@@ -4,8 +4,8 @@
 -- KEYS: one state key per check, group after group (on a cluster, all in one slot).
 -- ARGV: now (us, or '' for the server's TIME),
 --       P, then P policies of 5 values: algorithm tag and four parameters,
---       G, then G groups: n, max wait (us), lease id, then n checks of 2 values:
---       policy number (1-based) and cost.
+--       G, then G groups: n, max wait (us), lease id, dry run (1: decide, never count), then
+--       n checks of 2 values: policy number (1-based) and cost.
 -- Reply: the time used, then per group either 1 followed by 6 integers per check
 --        {allowed, limit, remaining, retry_after_us (-1: none), reset_after_us, wait_us},
 --        or 0 followed by the group's error (a corrupted or wrong-type key).
@@ -42,11 +42,11 @@ for i = 1, np do
   a = a + 5
 end
 
-local function run_group(checks, max_wait, lease)
+local function run_group(checks, max_wait, lease, dry)
   for i, c in ipairs(checks) do
     c.st = c.alg.load(i - 1, c.key, c.p, now)
   end
-  local all = true
+  local all = not dry
   for _, c in ipairs(checks) do
     c.out = c.alg.decide(c.st, c.p, now, c.cost, max_wait)
     if c.out[1] == 0 then
@@ -80,11 +80,11 @@ a = a + 1
 local k = 1
 local groups = {}
 for g = 1, ng do
-  local n, max_wait, lease = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), ARGV[a + 2]
-  if n == nil or max_wait == nil or lease == nil then
+  local n, max_wait, lease, dry = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3]
+  if n == nil or max_wait == nil or lease == nil or dry == nil then
     malformed('group ' .. g)
   end
-  a = a + 3
+  a = a + 4
   local checks = {}
   for i = 1, n do
     local pol = policies[tonumber(ARGV[a])]
@@ -96,7 +96,7 @@ for g = 1, ng do
     a = a + 2
     k = k + 1
   end
-  groups[g] = { checks = checks, max_wait = max_wait, lease = lease }
+  groups[g] = { checks = checks, max_wait = max_wait, lease = lease, dry = dry == '1' }
 end
 if k ~= #KEYS + 1 or a ~= #ARGV + 1 then
   malformed('the end')
@@ -104,7 +104,7 @@ end
 
 local reply = { now }
 for _, group in ipairs(groups) do
-  local ok, res = pcall(run_group, group.checks, group.max_wait, group.lease)
+  local ok, res = pcall(run_group, group.checks, group.max_wait, group.lease, group.dry)
   if ok then
     reply[#reply + 1] = 1
     for _, v in ipairs(res) do

@@ -63,4 +63,13 @@ ALG.conc = {
     end
     expire(key, latest, now)
   end,
+
+  undo = function(idx, key, p, now, cost, lease)
+    local prefix = lease .. ':'
+    for _, m in ipairs(read(idx, 'ZRANGE', key, 0, -1)) do
+      if string.sub(m, 1, #prefix) == prefix then
+        redis.call('ZREM', key, m)
+      end
+    end
+  end,
 }

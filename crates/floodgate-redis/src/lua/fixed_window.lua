@@ -107,4 +107,13 @@ ALG.fw = {
     end
     expire(key, expires_at, now)
   end,
+
+  undo = function(idx, key, p, now, cost)
+    local st = ALG.fw.load(idx, key)
+    local s = fw_current({ start = st.start, count = math.max(st.count, 1) }, p, now)
+    if st.start == s and st.count > 0 then
+      st.count = math.max(0, st.count - cost)
+      ALG.fw.save(key, st, p, now)
+    end
+  end,
 }

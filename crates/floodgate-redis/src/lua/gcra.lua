@@ -34,4 +34,11 @@ ALG.gcra = {
       redis.call('DEL', key)
     end
   end,
+
+  -- Gives back `cost` units taken at `now` (a check across cluster slots that failed later).
+  undo = function(idx, key, p, now, cost)
+    local st = ALG.gcra.load(idx, key)
+    st.tat = math.max(now, st.tat - p[1] * cost)
+    ALG.gcra.save(key, st, p, now)
+  end,
 }

@@ -33,4 +33,10 @@ ALG.lb = {
     redis.call('HSET', key, 'level', fmt(st.level), 'at', fmt(st.at))
     expire(key, st.at + st.level, now)
   end,
+
+  undo = function(idx, key, p, now, cost)
+    local st = ALG.lb.load(idx, key)
+    st.level = math.max(0, st.level - p[1] * cost)
+    ALG.lb.save(key, st, p, math.max(now, st.at))
+  end,
 }

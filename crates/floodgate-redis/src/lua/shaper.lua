@@ -36,4 +36,8 @@ ALG.shp = {
   save = function(key, st, p, now)
     ALG.gcra.save(key, st, p, now)
   end,
+
+  undo = function(idx, key, p, now, cost)
+    ALG.gcra.undo(idx, key, p, now, cost)
+  end,
 }

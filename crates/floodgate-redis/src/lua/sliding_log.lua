@@ -66,4 +66,15 @@ ALG.log = {
     end
     expire(key, newest + window, now)
   end,
+
+  undo = function(idx, key, p, now, cost)
+    local members = read(idx, 'ZRANGEBYSCORE', key, fmt(now), fmt(now))
+    local prefix = fmt(now) .. ':' .. fmt(cost) .. ':'
+    for i = #members, 1, -1 do
+      if string.sub(members[i], 1, #prefix) == prefix then
+        redis.call('ZREM', key, members[i])
+        return
+      end
+    end
+  end,
 }

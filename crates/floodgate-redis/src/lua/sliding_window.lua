@@ -68,4 +68,18 @@ ALG.sw = {
     end
     expire(key, expires_at, now)
   end,
+
+  undo = function(idx, key, p, now, cost)
+    local st = ALG.sw.load(idx, key)
+    local w = p[2] * 1000
+    local start = now - now % w
+    if st.start == start then
+      st.curr = math.max(0, st.curr - cost)
+    elseif st.start == start + w then
+      st.prev = math.max(0, st.prev - cost)
+    else
+      return
+    end
+    ALG.sw.save(key, st, p, now)
+  end,
 }

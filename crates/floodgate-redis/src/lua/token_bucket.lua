@@ -50,4 +50,10 @@ ALG.tb = {
     end
     expire(key, expires_at, now)
   end,
+
+  undo = function(idx, key, p, now, cost)
+    local st = ALG.tb.load(idx, key, p)
+    st.tokens = math.min(p[1], st.tokens + cost)
+    ALG.tb.save(key, st, p, now)
+  end,
 }

@@ -144,3 +144,107 @@ pub fn infallible<T>(t: T) -> Result<T, Infallible> {
 }
 
 pub mod greeter;
+
+/// A body that sends one chunk, then waits for the test to end it.
+pub struct HeldBody {
+    pub first: Option<Bytes>,
+    pub end: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl http_body::Body for HeldBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Infallible>>> {
+        use std::future::Future as _;
+        if let Some(first) = self.first.take() {
+            return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(first))));
+        }
+        match std::pin::Pin::new(&mut self.end).poll(cx) {
+            std::task::Poll::Ready(_) => std::task::Poll::Ready(None),
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    }
+}
+
+/// A router whose `/stream` answers with a [`HeldBody`]; the senders end the bodies in order.
+pub fn held_stream_app(
+    layer: floodgate_tower::RateLimitLayer,
+) -> (
+    Router,
+    std::sync::Arc<std::sync::Mutex<Vec<tokio::sync::oneshot::Sender<()>>>>,
+) {
+    let senders: std::sync::Arc<std::sync::Mutex<Vec<tokio::sync::oneshot::Sender<()>>>> =
+        Default::default();
+    let held = senders.clone();
+    let app = Router::new()
+        .route(
+            "/stream",
+            axum::routing::get(move || {
+                let held = held.clone();
+                async move {
+                    let (end_tx, end_rx) = tokio::sync::oneshot::channel();
+                    held.lock().expect("lock").push(end_tx);
+                    axum::body::Body::new(HeldBody {
+                        first: Some(Bytes::from_static(b"first chunk")),
+                        end: end_rx,
+                    })
+                }
+            }),
+        )
+        .layer(layer);
+    (app, senders)
+}
+
+/// Sends `GET /stream` over raw HTTP/1.1 and returns the stream with what arrived first (the
+/// head and the first chunk), so that the test decides when the body is read or dropped.
+pub async fn open_stream(addr: SocketAddr) -> (tokio::net::TcpStream, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = vec![0; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("head in time")
+        .expect("read");
+    (s, String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+/// Reads a chunked body to its end.
+pub async fn read_to_end(s: &mut tokio::net::TcpStream) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut buf = [0u8; 1024];
+        loop {
+            let n = s.read(&mut buf).await.expect("read");
+            rest.extend_from_slice(&buf[..n]);
+            if n == 0 || rest.ends_with(b"0\r\n\r\n") {
+                break;
+            }
+        }
+    })
+    .await;
+    rest
+}
+
+/// Opens streams until one is admitted, or panics after a few seconds.
+pub async fn wait_admitted(addr: SocketAddr) -> tokio::net::TcpStream {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (s, head) = open_stream(addr).await;
+        if head.starts_with("HTTP/1.1 200") {
+            return s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "lease never released: {head}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,30 @@
+-- floodgate undo: gives back what an allowed check took, when a check that spans several
+-- cluster slots was allowed in this slot and then denied in another.
+--
+-- KEYS: the state keys of the checks to undo (one slot).
+-- ARGV: the time the check used (us), lease id, then per check: algorithm tag, four
+--       parameters, cost.
+-- The inverse is exact when nothing else touched the keys in between; otherwise it returns the
+-- units without undoing the others' requests.
+
+local now = tonumber(ARGV[1])
+local lease = ARGV[2]
+if now == nil or #ARGV ~= 2 + 6 * #KEYS then
+  fail('FLOODGATE_BADARG', 0, 'malformed undo arguments')
+end
+if #KEYS > 0 then
+  -- The undo happens later than the check: TTLs are measured from the check's time plus the
+  -- time since, so keep the slack that injected times get.
+  TTL_SLACK = 60000
+end
+for i, key in ipairs(KEYS) do
+  local b = 2 + (i - 1) * 6
+  local alg = ALG[ARGV[b + 1]]
+  local p = { tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]) }
+  local cost = tonumber(ARGV[b + 6])
+  if alg == nil or cost == nil or p[1] == nil then
+    fail('FLOODGATE_BADARG', i - 1, 'malformed undo check')
+  end
+  alg.undo(i - 1, key, p, now, cost, lease)
+end
+return #KEYS
