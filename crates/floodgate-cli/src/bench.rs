@@ -141,6 +141,18 @@ pub(crate) struct BenchArgs {
     #[arg(long, help_heading = "Benchmark")]
     no_batching: bool,
 
+    /// Batching: the longest a check waits for others while a batch is in flight (e.g. 50us, 0s).
+    #[arg(long, value_name = "DURATION", value_parser = crate::args::duration)]
+    batch_window: Option<std::time::Duration>,
+
+    /// Batching: the most checks in one script call.
+    #[arg(long, value_name = "N")]
+    batch_max: Option<usize>,
+
+    /// Batching: the most script calls in flight at once.
+    #[arg(long, value_name = "N")]
+    batch_in_flight: Option<usize>,
+
     /// Commands per pipeline in the pipelined baselines and redis-benchmark (-P).
     #[arg(
         long,
@@ -359,7 +371,13 @@ async fn bench(args: &BenchArgs, set: PolicySet) -> Result<Report, CliError> {
     let batch = if args.no_batching {
         BatchConfig::disabled()
     } else {
-        BatchConfig::default()
+        let d = BatchConfig::default();
+        BatchConfig {
+            window: args.batch_window.unwrap_or(d.window),
+            max_batch: args.batch_max.unwrap_or(d.max_batch),
+            max_in_flight: args.batch_in_flight.unwrap_or(d.max_in_flight),
+            ..d
+        }
     };
     let limiter = args.redis.connect_with(batch).await?;
     let url = limiter.conn().redacted_url().to_owned();

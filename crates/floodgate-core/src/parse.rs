@@ -175,6 +175,7 @@ fn whole(input: &str, v: f64) -> Result<u64, PolicyError> {
 fn duration(input: &str, n: f64, unit: &str) -> Result<Duration, PolicyError> {
     let secs = match unit.trim_end_matches('s') {
         "m" if unit == "ms" => 0.001,
+        "u" | "\u{b5}" | "micro" | "microsecond" => 0.000_001,
         "millisecond" | "milli" => 0.001,
         "" | "sec" | "second" => 1.0,
         "m" | "min" | "minute" => 60.0,
@@ -374,6 +375,7 @@ mod tests {
     #[test]
     fn durations_and_offsets() {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("50us"), Ok(Duration::from_micros(50)));
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("2 hours"), Ok(Duration::from_secs(7200)));
         assert_eq!(parse_duration("1d"), Ok(Duration::from_secs(86_400)));

@@ -15,7 +15,6 @@ use std::sync::Arc;
 use futures_util::future::join_all;
 use redis::Value;
 use tokio::sync::{Semaphore, mpsc, oneshot};
-use tokio::time::Instant;
 
 use crate::limiter::{CHECK_SCRIPT, Group, decode_group};
 use crate::{ConnectionKind, Error, RedisConn, display_key};
@@ -249,17 +248,19 @@ pub(crate) async fn batcher(conn: RedisConn, cfg: BatchConfig, mut rx: mpsc::Rec
     while let Some(first) = rx.recv().await {
         let mut batch = vec![first];
         fill(&mut rx, &mut batch, max_batch);
-        // Wait for company only while the pipeline is busy anyway.
+        // Wait for company only while the pipeline is busy anyway. Tokio's timers tick in whole
+        // milliseconds, far longer than the window: yield to let other tasks queue their
+        // checks, and stop at the deadline by the monotonic clock.
         let busy = permits.available_permits() < max_in_flight;
         if busy && batch.len() < max_batch && !cfg.window.is_zero() {
-            let deadline = Instant::now() + cfg.window;
-            while batch.len() < max_batch {
-                tokio::select! {
-                    job = rx.recv() => match job {
-                        Some(job) => batch.push(job),
-                        None => break,
-                    },
-                    _ = tokio::time::sleep_until(deadline) => break,
+            let deadline = std::time::Instant::now() + cfg.window;
+            while batch.len() < max_batch && std::time::Instant::now() < deadline {
+                tokio::task::yield_now().await;
+                let before = batch.len();
+                fill(&mut rx, &mut batch, max_batch);
+                if batch.len() == before && permits.available_permits() == max_in_flight {
+                    // The pipeline emptied and nobody else is coming: go now.
+                    break;
                 }
             }
         }

@@ -69,6 +69,8 @@ local function expire(key, expires_at, now)
   end
 end
 
+-- A decision as six values: allowed (1/0), limit, remaining, retry_after_us (-1: none),
+-- reset_after_us, wait_us. Multiple returns, not a table: no allocation per decision.
 local function outcome(allowed, limit, remaining, retry, reset, wait)
-  return { allowed and 1 or 0, limit, remaining, retry or -1, reset, wait or 0 }
+  return allowed and 1 or 0, limit, remaining, retry or -1, reset, wait or 0
 end
