@@ -215,6 +215,10 @@ fn duplicate(e: &Error) -> Error {
             addr: addr.clone(),
             source: source.clone(),
         },
+        Error::Unavailable { addr, retry_in } => Error::Unavailable {
+            addr: addr.clone(),
+            retry_in: *retry_in,
+        },
         Error::Timeout { after, op } => Error::Timeout { after: *after, op },
         Error::WrongType { key } => Error::WrongType { key: key.clone() },
         Error::Corrupted { key, detail } => Error::Corrupted {

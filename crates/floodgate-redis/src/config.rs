@@ -17,6 +17,7 @@
 //! # Ok(()) }
 //! ```
 
+use crate::breaker::BreakerConfig;
 use std::fmt;
 use std::time::Duration;
 
@@ -86,6 +87,7 @@ pub struct RedisConfig {
     timeout: Duration,
     connect_timeout: Duration,
     key_prefix: String,
+    breaker: BreakerConfig,
     #[cfg(feature = "tls")]
     tls_ca: Option<Vec<u8>>,
     #[cfg(feature = "tls")]
@@ -136,6 +138,7 @@ impl RedisConfig {
             timeout: DEFAULT_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             key_prefix: DEFAULT_KEY_PREFIX.to_owned(),
+            breaker: BreakerConfig::default(),
             #[cfg(feature = "tls")]
             tls_ca: None,
             #[cfg(feature = "tls")]
@@ -228,6 +231,17 @@ impl RedisConfig {
     /// The key prefix.
     pub fn get_key_prefix(&self) -> &str {
         &self.key_prefix
+    }
+
+    /// The circuit breaker in front of the connection (see [`BreakerConfig`]).
+    pub fn circuit_breaker(mut self, breaker: BreakerConfig) -> Self {
+        self.breaker = breaker;
+        self
+    }
+
+    /// The circuit breaker settings.
+    pub fn get_breaker(&self) -> &BreakerConfig {
+        &self.breaker
     }
 
     /// True for `rediss://` URLs.

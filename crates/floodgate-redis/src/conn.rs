@@ -23,6 +23,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::join_all;
+
+use crate::breaker::{Admit, Breaker};
 use redis::aio::{
     ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
 };
@@ -113,6 +115,7 @@ struct Inner {
     addr: String,
     key_prefix: String,
     redis_cell: OnceCell<bool>,
+    breaker: Breaker,
 }
 
 enum Backend {
@@ -200,6 +203,7 @@ impl RedisConn {
                 addr,
                 key_prefix: config.get_key_prefix().to_owned(),
                 redis_cell: OnceCell::new(),
+                breaker: Breaker::new(config.get_breaker().clone()),
             }),
         })
     }
@@ -437,15 +441,33 @@ impl RedisConn {
     }
 
     /// Runs `fut` within the call timeout.
+    /// Runs `fut` within the per-call timeout, behind the circuit breaker.
     async fn bounded<T>(
         &self,
         op: &'static str,
         fut: impl Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
+        let admit = self.inner.breaker.admit();
+        if let Admit::Reject(retry_in) = admit {
+            return Err(Error::Unavailable {
+                addr: self.inner.addr.clone(),
+                retry_in,
+            });
+        }
         let after = self.inner.timeout;
-        tokio::time::timeout(after, fut)
+        let result = tokio::time::timeout(after, fut)
             .await
-            .unwrap_or_else(|_| Err(Error::Timeout { after, op }))
+            .unwrap_or_else(|_| Err(Error::Timeout { after, op }));
+        let unreachable = matches!(&result, Err(e) if e.is_timeout() || e.is_connection());
+        if self.inner.breaker.record(&admit, !unreachable) {
+            tracing::warn!(addr = %self.inner.addr, "Redis unreachable: failing fast for a while (circuit breaker open)");
+        }
+        result
+    }
+
+    /// Whether the circuit breaker is open or probing: Redis was unreachable just now.
+    pub fn is_circuit_open(&self) -> bool {
+        self.inner.breaker.is_open()
     }
 
     /// Where a script with these keys runs; on a cluster all keys must share a slot.

@@ -33,6 +33,15 @@ pub enum Error {
         source: RedisError,
     },
 
+    /// Redis was unreachable moments ago and the circuit breaker is failing calls fast.
+    #[error("Redis at {addr} is unavailable (circuit breaker open; next probe in {retry_in:?})")]
+    Unavailable {
+        /// The address, with any password replaced by `***`.
+        addr: String,
+        /// When the breaker lets a probe through.
+        retry_in: Duration,
+    },
+
     /// The operation did not finish in time.
     #[error("Redis {op} timed out after {after:?}")]
     Timeout {
@@ -101,7 +110,7 @@ impl Error {
     /// cluster down, master down, loading, a failover in progress.
     pub fn is_connection(&self) -> bool {
         match self {
-            Self::Connect { .. } => true,
+            Self::Connect { .. } | Self::Unavailable { .. } => true,
             Self::Redis(e) => is_connection_error(e),
             _ => false,
         }

@@ -2,6 +2,7 @@
 
 mod batch;
 mod bloom;
+mod breaker;
 mod config;
 mod conn;
 mod error;
@@ -10,6 +11,7 @@ mod limiter;
 
 pub use batch::BatchConfig;
 pub use bloom::*;
+pub use breaker::BreakerConfig;
 pub use config::*;
 pub use conn::*;
 pub use error::*;

@@ -1,0 +1,196 @@
+//! A circuit breaker in front of the connection: while Redis is down, callers fail at once
+//! instead of each waiting for its timeout.
+//!
+//! - **Closed**: calls go through. A call that times out or cannot reach the server counts as a
+//!   failure; any answer from the server (even an error reply, such as a corrupted key) resets
+//!   the count. After [`BreakerConfig::failures`] failures in a row the breaker opens.
+//! - **Open**: calls fail at once with [`crate::Error::Unavailable`] for the open period, which
+//!   starts at [`BreakerConfig::open_for`] and doubles each time a probe fails, up to
+//!   [`BreakerConfig::max_open_for`].
+//! - **Half-open**: when the open period ends, one call goes through as a probe while the others
+//!   keep failing fast. If it succeeds the breaker closes; if it fails it opens again.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Circuit breaker settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Whether to break at all.
+    pub enabled: bool,
+    /// Consecutive failures (timeouts, connection errors) that open the breaker. Default 3.
+    pub failures: u32,
+    /// The first open period. Default 100 ms.
+    pub open_for: Duration,
+    /// The longest open period: how late, at most, the first probe after a recovery comes.
+    /// Default 1 s.
+    pub max_open_for: Duration,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            enabled: true,
+            failures: 3,
+            open_for: Duration::from_millis(100),
+            max_open_for: Duration::from_secs(1),
+        }
+    }
+}
+
+impl BreakerConfig {
+    /// No breaker: every call waits for its own timeout.
+    pub fn disabled() -> Self {
+        BreakerConfig {
+            enabled: false,
+            ..BreakerConfig::default()
+        }
+    }
+}
+
+#[derive(Debug)]
+enum State {
+    Closed { failures: u32 },
+    Open { until: Instant, period: Duration },
+    HalfOpen { period: Duration },
+}
+
+/// Whether a call may go ahead.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Admit {
+    /// Go.
+    Go,
+    /// Go, as the one probe of a half-open breaker.
+    Probe,
+    /// Fail now; the breaker may let a probe through after this long.
+    Reject(Duration),
+}
+
+#[derive(Debug)]
+pub(crate) struct Breaker {
+    cfg: BreakerConfig,
+    state: Mutex<State>,
+}
+
+impl Breaker {
+    pub(crate) fn new(cfg: BreakerConfig) -> Self {
+        Breaker {
+            cfg,
+            state: Mutex::new(State::Closed { failures: 0 }),
+        }
+    }
+
+    pub(crate) fn admit(&self) -> Admit {
+        if !self.cfg.enabled {
+            return Admit::Go;
+        }
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        match *state {
+            State::Closed { .. } => Admit::Go,
+            State::Open { until, period } => {
+                let now = Instant::now();
+                if now >= until {
+                    *state = State::HalfOpen { period };
+                    Admit::Probe
+                } else {
+                    Admit::Reject(until - now)
+                }
+            }
+            State::HalfOpen { .. } => Admit::Reject(Duration::ZERO),
+        }
+    }
+
+    /// Records how a call that was let through ended: `reached` when the server answered.
+    pub(crate) fn record(&self, admit: &Admit, reached: bool) -> bool {
+        if !self.cfg.enabled {
+            return false;
+        }
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut opened = false;
+        *state = match (&*state, reached) {
+            (_, true) => State::Closed { failures: 0 },
+            (State::Closed { failures }, false) => {
+                let failures = failures + 1;
+                if failures >= self.cfg.failures {
+                    opened = true;
+                    State::Open {
+                        until: Instant::now() + self.cfg.open_for,
+                        period: self.cfg.open_for,
+                    }
+                } else {
+                    State::Closed { failures }
+                }
+            }
+            (State::HalfOpen { period }, false) if *admit == Admit::Probe => {
+                let period = (*period * 2).min(self.cfg.max_open_for);
+                opened = true;
+                State::Open {
+                    until: Instant::now() + period,
+                    period,
+                }
+            }
+            // A call admitted before the breaker opened, failing late: already open.
+            (State::Open { until, period }, false) => State::Open {
+                until: *until,
+                period: *period,
+            },
+            (State::HalfOpen { period }, false) => State::HalfOpen { period: *period },
+        };
+        opened
+    }
+
+    /// Whether the breaker is open now (for health checks).
+    pub(crate) fn is_open(&self) -> bool {
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        !matches!(*state, State::Closed { .. })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_after_failures_and_probes_to_close() {
+        let b = Breaker::new(BreakerConfig {
+            open_for: Duration::from_millis(20),
+            ..BreakerConfig::default()
+        });
+        for _ in 0..2 {
+            let a = b.admit();
+            assert_eq!(a, Admit::Go);
+            assert!(!b.record(&a, false));
+        }
+        let a = b.admit();
+        assert!(b.record(&a, false), "third failure opens");
+        assert!(matches!(b.admit(), Admit::Reject(_)));
+        std::thread::sleep(Duration::from_millis(25));
+        let probe = b.admit();
+        assert_eq!(probe, Admit::Probe);
+        assert!(matches!(b.admit(), Admit::Reject(_)), "one probe at a time");
+        // The probe fails: open again, for twice as long.
+        assert!(b.record(&probe, false));
+        std::thread::sleep(Duration::from_millis(25));
+        assert!(matches!(b.admit(), Admit::Reject(_)));
+        std::thread::sleep(Duration::from_millis(20));
+        let probe = b.admit();
+        assert_eq!(probe, Admit::Probe);
+        b.record(&probe, true);
+        assert_eq!(b.admit(), Admit::Go);
+        assert!(!b.is_open());
+    }
+
+    #[test]
+    fn answers_from_the_server_reset_the_count() {
+        let b = Breaker::new(BreakerConfig::default());
+        for _ in 0..10 {
+            let a = b.admit();
+            b.record(&a, false);
+            let a = b.admit();
+            if a == Admit::Go {
+                b.record(&a, true);
+            }
+        }
+        assert_eq!(b.admit(), Admit::Go);
+    }
+}

@@ -1,0 +1,90 @@
+//! The circuit breaker: while Redis is down, calls fail fast instead of each waiting out its
+//! timeout; after a restart, decisions come back within the breaker's longest open period.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use floodgate_core::{Limiter, Policy};
+use floodgate_redis::{BreakerConfig, ConnectionKind, Error, RedisConfig, RedisLimiter};
+use support::{run, server};
+
+#[test]
+fn fault_calls_fail_fast_while_redis_is_down_and_recover_after_restart() {
+    let server = server();
+    run(Duration::from_secs(60), async {
+        for kind in [ConnectionKind::Multiplexed, ConnectionKind::Pool { size: 4 }] {
+            let config = RedisConfig::new(&server.url())
+                .expect("url")
+                .connection(kind)
+                .timeout(Duration::from_millis(300));
+            let limiter = RedisLimiter::connect(&config).await.expect("connect");
+            let p = Policy::per_second(1_000).expect("valid");
+            assert!(limiter.check_one(b"k", &p, 1).await.expect("up").allowed);
+
+            server.kill().expect("kill");
+            // The first failures wait for their timeout (or fail on the broken connection)...
+            for _ in 0..3 {
+                let started = Instant::now();
+                let err = limiter.check_one(b"k", &p, 1).await.expect_err("down");
+                assert!(err.is_connection() || err.is_timeout(), "{err:?}");
+                assert!(started.elapsed() < Duration::from_millis(900), "{:?}", started.elapsed());
+            }
+            // ...then the breaker is open: every call fails at once.
+            let started = Instant::now();
+            let mut fast = 0;
+            for _ in 0..100 {
+                match limiter.check_one(b"k", &p, 1).await {
+                    Err(Error::Unavailable { .. }) => fast += 1,
+                    Err(e) => assert!(e.is_connection() || e.is_timeout(), "{e:?}"),
+                    Ok(d) => panic!("decided while down: {d:?}"),
+                }
+            }
+            assert!(fast >= 90, "{kind}: only {fast} calls failed fast");
+            assert!(
+                started.elapsed() < Duration::from_secs(2),
+                "{kind}: 100 calls took {:?} while the breaker was open",
+                started.elapsed()
+            );
+            assert!(limiter.conn().is_circuit_open());
+
+            // Back up: decisions are served again within the longest open period plus a
+            // reconnection.
+            server.restart().expect("restart");
+            let restarted = Instant::now();
+            loop {
+                if let Ok(d) = limiter.check_one(b"k", &p, 1).await {
+                    assert!(d.allowed);
+                    break;
+                }
+                assert!(
+                    restarted.elapsed() < Duration::from_secs(2),
+                    "{kind}: still failing {:?} after the restart",
+                    restarted.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(!limiter.conn().is_circuit_open());
+        }
+    });
+}
+
+#[test]
+fn a_disabled_breaker_waits_for_every_timeout() {
+    let server = server();
+    run(Duration::from_secs(60), async {
+        let config = RedisConfig::new(&server.url())
+            .expect("url")
+            .timeout(Duration::from_millis(200))
+            .circuit_breaker(BreakerConfig::disabled());
+        let limiter = RedisLimiter::connect(&config).await.expect("connect");
+        let p = Policy::per_second(1_000).expect("valid");
+        assert!(limiter.check_one(b"k", &p, 1).await.expect("up").allowed);
+        server.pause().expect("pause");
+        for _ in 0..5 {
+            let err = limiter.check_one(b"k", &p, 1).await.expect_err("paused");
+            assert!(err.is_timeout(), "{err:?}");
+        }
+        server.resume().expect("resume");
+    });
+}
