@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use floodgate_core::{Limiter, MemoryLimiter, Policy};
+use floodgate_core::{DenyCache, Limiter, MemoryLimiter, Policy};
 use tower::Layer;
 
 use crate::engine::{DynEngine, Engine, Shared};
@@ -120,6 +120,7 @@ impl RateLimitLayer {
             handler: Arc::new(DefaultRejection),
             request_info: true,
             max_key_len: DEFAULT_MAX_KEY_LEN,
+            deny_cache: true,
         }
     }
 
@@ -164,6 +165,7 @@ pub struct RateLimitLayerBuilder<L> {
     handler: Arc<dyn RejectionHandler>,
     request_info: bool,
     max_key_len: usize,
+    deny_cache: bool,
 }
 
 impl<L> fmt::Debug for RateLimitLayerBuilder<L> {
@@ -256,6 +258,15 @@ where
         self
     }
 
+    /// Answers requests that are certain to be denied without asking the store, until their
+    /// retry time ([`floodgate_core::DenyCache`]); default on. An attacker hammering one key
+    /// then costs the shared store about one call per admitted request. Has no effect with a
+    /// [`MemoryLimiter`], which is local already.
+    pub fn deny_cache(mut self, on: bool) -> Self {
+        self.deny_cache = on;
+        self
+    }
+
     /// Keys longer than this many bytes count as missing (default 1 KiB).
     pub fn max_key_len(mut self, max: usize) -> Self {
         self.max_key_len = max;
@@ -305,8 +316,12 @@ where
             max_key_len: self.max_key_len,
             metrics: LayerMetrics::default(),
         };
-        Ok(RateLimitLayer {
-            engine: Arc::new(Engine::new(self.limiter, shared)),
-        })
+        let local = (&self.limiter as &dyn std::any::Any).is::<MemoryLimiter>();
+        let engine: Arc<dyn DynEngine> = if self.deny_cache && !local {
+            Arc::new(Engine::new(DenyCache::new(self.limiter), shared))
+        } else {
+            Arc::new(Engine::new(self.limiter, shared))
+        };
+        Ok(RateLimitLayer { engine })
     }
 }
