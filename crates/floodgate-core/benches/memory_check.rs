@@ -89,6 +89,20 @@ fn many_keys(c: &mut Criterion) {
         limiter.check_key(&k.to_le_bytes(), &p, 1);
         let _ = keyed.check_key(&k);
     }
+    g.bench_function("floodgate_memory_1_thread", |b| {
+        let mut k = 0u64;
+        b.iter(|| {
+            k = (k + 1) % KEYS;
+            black_box(limiter.check_key(&k.to_le_bytes(), &p, 1))
+        })
+    });
+    g.bench_function("governor_keyed_1_thread", |b| {
+        let mut k = 0u64;
+        b.iter(|| {
+            k = (k + 1) % KEYS;
+            let _ = black_box(keyed.check_key(&k));
+        })
+    });
     g.bench_function("floodgate_memory", |b| {
         b.iter_custom(|iters| {
             let (limiter, p) = (limiter.clone(), Arc::clone(&p));

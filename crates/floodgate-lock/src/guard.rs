@@ -1,0 +1,304 @@
+//! The proof of holding a lock: release, renewal, the watchdog, and the fencing token.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use floodgate_core::LockStore;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+use crate::lease::{LeaseCell, LeaseWatch};
+use crate::token::Token;
+use crate::{Error, LeaseLost};
+
+/// What a guard and its watchdog share.
+pub(crate) struct Held<S> {
+    pub(crate) store: S,
+    pub(crate) name: Arc<[u8]>,
+    pub(crate) token: Token,
+    pub(crate) ttl: Duration,
+    pub(crate) drift: Duration,
+    pub(crate) lease: LeaseCell,
+}
+
+impl<S: LockStore> Held<S> {
+    /// Extends the lease to `ttl` from now in the store and records the new deadline.
+    async fn extend(&self, ttl: Duration) -> Result<(), Error>
+    where
+        Error: From<S::Error>,
+    {
+        if let Some(reason) = self.lease.check() {
+            return Err(Error::lost(&self.name, reason));
+        }
+        let started = Instant::now();
+        let deadline = self.lease.get().deadline;
+        let held = match tokio::time::timeout_at(
+            deadline,
+            self.store.extend(&self.name, self.token.as_bytes(), ttl),
+        )
+        .await
+        {
+            Ok(result) => result?,
+            Err(_) => {
+                self.lease.lose(LeaseLost::Expired);
+                return Err(Error::lost(&self.name, LeaseLost::Expired));
+            }
+        };
+        if !held {
+            self.lease.lose(LeaseLost::NotHeld);
+            return Err(Error::lost(&self.name, LeaseLost::NotHeld));
+        }
+        let new_deadline = started + ttl.saturating_sub(self.drift);
+        self.lease
+            .renewed(new_deadline)
+            .map_err(|reason| Error::lost(&self.name, reason))
+    }
+}
+
+/// A held lock. Dropping it releases the lock in the background; prefer
+/// [`release`](LockGuard::release), which reports whether the lease was still ours.
+///
+/// With the watchdog on (see [`Lock::watchdog`](crate::Lock::watchdog)) the lease is renewed
+/// every `ttl / 3` while the guard lives; either way [`lost`](LockGuard::lost) resolves when the
+/// lease is gone, so that the critical section can stop.
+pub struct LockGuard<S: LockStore + Clone> {
+    held: Arc<Held<S>>,
+    fence: u64,
+    watchdog: Option<AbortHandle>,
+    /// Set by `release`, so that drop does nothing more.
+    done: bool,
+}
+
+impl<S: LockStore + Clone> LockGuard<S> {
+    pub(crate) fn new(held: Held<S>, fence: u64, watchdog: bool) -> Self
+    where
+        Error: From<S::Error>,
+    {
+        let held = Arc::new(held);
+        let watchdog = if watchdog {
+            match tokio::runtime::Handle::try_current() {
+                Ok(handle) => Some(handle.spawn(renew(Arc::clone(&held))).abort_handle()),
+                Err(_) => {
+                    tracing::warn!("no tokio runtime: the lock's watchdog does not run");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Self {
+            held,
+            fence,
+            watchdog,
+            done: false,
+        }
+    }
+
+    /// The fencing token of this acquisition: larger than every token issued before for this
+    /// lock name. Pass it with every write to the protected resource (see
+    /// [`FencedResource`](crate::FencedResource)).
+    pub fn fence(&self) -> u64 {
+        self.fence
+    }
+
+    /// The lock's name.
+    pub fn name(&self) -> &[u8] {
+        &self.held.name
+    }
+
+    /// The lease length this lock takes and renews.
+    pub fn ttl(&self) -> Duration {
+        self.held.ttl
+    }
+
+    /// How much longer the lease can be trusted, as this process knows it (zero once lost).
+    /// Conservative: counted from before the request that took or last renewed it, minus the
+    /// store's clock drift allowance. See [`verify`](LockGuard::verify) to ask the store.
+    pub fn remaining(&self) -> Duration {
+        if self.held.lease.check().is_some() {
+            return Duration::ZERO;
+        }
+        self.held
+            .lease
+            .get()
+            .deadline
+            .saturating_duration_since(Instant::now())
+    }
+
+    /// True once the lease is lost (expired without renewal, or no longer held in the store).
+    pub fn is_lost(&self) -> bool {
+        self.held.lease.check().is_some()
+    }
+
+    /// Resolves when the lease is lost, with the reason.
+    ///
+    /// ```no_run
+    /// # async fn run(guard: floodgate_lock::LockGuard<floodgate_core::MemoryLocks>) {
+    /// # async fn send_batch(_: u64) {}
+    /// tokio::select! {
+    ///     () = send_batch(guard.fence()) => {}
+    ///     reason = guard.lost() => eprintln!("stopped: {reason}"),
+    /// }
+    /// # }
+    /// ```
+    pub fn lost(&self) -> impl Future<Output = LeaseLost> + Send + use<S> {
+        self.watch().lost()
+    }
+
+    /// A handle on the lease for other tasks (cheap to clone, `'static`).
+    pub fn watch(&self) -> LeaseWatch {
+        self.held.lease.watch(Arc::clone(&self.held.name))
+    }
+
+    /// Renews the lease to the lock's ttl from now.
+    ///
+    /// # Errors
+    /// [`Error::Lost`] if the store no longer holds the lock for us or the lease had already
+    /// run out (the guard is then lost for good); a store error otherwise (the lease stays as
+    /// it was).
+    pub async fn extend(&self) -> Result<(), Error>
+    where
+        Error: From<S::Error>,
+    {
+        self.held.extend(self.held.ttl).await
+    }
+
+    /// Renews the lease to `ttl` from now (the watchdog keeps using the lock's ttl).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a ttl of less than a millisecond or not longer than the store's
+    /// clock drift; otherwise as [`extend`](LockGuard::extend).
+    pub async fn extend_for(&self, ttl: Duration) -> Result<(), Error>
+    where
+        Error: From<S::Error>,
+    {
+        crate::lock::validate_ttl(&self.held.store, ttl)?;
+        self.held.extend(ttl).await
+    }
+
+    /// Asks the store how long our lease has left.
+    ///
+    /// # Errors
+    /// [`Error::Lost`] if the store no longer holds the lock for us; a store error.
+    pub async fn verify(&self) -> Result<Duration, Error>
+    where
+        Error: From<S::Error>,
+    {
+        match self
+            .held
+            .store
+            .remaining(&self.held.name, self.held.token.as_bytes())
+            .await?
+        {
+            Some(left) => Ok(left),
+            None => {
+                self.held.lease.lose(LeaseLost::NotHeld);
+                Err(Error::lost(&self.held.name, LeaseLost::NotHeld))
+            }
+        }
+    }
+
+    /// Releases the lock, waking the next waiter.
+    ///
+    /// # Errors
+    /// [`Error::Lost`] if the store no longer held it for us: the lease had run out, so another
+    /// holder may have overlapped with this critical section. A store error if it could not be
+    /// reached; the lock then frees itself when the lease ends.
+    pub async fn release(mut self) -> Result<(), Error>
+    where
+        Error: From<S::Error>,
+    {
+        self.done = true;
+        self.stop_watchdog();
+        let expired = self.held.lease.check();
+        self.held.lease.lose(LeaseLost::Released);
+        let released = self
+            .held
+            .store
+            .unlock(&self.held.name, self.held.token.as_bytes())
+            .await?;
+        match (released, expired) {
+            (true, None) => Ok(()),
+            // Released in the store, but past our own deadline: someone may have overlapped.
+            (true, Some(reason)) => Err(Error::lost(&self.held.name, reason)),
+            (false, _) => Err(Error::lost(&self.held.name, LeaseLost::NotHeld)),
+        }
+    }
+
+    fn stop_watchdog(&mut self) {
+        if let Some(watchdog) = self.watchdog.take() {
+            watchdog.abort();
+        }
+    }
+}
+
+impl<S: LockStore + Clone> Drop for LockGuard<S> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        self.stop_watchdog();
+        self.held.lease.lose(LeaseLost::Released);
+        // Best effort, without blocking: with no runtime the lease simply runs out.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let held = Arc::clone(&self.held);
+            handle.spawn(async move {
+                if let Err(e) = held.store.unlock(&held.name, held.token.as_bytes()).await {
+                    tracing::debug!(
+                        lock = %floodgate_redis::display_key(&held.name),
+                        error = %e,
+                        "releasing a dropped lock guard failed; the lease will run out"
+                    );
+                }
+            });
+        }
+    }
+}
+
+impl<S: LockStore + Clone> fmt::Debug for LockGuard<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockGuard")
+            .field("name", &floodgate_redis::display_key(&self.held.name))
+            .field("fence", &self.fence)
+            .field("remaining", &self.remaining())
+            .field("watchdog", &self.watchdog.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The watchdog: renews every `ttl / 3`; after a failed renewal retries sooner, until the lease
+/// deadline; marks the lease lost and stops when the store says it is not ours or the deadline
+/// passes.
+async fn renew<S: LockStore>(held: Arc<Held<S>>)
+where
+    Error: From<S::Error>,
+{
+    let period = (held.ttl / 3).max(Duration::from_millis(1));
+    let retry = (held.ttl / 10).max(Duration::from_millis(1));
+    let mut next = Instant::now() + period;
+    loop {
+        let deadline = held.lease.get().deadline;
+        tokio::time::sleep_until(next.min(deadline)).await;
+        match held.extend(held.ttl).await {
+            Ok(()) => next = Instant::now() + period,
+            Err(e) if e.is_lost() => {
+                tracing::warn!(
+                    lock = %floodgate_redis::display_key(&held.name),
+                    error = %e,
+                    "lock lease lost"
+                );
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(
+                    lock = %floodgate_redis::display_key(&held.name),
+                    error = %e,
+                    "renewing the lock lease failed; retrying"
+                );
+                next = Instant::now() + retry;
+            }
+        }
+    }
+}

@@ -1,0 +1,333 @@
+//! A named lock on a store: acquiring, waiting, and running a critical section.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use floodgate_core::lock::MAX_LOCK_NAME;
+use floodgate_core::{LockAttempt, LockStore};
+use tokio::time::Instant;
+
+use crate::guard::{Held, LockGuard};
+use crate::lease::LeaseCell;
+use crate::token::Token;
+use crate::{Backoff, Error};
+
+/// The longest lease accepted: 30 days.
+pub const MAX_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// One named lock on a store ([`MemoryLocks`](floodgate_core::MemoryLocks),
+/// [`RedisLocks`](crate::RedisLocks) or [`Redlock`](crate::Redlock)). Cheap to clone; every
+/// acquisition draws a fresh random owner token, so one `Lock` can be shared by many tasks and
+/// they still exclude each other.
+///
+/// ```
+/// use std::time::Duration;
+/// use floodgate_core::MemoryLocks;
+/// use floodgate_lock::Lock;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), floodgate_lock::Error> {
+/// let lock = Lock::new(MemoryLocks::new(), "campaign:42", Duration::from_secs(10))?;
+/// let guard = lock.acquire(Duration::from_secs(1)).await?;
+/// assert!(lock.try_acquire().await?.is_none()); // held
+/// let fence = guard.fence();
+/// guard.release().await?;
+/// let next = lock.try_acquire().await?.expect("free again");
+/// assert!(next.fence() > fence);
+/// # Ok(()) }
+/// ```
+pub struct Lock<S> {
+    store: S,
+    name: Arc<[u8]>,
+    ttl: Duration,
+    drift: Duration,
+    watchdog: bool,
+    backoff: Backoff,
+}
+
+impl<S: Clone> Clone for Lock<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            name: Arc::clone(&self.name),
+            ttl: self.ttl,
+            drift: self.drift,
+            watchdog: self.watchdog,
+            backoff: self.backoff,
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Lock<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lock")
+            .field("name", &floodgate_redis::display_key(&self.name))
+            .field("ttl", &self.ttl)
+            .field("watchdog", &self.watchdog)
+            .field("backoff", &self.backoff)
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+/// Checks a lease length against the store.
+pub(crate) fn validate_ttl<S: LockStore>(store: &S, ttl: Duration) -> Result<Duration, Error> {
+    if ttl < Duration::from_millis(1) {
+        return Err(Error::Invalid(format!(
+            "a lock lease must be at least 1 ms, got {ttl:?}"
+        )));
+    }
+    if ttl > MAX_TTL {
+        return Err(Error::Invalid(format!(
+            "a lock lease must be at most {MAX_TTL:?}, got {ttl:?}"
+        )));
+    }
+    let drift = store.clock_drift(ttl);
+    if drift >= ttl {
+        return Err(Error::Invalid(format!(
+            "a lock lease of {ttl:?} is not longer than the store's clock drift allowance {drift:?}"
+        )));
+    }
+    Ok(drift)
+}
+
+impl<S> Lock<S>
+where
+    S: LockStore + Clone,
+    Error: From<S::Error>,
+{
+    /// The lock `name` on `store`, taken for leases of `ttl`. No watchdog, default backoff.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for an empty name or one over
+    /// [`MAX_LOCK_NAME`](floodgate_core::lock::MAX_LOCK_NAME) bytes, a ttl under 1 ms, over
+    /// [`MAX_TTL`], or not longer than the store's clock drift allowance.
+    pub fn new(store: S, name: impl AsRef<[u8]>, ttl: Duration) -> Result<Self, Error> {
+        let name = name.as_ref();
+        if name.is_empty() {
+            return Err(Error::Invalid("a lock name must not be empty".to_owned()));
+        }
+        if name.len() > MAX_LOCK_NAME {
+            return Err(Error::Invalid(format!(
+                "a lock name must be at most {MAX_LOCK_NAME} bytes, got {}",
+                name.len()
+            )));
+        }
+        let drift = validate_ttl(&store, ttl)?;
+        Ok(Self {
+            store,
+            name: name.into(),
+            ttl,
+            drift,
+            watchdog: false,
+            backoff: Backoff::DEFAULT,
+        })
+    }
+
+    /// Renews the lease in the background every `ttl / 3` while a guard lives (default off).
+    /// The guard's [`lost`](LockGuard::lost) fires if a renewal finds the lock taken or the
+    /// lease runs out because the store cannot be reached.
+    #[must_use]
+    pub fn watchdog(mut self, on: bool) -> Self {
+        self.watchdog = on;
+        self
+    }
+
+    /// The fallback waits between attempts (see [`Backoff`]).
+    #[must_use]
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// The lock's name.
+    pub fn name(&self) -> &[u8] {
+        &self.name
+    }
+
+    /// The lease length.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// One attempt: the guard if the lock was free, `None` if another owner holds it.
+    ///
+    /// # Errors
+    /// A store error.
+    pub async fn try_acquire(&self) -> Result<Option<LockGuard<S>>, Error> {
+        let token = Token::random()?;
+        match self.attempt(&token).await {
+            Ok(Attempt::Acquired(guard)) => Ok(Some(guard)),
+            Ok(Attempt::Busy(_)) => Ok(None),
+            Err(e) => {
+                self.forget_attempt(token);
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes the lock, waiting up to `wait` for the holder to release it.
+    ///
+    /// Waiters are woken by the store's release notification, and otherwise retry after a
+    /// jittered backoff that never outlasts the holder's lease. Transient store errors
+    /// (timeouts, lost connections, no Redlock quorum) are retried until the deadline.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] if another owner held the lock the whole time; the last store error
+    /// if the store failed until the deadline; a non-transient store error at once.
+    pub async fn acquire(&self, wait: Duration) -> Result<LockGuard<S>, Error> {
+        let deadline = Instant::now().checked_add(wait).unwrap_or_else(far_future);
+        self.acquire_until(deadline).await
+    }
+
+    /// Like [`acquire`](Lock::acquire), with a deadline.
+    ///
+    /// # Errors
+    /// As [`acquire`](Lock::acquire).
+    pub async fn acquire_until(&self, deadline: impl Into<Instant>) -> Result<LockGuard<S>, Error> {
+        let deadline = deadline.into();
+        let began = Instant::now();
+        // One token for every attempt of this acquisition: if an attempt timed out after the
+        // store had taken the lock for us, the next attempt finds our own token and keeps it.
+        let token = Token::random()?;
+        let mut backoff = self.backoff.start();
+        let mut registered = None;
+        let mut last_error: Option<Error>;
+        let mut had_error = false;
+        loop {
+            let wait = match self.attempt(&token).await {
+                Ok(Attempt::Acquired(guard)) => return Ok(guard),
+                Ok(Attempt::Busy(remaining)) => {
+                    last_error = None;
+                    if registered.is_none() {
+                        // First sight of a holder: listen for its release, then look again
+                        // at once, so that a release in between is not missed.
+                        registered = Some(self.store.released(&self.name));
+                        continue;
+                    }
+                    // Back when the holder's lease ends, if no release wakes us before.
+                    backoff.next().min(remaining.max(Duration::from_millis(1)))
+                }
+                Err(e) if e.is_transient() => {
+                    tracing::debug!(
+                        lock = %floodgate_redis::display_key(&self.name),
+                        error = %e,
+                        "acquiring the lock failed; retrying"
+                    );
+                    had_error = true;
+                    last_error = Some(e);
+                    backoff.next()
+                }
+                Err(e) => {
+                    self.forget_attempt(token);
+                    return Err(e);
+                }
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                if had_error {
+                    self.forget_attempt(token);
+                }
+                return Err(last_error.unwrap_or_else(|| Error::Timeout {
+                    name: floodgate_redis::display_key(&self.name),
+                    waited: now - began,
+                }));
+            }
+            let wake = now.checked_add(wait).map_or(deadline, |t| t.min(deadline));
+            match registered.take() {
+                Some(released) => {
+                    tokio::select! {
+                        () = released => {}
+                        () = tokio::time::sleep_until(wake) => {}
+                    }
+                }
+                None => tokio::time::sleep_until(wake).await,
+            }
+            registered = Some(self.store.released(&self.name));
+        }
+    }
+
+    /// Takes the lock (waiting up to `wait`), runs `critical` with the fencing token, and
+    /// releases. If the lease is lost first, `critical` is dropped (cancelled at its next
+    /// await) and the result is [`Error::Lost`].
+    ///
+    /// # Errors
+    /// As [`acquire`](Lock::acquire); [`Error::Lost`] if the lease was lost before `critical`
+    /// finished or was found lost on release.
+    pub async fn run<F, Fut, T>(&self, wait: Duration, critical: F) -> Result<T, Error>
+    where
+        F: FnOnce(u64) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let guard = self.acquire(wait).await?;
+        let lost = guard.lost();
+        let output = tokio::select! {
+            biased;
+            reason = lost => return Err(Error::lost(&self.name, reason)),
+            output = critical(guard.fence()) => output,
+        };
+        guard.release().await?;
+        Ok(output)
+    }
+
+    async fn attempt(&self, token: &Token) -> Result<Attempt<S>, Error> {
+        let started = Instant::now();
+        match self
+            .store
+            .try_lock(&self.name, token.as_bytes(), self.ttl)
+            .await?
+        {
+            LockAttempt::Acquired { fence } => {
+                let deadline = started + (self.ttl - self.drift);
+                if Instant::now() >= deadline {
+                    // The answer took longer than the lease: it may already be someone else's.
+                    let _ = self.store.unlock(&self.name, token.as_bytes()).await;
+                    return Ok(Attempt::Busy(Duration::ZERO));
+                }
+                let held = Held {
+                    store: self.store.clone(),
+                    name: Arc::clone(&self.name),
+                    token: token.clone(),
+                    ttl: self.ttl,
+                    drift: self.drift,
+                    lease: LeaseCell::new(deadline),
+                };
+                Ok(Attempt::Acquired(LockGuard::new(
+                    held,
+                    fence,
+                    self.watchdog,
+                )))
+            }
+            LockAttempt::Held { remaining } => Ok(Attempt::Busy(remaining)),
+        }
+    }
+
+    /// After a failed acquisition that may have taken the lock unseen (an attempt that timed
+    /// out after the store acted), releases it in the background.
+    fn forget_attempt(&self, token: Token) {
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let store = self.store.clone();
+            let name = Arc::clone(&self.name);
+            handle.spawn(async move {
+                let _ = store.unlock(&name, token.as_bytes()).await;
+            });
+        }
+    }
+}
+
+enum Attempt<S: LockStore + Clone> {
+    Acquired(LockGuard<S>),
+    Busy(Duration),
+}
+
+/// A deadline that is never reached in practice (about 30 years ahead).
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(86_400 * 365 * 30)
+}

@@ -1,0 +1,458 @@
+//! Redlock: one lock over N independent Redis servers, held when a majority granted it.
+//!
+//! The algorithm (from the Redis documentation, "Distributed Locks with Redis"):
+//!
+//! 1. Note the time; try `SET NX PX` with the same random token on every node at once, each
+//!    call bounded by a per-node timeout much shorter than the lease.
+//! 2. The lock is held if at least `N / 2 + 1` nodes granted it and the lease still has time
+//!    left: *validity* = `ttl - elapsed - drift`, with `drift = ttl / 100 + 2 ms` for the
+//!    nodes' clocks running at different rates. The holder trusts the lease for that long.
+//! 3. Otherwise it releases on **every** node (a node that timed out may have granted it), and
+//!    tries again after a random delay.
+//!
+//! A minority of nodes may fail or time out without effect; with a majority down, acquiring
+//! returns [`Error::NoQuorum`] (after retrying until the caller's deadline). A node that
+//! failed (connection error, timeout) is skipped for [`NODE_COOL_OFF`] and counts as failed
+//! meanwhile, so that a dead node costs one node timeout per second rather than one per call.
+//!
+//! # Fencing tokens
+//!
+//! Each node issues its own token (`max(counter + 1, node time in µs)`); the acquisition's
+//! token is the **maximum over the quorum that granted it**, and that maximum is then written
+//! back to those nodes' counters before the lock is reported held. Any later holder's quorum
+//! shares at least one node with ours, so its token is larger than ours — *provided that* no
+//! node of that intersection lost its counter in between (a restart without persistence, or a
+//! failover to a replica that had not received it) while its clock was behind the maximum.
+//! So the tokens are strictly increasing in normal operation and best effort otherwise; they
+//! are not the output of a consensus protocol.
+//!
+//! # Limits
+//!
+//! Redlock's mutual exclusion rests on timing assumptions: bounded clock drift between the
+//! nodes (a node whose clock jumps forward expires the key early and lets a second client form
+//! a majority), nodes that restart no sooner than one lease later (or persist every write with
+//! `appendfsync always`), and holders that finish or check their lease before it ends.
+//! Martin Kleppmann ("How to do distributed locking", 2016) showed that a process pause or a
+//! network delay after the validity check can let two clients act as holders at once, so a
+//! lock used for *correctness* needs fencing tokens checked by the resource, which Redlock in
+//! its original form does not provide; antirez's reply ("Is Redlock safe?", 2016) argues that
+//! the delays *before* the check are measured by the algorithm, that the ones after it harm
+//! every lease-based lock alike, and that a resource able to check tokens can as well use the
+//! random owner token with compare-and-set. Both agree that clocks must not jump. Use the
+//! fencing token from this crate with [`FencedResource`](crate::FencedResource) or an
+//! equivalent conditional write, and prefer a consensus system (etcd, ZooKeeper) when a
+//! double grant would be a disaster.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use floodgate_core::lock::Released;
+use floodgate_core::{LockAttempt, LockStore};
+use futures_util::StreamExt;
+use futures_util::future::join_all;
+use futures_util::stream::FuturesUnordered;
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+
+use crate::{Error, RedisLocks};
+
+/// Default bound on one node's answer.
+pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// How long a node that failed (connection error, timeout) is skipped before it is tried
+/// again: a dead node then costs one node timeout per second instead of one per call.
+pub const NODE_COOL_OFF: Duration = Duration::from_secs(1);
+
+struct Node {
+    /// Redacted, for errors.
+    shown: String,
+    /// To connect later when the node was down at start.
+    url: Option<String>,
+    locks: OnceCell<RedisLocks>,
+    /// Skipped until then after a failure.
+    down_until: Mutex<Option<Instant>>,
+}
+
+impl Node {
+    fn new(shown: String, url: Option<String>, locks: OnceCell<RedisLocks>) -> Self {
+        Self {
+            shown,
+            url,
+            locks,
+            down_until: Mutex::new(None),
+        }
+    }
+
+    fn skipped_for(&self) -> Option<Duration> {
+        let down_until = *self
+            .down_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        down_until
+            .map(|t| t.saturating_duration_since(Instant::now()))
+            .filter(|left| !left.is_zero())
+    }
+
+    fn record<T>(&self, result: &Result<T, Error>) {
+        let mut down_until = self
+            .down_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match result {
+            Err(e) if e.is_transient() => *down_until = Some(Instant::now() + NODE_COOL_OFF),
+            _ => *down_until = None,
+        }
+    }
+
+    async fn locks(&self) -> Result<RedisLocks, Error> {
+        if let Some(locks) = self.locks.get() {
+            return Ok(locks.clone());
+        }
+        match &self.url {
+            Some(url) => Ok(self
+                .locks
+                .get_or_try_init(|| RedisLocks::connect(url))
+                .await?
+                .clone()),
+            None => Err(Error::Invalid(format!(
+                "Redlock node {} has no connection",
+                self.shown
+            ))),
+        }
+    }
+}
+
+/// A lock store over N independent Redis servers (not replicas of each other, not one
+/// cluster), granting a lock when a majority does. See the [module docs](self) for the
+/// algorithm, its fencing tokens, and when not to rely on it.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use floodgate_lock::{Lock, Redlock};
+///
+/// # async fn run() -> Result<(), floodgate_lock::Error> {
+/// let nodes = ["redis://10.0.0.1:6379", "redis://10.0.0.2:6379", "redis://10.0.0.3:6379"];
+/// let redlock = Redlock::connect(nodes).await?;
+/// let lock = Lock::new(redlock, "nightly-report", Duration::from_secs(30))?.watchdog(true);
+/// let guard = lock.acquire(Duration::from_secs(10)).await?;
+/// // ... write with guard.fence() ...
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Redlock {
+    nodes: Arc<[Node]>,
+    quorum: usize,
+    node_timeout: Duration,
+}
+
+impl Redlock {
+    /// Redlock over these lock clients, one per independent server.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for no node.
+    pub fn new(nodes: Vec<RedisLocks>) -> Result<Self, Error> {
+        let nodes: Vec<Node> = nodes
+            .into_iter()
+            .map(|locks| {
+                let shown = locks.conn().redacted_url().to_owned();
+                Node::new(shown, None, OnceCell::new_with(Some(locks)))
+            })
+            .collect();
+        Self::from_nodes(nodes)
+    }
+
+    /// Connects to every URL (each an independent server) with default settings and release
+    /// notifications. Nodes that cannot be reached now are connected on later use, as long as
+    /// a quorum is reachable now.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for no URL; [`Error::NoQuorum`] when fewer than a majority connect.
+    pub async fn connect<I, U>(urls: I) -> Result<Self, Error>
+    where
+        I: IntoIterator<Item = U>,
+        U: AsRef<str>,
+    {
+        let urls: Vec<String> = urls.into_iter().map(|u| u.as_ref().to_owned()).collect();
+        let connected = join_all(urls.iter().map(|url| RedisLocks::connect(url))).await;
+        let mut nodes = Vec::with_capacity(urls.len());
+        let mut errors = Vec::new();
+        for (url, connected) in urls.into_iter().zip(connected) {
+            let shown = floodgate_redis::RedisConfig::new(&url)
+                .map_or_else(|_| "(invalid URL)".to_owned(), |c| c.redacted_url());
+            let locks = match connected {
+                Ok(locks) => OnceCell::new_with(Some(locks)),
+                Err(e) => {
+                    tracing::warn!(node = %shown, error = %e, "Redlock node unreachable at start");
+                    errors.push(e);
+                    OnceCell::new()
+                }
+            };
+            nodes.push(Node::new(shown, Some(url), locks));
+        }
+        let redlock = Self::from_nodes(nodes)?;
+        if errors.len() > redlock.nodes.len() - redlock.quorum {
+            let mut errors = errors.into_iter();
+            let first = errors
+                .next()
+                .unwrap_or_else(|| Error::Invalid("no node".to_owned()));
+            return Err(redlock.no_quorum(errors.len() + 1, first));
+        }
+        Ok(redlock)
+    }
+
+    fn from_nodes(nodes: Vec<Node>) -> Result<Self, Error> {
+        if nodes.is_empty() {
+            return Err(Error::Invalid("Redlock needs at least one node".to_owned()));
+        }
+        Ok(Self {
+            quorum: nodes.len() / 2 + 1,
+            nodes: nodes.into(),
+            node_timeout: DEFAULT_NODE_TIMEOUT,
+        })
+    }
+
+    /// Bounds each node's answer (default [`DEFAULT_NODE_TIMEOUT`]); keep it well under the
+    /// lease, since the time spent comes off the lease's validity.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for zero.
+    pub fn with_node_timeout(mut self, timeout: Duration) -> Result<Self, Error> {
+        if timeout.is_zero() {
+            return Err(Error::Invalid(
+                "the Redlock node timeout must be greater than zero".to_owned(),
+            ));
+        }
+        self.node_timeout = timeout;
+        Ok(self)
+    }
+
+    /// How many nodes.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Always false (there is at least one node).
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// How many nodes must agree: `N / 2 + 1`.
+    pub fn quorum(&self) -> usize {
+        self.quorum
+    }
+
+    /// Runs `op` on every node at once, each bounded by the node timeout; a node that failed
+    /// within the last [`NODE_COOL_OFF`] is skipped (it counts as failed).
+    async fn on_all<'a, T, F, Fut>(&'a self, op: F) -> Vec<Result<T, Error>>
+    where
+        F: Fn(RedisLocks) -> Fut,
+        Fut: Future<Output = Result<T, Error>> + 'a,
+    {
+        join_all(self.nodes.iter().map(|node| {
+            let op = &op;
+            async move {
+                if let Some(left) = node.skipped_for() {
+                    return Err(Error::NodeDown {
+                        node: node.shown.clone(),
+                        retry_in: left,
+                    });
+                }
+                let call = async { op(node.locks().await?).await };
+                let result = match tokio::time::timeout(self.node_timeout, call).await {
+                    Ok(result) => result,
+                    Err(_) => Err(Error::NodeTimeout {
+                        node: node.shown.clone(),
+                        after: self.node_timeout,
+                    }),
+                };
+                node.record(&result);
+                result
+            }
+        }))
+        .await
+    }
+
+    /// Splits results into successes and errors; too many errors is [`Error::NoQuorum`].
+    fn tally<T>(&self, results: Vec<Result<T, Error>>) -> Result<Vec<(usize, T)>, Error> {
+        let mut ok = Vec::with_capacity(results.len());
+        let mut errors = Vec::new();
+        for (i, result) in results.into_iter().enumerate() {
+            match result {
+                Ok(value) => ok.push((i, value)),
+                Err(e) => errors.push(e),
+            }
+        }
+        if errors.len() > self.nodes.len() - self.quorum {
+            let failed = errors.len();
+            let first = errors
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| Error::Invalid("no node".to_owned()));
+            return Err(self.no_quorum(failed, first));
+        }
+        for e in &errors {
+            tracing::debug!(error = %e, "Redlock node failed (tolerated: a minority)");
+        }
+        Ok(ok)
+    }
+
+    fn no_quorum(&self, failed: usize, first: Error) -> Error {
+        Error::NoQuorum {
+            nodes: self.nodes.len(),
+            quorum: self.quorum,
+            failed,
+            source: Box::new(first),
+        }
+    }
+
+    /// Releases on every node, ignoring errors (a failed acquisition's clean-up).
+    async fn release_everywhere(&self, name: &[u8], token: &[u8]) {
+        let _ = self
+            .on_all(|locks| async move { locks.unlock(name, token).await })
+            .await;
+    }
+}
+
+impl fmt::Debug for Redlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Redlock")
+            .field(
+                "nodes",
+                &self
+                    .nodes
+                    .iter()
+                    .map(|n| n.shown.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .field("quorum", &self.quorum)
+            .field("node_timeout", &self.node_timeout)
+            .finish()
+    }
+}
+
+impl LockStore for Redlock {
+    type Error = Error;
+
+    async fn try_lock(
+        &self,
+        name: &[u8],
+        token: &[u8],
+        ttl: Duration,
+    ) -> Result<LockAttempt, Error> {
+        let started = Instant::now();
+        let drift = self.clock_drift(ttl);
+        let results = self
+            .on_all(|locks| async move { locks.try_lock(name, token, ttl).await })
+            .await;
+        let answers = match self.tally(results) {
+            Ok(answers) => answers,
+            Err(e) => {
+                self.release_everywhere(name, token).await;
+                return Err(e);
+            }
+        };
+        let mut granted = Vec::new();
+        let mut busy = Duration::MAX;
+        for (i, answer) in answers {
+            match answer {
+                LockAttempt::Acquired { fence } => granted.push((i, fence)),
+                LockAttempt::Held { remaining } => busy = busy.min(remaining),
+            }
+        }
+        if granted.len() >= self.quorum {
+            let fence = granted.iter().map(|&(_, f)| f).max().unwrap_or(0);
+            // Make the next holder's tokens larger than ours: our quorum overlaps theirs.
+            let raised = join_all(granted.iter().map(|&(i, _)| {
+                let node = &self.nodes[i];
+                async move {
+                    let raise = async {
+                        node.locks()
+                            .await?
+                            .raise_fence(name, token, fence, ttl)
+                            .await
+                    };
+                    matches!(
+                        tokio::time::timeout(self.node_timeout, raise).await,
+                        Ok(Ok(true))
+                    )
+                }
+            }))
+            .await
+            .into_iter()
+            .filter(|raised| *raised)
+            .count();
+            if raised >= self.quorum && started.elapsed() + drift < ttl {
+                return Ok(LockAttempt::Acquired { fence });
+            }
+        }
+        self.release_everywhere(name, token).await;
+        // `Duration::MAX` when no node named a holder (a split vote, or too slow): the caller
+        // retries after its random backoff, as Redlock prescribes.
+        Ok(LockAttempt::Held { remaining: busy })
+    }
+
+    async fn unlock(&self, name: &[u8], token: &[u8]) -> Result<bool, Error> {
+        let results = self
+            .on_all(|locks| async move { locks.unlock(name, token).await })
+            .await;
+        let released = self.tally(results)?.iter().filter(|(_, r)| *r).count();
+        Ok(released >= self.quorum)
+    }
+
+    async fn extend(&self, name: &[u8], token: &[u8], ttl: Duration) -> Result<bool, Error> {
+        let started = Instant::now();
+        let results = self
+            .on_all(|locks| async move { locks.extend(name, token, ttl).await })
+            .await;
+        let extended = self.tally(results)?.iter().filter(|(_, r)| *r).count();
+        Ok(extended >= self.quorum && started.elapsed() + self.clock_drift(ttl) < ttl)
+    }
+
+    async fn remaining(&self, name: &[u8], token: &[u8]) -> Result<Option<Duration>, Error> {
+        let results = self
+            .on_all(|locks| async move { locks.remaining(name, token).await })
+            .await;
+        let mut left: Vec<Duration> = self
+            .tally(results)?
+            .into_iter()
+            .filter_map(|(_, r)| r)
+            .collect();
+        if left.len() < self.quorum {
+            return Ok(None);
+        }
+        // Held on a quorum for at least the quorum-th longest lease.
+        left.sort_unstable_by(|a, b| b.cmp(a));
+        let quorum_left = left[self.quorum - 1];
+        Ok(Some(
+            quorum_left.saturating_sub(self.clock_drift(quorum_left)),
+        ))
+    }
+
+    fn released(&self, name: &[u8]) -> Released {
+        let mut pending: FuturesUnordered<Released> = self
+            .nodes
+            .iter()
+            .filter_map(|node| node.locks.get())
+            .map(|locks| locks.released(name))
+            .collect();
+        let quorum = self.quorum;
+        Box::pin(async move {
+            // Free once a quorum of nodes announced the release.
+            let mut fired = 0;
+            while pending.next().await.is_some() {
+                fired += 1;
+                if fired >= quorum {
+                    return;
+                }
+            }
+            std::future::pending::<()>().await;
+        })
+    }
+
+    fn clock_drift(&self, ttl: Duration) -> Duration {
+        ttl / 100 + Duration::from_millis(2)
+    }
+}

@@ -1,0 +1,305 @@
+//! The lock API on every store: bad input refused at construction, owner checks, fencing
+//! tokens that survive the counter's loss, try-acquire that does not wait, timeouts, keys with
+//! TTLs, and hand-off woken by the release notification (also after the subscriber's
+//! connection dropped) rather than by polling.
+
+mod support;
+
+use std::time::Duration;
+
+use floodgate_lock::{
+    Backoff, Error, Lock, LockAttempt, LockStore, MAX_LOCK_NAME, MAX_TTL, MemoryLocks, Redlock,
+};
+use support::{redis_locks, redis_locks_silent, run, server};
+use tokio::time::Instant;
+
+const TTL: Duration = Duration::from_secs(10);
+
+#[test]
+fn bad_input_is_refused_at_construction() {
+    let store = MemoryLocks::new();
+    let invalid = |r: Result<Lock<MemoryLocks>, Error>| match r {
+        Err(Error::Invalid(message)) => message,
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("accepted"),
+    };
+    assert!(invalid(Lock::new(store.clone(), "", TTL)).contains("empty"));
+    let long = vec![b'x'; MAX_LOCK_NAME + 1];
+    assert!(invalid(Lock::new(store.clone(), &long, TTL)).contains("1024"));
+    assert!(invalid(Lock::new(store.clone(), "n", Duration::ZERO)).contains("at least 1 ms"));
+    assert!(invalid(Lock::new(store.clone(), "n", Duration::from_micros(999))).contains("1 ms"));
+    assert!(invalid(Lock::new(store.clone(), "n", MAX_TTL * 2)).contains("at most"));
+    assert!(Lock::new(store.clone(), vec![b'x'; MAX_LOCK_NAME], TTL).is_ok());
+    assert!(Backoff::new(Duration::ZERO, TTL).is_err());
+    assert!(Redlock::new(Vec::new()).is_err());
+}
+
+#[test]
+fn redlock_refuses_a_lease_shorter_than_its_drift_allowance() {
+    let server = server();
+    run(Duration::from_secs(20), async {
+        let redlock = Redlock::new(vec![redis_locks(&server.url()).await]).expect("one node");
+        // drift = ttl / 100 + 2 ms
+        assert!(matches!(
+            Lock::new(redlock.clone(), "n", Duration::from_millis(2)),
+            Err(Error::Invalid(_))
+        ));
+        assert!(Lock::new(redlock, "n", Duration::from_millis(10)).is_ok());
+    });
+}
+
+#[test]
+fn only_the_owner_releases_or_extends() {
+    let server = server();
+    run(Duration::from_secs(20), async {
+        let locks = redis_locks(&server.url()).await;
+        let name = b"owner-check";
+        let LockAttempt::Acquired { fence } =
+            locks.try_lock(name, b"alice", TTL).await.expect("ok")
+        else {
+            panic!("not acquired")
+        };
+        assert!(fence > 1_000_000_000_000_000, "time-floored fence: {fence}");
+        let held = locks.try_lock(name, b"bob", TTL).await.expect("ok");
+        let LockAttempt::Held { remaining } = held else {
+            panic!("bob got it: {held:?}")
+        };
+        assert!(remaining > TTL - Duration::from_secs(1) && remaining <= TTL);
+        assert!(!locks.unlock(name, b"bob").await.expect("ok"));
+        assert!(!locks.extend(name, b"bob", TTL).await.expect("ok"));
+        assert_eq!(locks.remaining(name, b"bob").await.expect("ok"), None);
+        assert!(locks.remaining(name, b"alice").await.expect("ok").is_some());
+        assert!(locks.extend(name, b"alice", TTL * 2).await.expect("ok"));
+        assert!(locks.remaining(name, b"alice").await.expect("ok") > Some(TTL));
+        // The holder taking it again gets a new, larger fencing token.
+        let LockAttempt::Acquired { fence: again } =
+            locks.try_lock(name, b"alice", TTL).await.expect("ok")
+        else {
+            panic!("the holder could not take it again")
+        };
+        assert!(again > fence);
+        assert!(locks.unlock(name, b"alice").await.expect("ok"));
+        assert!(!locks.unlock(name, b"alice").await.expect("ok"));
+    });
+}
+
+#[test]
+fn keys_have_ttls_and_nothing_is_left_behind() {
+    let server = server();
+    run(Duration::from_secs(20), async {
+        let locks = redis_locks(&server.url()).await;
+        let lock = Lock::new(locks.clone(), "ttl-check", TTL).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        let key = locks.lock_key(b"ttl-check");
+        let fence_key = locks.fence_key(b"ttl-check");
+        let pttl = |k: Vec<u8>| {
+            server
+                .cmd(&[&b"PTTL"[..], k.as_slice()])
+                .expect("PTTL")
+                .as_int()
+                .expect("int")
+        };
+        let lock_ttl = pttl(key.clone());
+        assert!(lock_ttl > 9_000 && lock_ttl <= 10_000, "{lock_ttl}");
+        let fence_ttl = pttl(fence_key.clone());
+        assert!(fence_ttl > 6 * 24 * 3_600_000, "{fence_ttl}");
+        let stored = server.cmd(&[&b"GET"[..], key.as_slice()]).expect("GET");
+        let token = stored.as_str().expect("token");
+        assert_eq!(token.len(), 32, "128-bit hex token: {token}");
+        guard.release().await.expect("release");
+        assert_eq!(pttl(key), -2, "the lock key is gone");
+    });
+}
+
+#[test]
+fn fencing_tokens_survive_the_loss_of_the_counter() {
+    let server = server();
+    run(Duration::from_secs(30), async {
+        let locks = redis_locks(&server.url()).await;
+        let lock = Lock::new(locks.clone(), "fence", TTL).expect("valid");
+        let mut last = 0;
+        for _ in 0..3 {
+            let g = lock.try_acquire().await.expect("ok").expect("free");
+            assert!(g.fence() > last);
+            last = g.fence();
+            g.release().await.expect("release");
+        }
+        // The counter expires (or is deleted): the server-time floor keeps tokens growing.
+        server
+            .cmd(&[&b"DEL"[..], locks.fence_key(b"fence").as_slice()])
+            .expect("DEL");
+        let g = lock.try_acquire().await.expect("ok").expect("free");
+        assert!(g.fence() > last, "{} after {last}", g.fence());
+        last = g.fence();
+        g.release().await.expect("release");
+        // The server restarts empty.
+        server.restart().expect("restart");
+        let g = lock
+            .acquire(Duration::from_secs(5))
+            .await
+            .expect("after restart");
+        assert!(g.fence() > last, "{} after {last}", g.fence());
+        g.release().await.expect("release");
+        // A corrupted counter is reported, not overwritten.
+        server
+            .cmd(&[
+                &b"SET"[..],
+                locks.fence_key(b"fence").as_slice(),
+                &b"garbage"[..],
+            ])
+            .expect("SET");
+        let e = lock.try_acquire().await.expect_err("corrupt counter");
+        assert!(matches!(e, Error::Redis(ref r) if r.is_corrupted()), "{e}");
+        assert!(
+            lock.try_acquire().await.is_err(),
+            "the lock was not taken meanwhile"
+        );
+    });
+}
+
+#[test]
+fn try_acquire_does_not_wait_and_acquire_times_out() {
+    let server = server();
+    run(Duration::from_secs(20), async {
+        let locks = redis_locks(&server.url()).await;
+        let lock = Lock::new(locks, "busy", TTL).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        let started = Instant::now();
+        assert!(lock.try_acquire().await.expect("ok").is_none());
+        assert!(started.elapsed() < Duration::from_millis(500));
+
+        let wait = Duration::from_millis(400);
+        let started = Instant::now();
+        let e = lock.acquire(wait).await.expect_err("held");
+        let took = started.elapsed();
+        assert!(e.is_timeout(), "{e}");
+        assert!(e.to_string().contains("busy"), "{e}");
+        assert!(
+            took >= wait && took < wait + Duration::from_millis(400),
+            "{took:?}"
+        );
+        guard.release().await.expect("release");
+    });
+}
+
+/// With a backoff of 5 s, a waiter that acquires within a fraction of it was woken by the
+/// release notification, not by a timer.
+#[test]
+fn hand_off_is_woken_by_the_release_notification() {
+    let server = server();
+    run(Duration::from_secs(40), async {
+        let slow = Backoff::new(Duration::from_secs(5), Duration::from_secs(5)).expect("valid");
+        let holder = Lock::new(redis_locks(&server.url()).await, "handoff", TTL).expect("valid");
+        let waiter = Lock::new(redis_locks(&server.url()).await, "handoff", TTL)
+            .expect("valid")
+            .backoff(slow);
+
+        for round in 0..3 {
+            let guard = holder.try_acquire().await.expect("ok").expect("free");
+            let waiting = {
+                let waiter = waiter.clone();
+                tokio::spawn(async move {
+                    let g = waiter
+                        .acquire(Duration::from_secs(20))
+                        .await
+                        .expect("acquired");
+                    (Instant::now(), g)
+                })
+            };
+            tokio::time::sleep(Duration::from_millis(300)).await; // the waiter is waiting
+            let released_at = Instant::now();
+            guard.release().await.expect("release");
+            let (acquired_at, g) = waiting.await.expect("task");
+            let handoff = acquired_at - released_at;
+            eprintln!("round {round}: hand-off {handoff:?}");
+            assert!(handoff < Duration::from_secs(1), "{handoff:?}");
+            g.release().await.expect("release");
+
+            if round == 1 {
+                // The subscriber's connection drops; it reconnects and subscribes again.
+                let killed = server
+                    .cmd(&[&b"CLIENT"[..], &b"KILL"[..], &b"TYPE"[..], &b"pubsub"[..]])
+                    .expect("CLIENT KILL");
+                assert!(killed.as_int().unwrap_or(0) >= 1, "{killed:?}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    });
+}
+
+/// Without notifications the waiter still gets the lock: when the holder's lease ends,
+/// or on its jittered backoff.
+#[test]
+fn without_notifications_waiters_fall_back_to_the_lease_and_backoff() {
+    let server = server();
+    run(Duration::from_secs(20), async {
+        let locks = redis_locks_silent(&server.url()).await;
+        assert!(!locks.has_notifications());
+        let ttl = Duration::from_millis(800);
+        let lock = Lock::new(locks, "silent", ttl).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        let taken = Instant::now();
+        std::mem::forget(guard);
+        let g = lock
+            .acquire(Duration::from_secs(5))
+            .await
+            .expect("acquired");
+        let waited = taken.elapsed();
+        assert!(
+            waited >= ttl - Duration::from_millis(50) && waited < ttl + Duration::from_millis(600),
+            "{waited:?}"
+        );
+        g.release().await.expect("release");
+    });
+}
+
+#[test]
+fn memory_and_redis_behave_alike() {
+    let server = server();
+    run(Duration::from_secs(20), async {
+        async fn scenario<S>(store: S)
+        where
+            S: LockStore + Clone + std::fmt::Debug,
+            Error: From<S::Error>,
+        {
+            let a = Lock::new(store.clone(), "same", TTL).expect("valid");
+            let b = Lock::new(store, "same", TTL).expect("valid");
+            let ga = a.try_acquire().await.expect("ok").expect("free");
+            assert!(b.try_acquire().await.expect("ok").is_none());
+            ga.extend().await.expect("extend");
+            assert!(ga.verify().await.expect("held") > TTL - Duration::from_secs(1));
+            let fa = ga.fence();
+            ga.release().await.expect("release");
+            let gb = b.try_acquire().await.expect("ok").expect("free");
+            assert!(gb.fence() > fa);
+            drop(gb); // released in the background
+            let ga = a
+                .acquire(Duration::from_secs(2))
+                .await
+                .expect("dropped guard released");
+            ga.release().await.expect("release");
+        }
+        scenario(MemoryLocks::new()).await;
+        scenario(redis_locks(&server.url()).await).await;
+    });
+}
+
+#[test]
+fn a_guard_dropped_outside_a_runtime_does_not_panic() {
+    let lock = Lock::new(MemoryLocks::new(), "outside", TTL).expect("valid");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let guard = runtime
+        .block_on(lock.clone().watchdog(true).try_acquire())
+        .expect("ok")
+        .expect("free");
+    drop(runtime);
+    drop(guard); // no runtime: nothing spawned, the lease runs out
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    assert!(runtime.block_on(lock.try_acquire()).expect("ok").is_none());
+}

@@ -1,0 +1,164 @@
+//! Redlock over 5 independent servers: keeps working with 2 killed, fails cleanly (an error,
+//! no hang past the deadline) with 3 killed, releases a partial acquisition on every node,
+//! and keeps its fencing tokens increasing across node failures.
+
+mod support;
+
+use std::time::Duration;
+
+use floodgate_lock::{Error, Lock, LockStore, Redlock};
+use floodgate_testkit::RedisServers;
+use support::{redis_locks_with, run, servers};
+use tokio::time::Instant;
+
+const TTL: Duration = Duration::from_secs(5);
+
+async fn redlock(servers: &RedisServers) -> Redlock {
+    let mut nodes = Vec::new();
+    for s in servers.iter() {
+        nodes.push(redis_locks_with(&s.url(), Duration::from_millis(500)).await);
+    }
+    Redlock::new(nodes)
+        .expect("nodes")
+        .with_node_timeout(Duration::from_millis(300))
+        .expect("timeout")
+}
+
+#[test]
+fn keeps_working_with_two_of_five_nodes_down() {
+    let servers = servers(5);
+    run(Duration::from_secs(60), async {
+        let redlock = redlock(&servers).await;
+        assert_eq!(redlock.quorum(), 3);
+        let lock = Lock::new(redlock.clone(), "report", TTL).expect("valid");
+        let mut last = lock
+            .acquire(Duration::from_secs(2))
+            .await
+            .expect("all up")
+            .fence();
+
+        servers.servers()[1].kill().expect("kill");
+        servers.servers()[3].kill().expect("kill");
+        let contender = Lock::new(redlock, "report", TTL).expect("valid");
+        for _ in 0..20 {
+            let guard = lock
+                .acquire(Duration::from_secs(5))
+                .await
+                .expect("quorum of 3");
+            assert!(guard.fence() > last, "{} after {last}", guard.fence());
+            last = guard.fence();
+            assert!(
+                contender
+                    .try_acquire()
+                    .await
+                    .expect("3 nodes answer")
+                    .is_none()
+            );
+            guard.extend().await.expect("extended on the quorum");
+            guard.release().await.expect("released on the quorum");
+        }
+    });
+}
+
+#[test]
+fn fails_cleanly_with_three_of_five_nodes_down() {
+    let servers = servers(5);
+    run(Duration::from_secs(60), async {
+        let redlock = redlock(&servers).await;
+        let lock = Lock::new(redlock, "report", TTL).expect("valid");
+        for i in [0, 2, 4] {
+            servers.servers()[i].kill().expect("kill");
+        }
+        let started = Instant::now();
+        let e = lock.try_acquire().await.expect_err("no quorum");
+        assert!(matches!(e, Error::NoQuorum { failed: 3, .. }), "{e}");
+        assert!(e.is_transient());
+
+        let wait = Duration::from_secs(1);
+        let started_wait = Instant::now();
+        let e = lock.acquire(wait).await.expect_err("no quorum");
+        let took = started_wait.elapsed();
+        eprintln!("gave up after {took:?} (wait {wait:?}): {e}");
+        assert!(matches!(e, Error::NoQuorum { .. }), "{e}");
+        // The deadline plus at most one attempt bounded by the node timeout.
+        assert!(took < wait + Duration::from_millis(900), "{took:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    });
+}
+
+#[test]
+fn a_failed_attempt_releases_on_every_node() {
+    let servers = servers(5);
+    run(Duration::from_secs(60), async {
+        let redlock = redlock(&servers).await;
+        let key = {
+            let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
+            node.lock_key(b"split")
+        };
+        // Someone else holds it on 3 of the 5 nodes.
+        for i in [0, 1, 2] {
+            servers.servers()[i]
+                .cmd(&[
+                    &b"SET"[..],
+                    key.as_slice(),
+                    &b"other"[..],
+                    &b"PX"[..],
+                    &b"60000"[..],
+                ])
+                .expect("SET");
+        }
+        let attempt = redlock
+            .try_lock(b"split", b"mine", TTL)
+            .await
+            .expect("every node answered");
+        assert!(
+            matches!(attempt, floodgate_lock::LockAttempt::Held { .. }),
+            "{attempt:?}"
+        );
+        // The 2 nodes it got were released again; the other owner's keys are untouched.
+        for i in [3, 4] {
+            let exists = servers.servers()[i]
+                .cmd(&[&b"EXISTS"[..], key.as_slice()])
+                .expect("EXISTS");
+            assert_eq!(
+                exists.as_int(),
+                Some(0),
+                "node {i} still holds our partial lock"
+            );
+        }
+        for i in [0, 1, 2] {
+            let value = servers.servers()[i]
+                .cmd(&[&b"GET"[..], key.as_slice()])
+                .expect("GET");
+            assert_eq!(value.as_str(), Some("other"));
+        }
+    });
+}
+
+#[test]
+fn fencing_tokens_keep_increasing_when_nodes_lose_their_data() {
+    let servers = servers(5);
+    run(Duration::from_secs(90), async {
+        let redlock = redlock(&servers).await;
+        let lock = Lock::new(redlock, "fenced", TTL).expect("valid");
+        let mut last = 0;
+        // Each round, a different node restarts empty (its counter gone) and another is down.
+        for round in 0..5 {
+            servers.servers()[round].restart().expect("restart");
+            servers.servers()[(round + 1) % 5].kill().expect("kill");
+            for _ in 0..5 {
+                let guard = lock.acquire(Duration::from_secs(5)).await.expect("quorum");
+                assert!(
+                    guard.fence() > last,
+                    "round {round}: {} after {last}",
+                    guard.fence()
+                );
+                last = guard.fence();
+                guard.release().await.expect("release");
+            }
+            servers.servers()[(round + 1) % 5]
+                .restart()
+                .expect("restart");
+        }
+    });
+}
