@@ -193,7 +193,7 @@ impl<C: Clock> MemoryLocks<C> {
                 token: token.into(),
                 expires_at,
             };
-            slot.expires_at = expires_at;
+            slot.set_expires_at(expires_at);
         } else {
             map.insert(
                 &mut shard,
@@ -245,7 +245,7 @@ impl<C: Clock> MemoryLocks<C> {
             Some(slot) if *slot.value.token == *token && slot.value.expires_at > now => {
                 let expires_at = now.saturating_add(duration_micros(ttl));
                 slot.value.expires_at = expires_at;
-                slot.expires_at = expires_at;
+                slot.set_expires_at(expires_at);
                 shard.note_expiry(expires_at);
                 true
             }

@@ -1,9 +1,10 @@
 //! [`Policy`]: an algorithm with its parameters, validated, and a name.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasher, Hash};
+use std::hash::Hash;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::algorithm::concurrency::{self, Concurrency};
@@ -328,7 +329,7 @@ impl Kind {
 pub struct Policy {
     name: Arc<str>,
     kind: Kind,
-    ident: u64,
+    ident: u32,
 }
 
 impl PartialEq for Policy {
@@ -404,8 +405,9 @@ impl Policy {
         self.kind.window()
     }
 
-    /// A hash of the algorithm and name: the identity of this policy's state in memory.
-    pub fn ident(&self) -> u64 {
+    /// A small number for the algorithm and name: the identity of this policy's state in memory
+    /// (the same for equal names within a process; not stable across processes).
+    pub fn ident(&self) -> u32 {
         self.ident
     }
 
@@ -631,9 +633,19 @@ impl Policy {
     }
 }
 
-/// The in-memory identity of a policy's state: stable within a process.
-fn identity(algorithm: AlgorithmKind, name: &str) -> u64 {
-    foldhash::fast::FixedState::with_seed(0x666c_6f6f_6467_6174).hash_one((algorithm, name))
+/// The in-memory identity of a policy's state: a small number, the same for every policy of
+/// the same algorithm and name in this process (0 is never used: the lock and cache stores use
+/// it). Interned rather than hashed so two policies can never share state by accident.
+fn identity(algorithm: AlgorithmKind, name: &str) -> u32 {
+    static IDENTS: LazyLock<Mutex<HashMap<(AlgorithmKind, Box<str>), u32>>> =
+        LazyLock::new(|| Mutex::new(HashMap::new()));
+    let mut idents = IDENTS.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(id) = idents.get(&(algorithm, Box::from(name))) {
+        return *id;
+    }
+    let id = u32::try_from(idents.len() + 1).unwrap_or(u32::MAX);
+    idents.insert((algorithm, name.into()), id);
+    id
 }
 
 fn validate_name(name: &str) -> Result<(), PolicyError> {

@@ -125,6 +125,23 @@ impl Algorithm for Gcra {
     fn expires_at(&self, state: &State) -> u64 {
         state.tat
     }
+
+    /// Decide and commit in one pass (the hot path of the in-memory store).
+    #[inline]
+    fn check(&self, state: &mut State, ctx: &Ctx) -> Outcome {
+        let now = ctx.now;
+        let tat = state.tat.max(now);
+        if let Some(inc) = mul_span(self.emission, ctx.cost) {
+            let new_tat = tat + inc;
+            if new_tat <= now + self.tolerance {
+                state.tat = new_tat;
+                let ttl = new_tat - now;
+                let remaining = (self.tolerance - ttl) / self.emission;
+                return Outcome::new(true, self.limit, remaining, None, ttl);
+            }
+        }
+        self.decide(state, ctx)
+    }
 }
 
 #[cfg(test)]

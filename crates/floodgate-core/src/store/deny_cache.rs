@@ -156,7 +156,7 @@ impl<L, C: Clock> DenyCache<L, C> {
             Some(slot) if slot.value.until > now => {
                 Lookup::Denied(Box::new(aged(&slot.value, now)))
             }
-            Some(slot) if slot.expires_at > now => Lookup::Probe,
+            Some(slot) if slot.expires_at() > now => Lookup::Probe,
             _ => Lookup::Miss,
         }
     }
@@ -169,7 +169,7 @@ impl<L, C: Clock> DenyCache<L, C> {
         let expires_at = entry.until + PROBE_GRACE_US;
         if let Some(slot) = shard.find_mut(hash, 0, &key) {
             slot.value = entry;
-            slot.expires_at = expires_at;
+            slot.set_expires_at(expires_at);
             shard.note_expiry(expires_at);
         } else {
             // A full cache evicts the denials that end soonest: nothing is lost but a store

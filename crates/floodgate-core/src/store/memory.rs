@@ -68,7 +68,10 @@ impl MemoryLimiter<SystemClock> {
     pub fn builder() -> MemoryLimiterBuilder<SystemClock> {
         MemoryLimiterBuilder {
             max_keys: DEFAULT_MAX_KEYS,
-            shards: std::thread::available_parallelism().map_or(4, |n| n.get()) * 8,
+            // Enough shards that threads rarely meet on one lock, few enough that the locks
+            // stay in the L1 cache.
+            shards: (std::thread::available_parallelism().map_or(4, |n| n.get()) * 16)
+                .clamp(16, 256),
             on_full: OnFull::default(),
             clock: SystemClock::new(),
         }
@@ -180,8 +183,8 @@ impl<C: Clock> MemoryLimiter<C> {
         if let Some(slot) = shard.find_mut(hash, ident, key) {
             let out = kind.check(&mut slot.value, ctx);
             if out.decision.allowed {
-                slot.expires_at = kind.expires_at(&slot.value);
-                let at = slot.expires_at;
+                slot.set_expires_at(kind.expires_at(&slot.value));
+                let at = slot.expires_at();
                 shard.note_expiry(at);
             }
             return Ok(out);
@@ -335,8 +338,8 @@ impl<C: Clock> MemoryLimiter<C> {
             let g = &mut guards[guard_of(shard)];
             if let Some(slot) = g.find_mut(hash, c.policy.ident(), c.key) {
                 kind.commit(&mut slot.value, &ctx);
-                slot.expires_at = kind.expires_at(&slot.value);
-                let at = slot.expires_at;
+                slot.set_expires_at(kind.expires_at(&slot.value));
+                let at = slot.expires_at();
                 g.note_expiry(at);
             } else if c.cost > 0 {
                 let mut state = kind.fresh();
@@ -383,8 +386,8 @@ impl<C: Clock> MemoryLimiter<C> {
                 Some(slot) => match &mut slot.value {
                     State::Concurrency(st) => {
                         released |= conc.release(st, lease.0, now);
-                        slot.expires_at = c.policy.kind().expires_at(&slot.value);
-                        slot.expires_at <= now
+                        slot.set_expires_at(c.policy.kind().expires_at(&slot.value));
+                        slot.expires_at() <= now
                     }
                     _ => false,
                 },
