@@ -637,8 +637,8 @@ impl Policy {
 /// the same algorithm and name in this process (0 is never used: the lock and cache stores use
 /// it). Interned rather than hashed so two policies can never share state by accident.
 fn identity(algorithm: AlgorithmKind, name: &str) -> u32 {
-    static IDENTS: LazyLock<Mutex<HashMap<(AlgorithmKind, Box<str>), u32>>> =
-        LazyLock::new(|| Mutex::new(HashMap::new()));
+    type Idents = HashMap<(AlgorithmKind, Box<str>), u32>;
+    static IDENTS: LazyLock<Mutex<Idents>> = LazyLock::new(|| Mutex::new(HashMap::new()));
     let mut idents = IDENTS.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(id) = idents.get(&(algorithm, Box::from(name))) {
         return *id;
