@@ -104,6 +104,52 @@ pub(crate) fn render<'a>(
     }
 }
 
+/// Adds the rate-limit headers the layer sends, describing `verdict` for `policies` (in the same
+/// order), to `headers`: the IETF fields, the legacy `X-RateLimit-*` when `legacy`, and
+/// `Retry-After` when the verdict is a denial with a retry time. For handlers that check limits
+/// themselves (on a key only the body reveals, say) and answer like the layer.
+///
+/// ```
+/// use floodgate_core::{Check, CheckOptions, MemoryLimiter, Policy};
+///
+/// let limiter = MemoryLimiter::new();
+/// let policy = Policy::per_minute(1).unwrap();
+/// let check = [Check::new(b"+8613800000000", &policy)];
+/// limiter.check_sync(&check, CheckOptions::default()).unwrap();
+/// let denied = limiter.check_sync(&check, CheckOptions::default()).unwrap();
+/// let mut headers = http::HeaderMap::new();
+/// floodgate_tower::headers::insert_headers(&mut headers, &[&policy], &denied, false);
+/// assert_eq!(headers["retry-after"], "60");
+/// assert_eq!(headers["ratelimit"], "\"gcra-1-per-1m\";r=0;t=60");
+/// ```
+pub fn insert_headers(
+    headers: &mut HeaderMap,
+    policies: &[&Policy],
+    verdict: &floodgate_core::Verdict,
+    legacy: bool,
+) {
+    let items: SmallVec<[HeaderValue; 4]> = policies.iter().map(|p| policy_item(p)).collect();
+    let mut block = HeaderBlock::new();
+    let strictest = verdict.decision();
+    render(
+        HeaderOptions { ietf: true, legacy },
+        policies
+            .iter()
+            .zip(&items)
+            .zip(&verdict.decisions)
+            .map(|((p, i), d)| (*p, i, d)),
+        strictest.as_ref(),
+        &mut block,
+    );
+    apply(block, headers);
+    if let Some(retry) = strictest.filter(|d| !d.allowed).and_then(|d| d.retry_after) {
+        headers.insert(
+            http::header::RETRY_AFTER,
+            HeaderValue::from(ceil_secs(retry).max(1)),
+        );
+    }
+}
+
 /// Appends `block` to `headers`.
 pub(crate) fn apply(block: HeaderBlock, headers: &mut HeaderMap) {
     for (name, value) in block {

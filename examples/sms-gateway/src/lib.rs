@@ -1,6 +1,12 @@
 //! The SMS gateway: a web service that sends SMS through floodgate's limits.
+//!
+//! See the example's README for how to run it, alone in memory or as several replicas sharing
+//! one Redis.
 
+pub mod app;
 pub mod config;
+pub mod dispatcher;
 pub mod error;
 pub mod phone;
 pub mod provider;
+pub mod shared;

@@ -1,0 +1,498 @@
+//! The HTTP API: routes, handlers and the limits they apply.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Json;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use floodgate::tower::key::{ClientIp, TrustedProxies};
+use floodgate::tower::{OnStoreError, RateLimitLayer, Rule};
+use floodgate::{CalendarUnit, Check, CheckOptions, Limiter, Policy, Verdict};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::{Value, json};
+use tokio::sync::Notify;
+
+use crate::config::Config;
+use crate::error::ApiError;
+use crate::phone::{Phone, validate_text};
+use crate::provider::{OutboundSms, SmsProvider};
+use crate::shared::{Campaign, Idempotency, Shared, now_ms};
+
+/// The most bytes of a `POST /v1/sms` body.
+pub const MAX_SMS_BODY: usize = 16 * 1024;
+/// The most bytes of a `POST /v1/campaigns` body.
+pub const MAX_CAMPAIGN_BODY: usize = 4 * 1024 * 1024;
+/// The most numbers in one campaign.
+pub const MAX_CAMPAIGN_PHONES: usize = 100_000;
+
+/// The four limits, named as clients see them in headers and errors.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub client_ip: Policy,
+    pub global: Policy,
+    pub phone: Policy,
+    pub phone_daily: Policy,
+}
+
+impl Limits {
+    pub fn from_config(c: &Config) -> Result<Limits, floodgate::PolicyError> {
+        Ok(Limits {
+            // A sliding window: never much more than the limit in any minute.
+            client_ip: Policy::sliding_window(c.ip_per_minute, Duration::from_secs(60))?
+                .named("client-ip")?,
+            global: Policy::per_second(c.global_per_second)?.named("global")?,
+            // The article's funnel: capacity 1 draining in 30 minutes by default.
+            phone: Policy::funnel(c.phone_burst, c.phone_interval)?.named("phone")?,
+            phone_daily: Policy::calendar_window(c.phone_daily_limit, 1, CalendarUnit::Day)?
+                .with_utc_offset(c.utc_offset_secs)?
+                .named("phone-daily")?,
+        })
+    }
+}
+
+/// Everything a handler needs.
+pub struct App<S: Shared> {
+    pub config: Config,
+    pub shared: S,
+    pub limits: Limits,
+    pub provider: Arc<dyn SmsProvider>,
+    pub client_ip: ClientIp,
+    pub metrics: PrometheusHandle,
+    /// Wakes the campaign dispatcher when a campaign is created.
+    pub new_campaign: Notify,
+}
+
+impl<S: Shared> std::fmt::Debug for App<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App")
+            .field("instance", &self.config.instance_id)
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The router: the API behind the per-IP and global limits.
+pub fn router<S: Shared>(app: Arc<App<S>>) -> Result<Router, floodgate::tower::ConfigError> {
+    // Campaigns and opt-outs go through the layer. `POST /v1/sms` checks the same per-IP and
+    // global limits itself, together with the phone's, all-or-nothing: the phone is in the body.
+    let trusted = TrustedProxies::new(app.config.trusted_proxies.iter().copied());
+    let layer = RateLimitLayer::builder(app.shared.limiter().clone())
+        .rule(Rule::new(app.limits.client_ip.clone()).key(ClientIp::new(trusted)))
+        .rule(Rule::new(app.limits.global.clone()).key(floodgate::tower::key::GlobalKey))
+        .on_store_error(OnStoreError::FailClosed)
+        .build()?;
+    let limited = Router::new()
+        .route("/v1/campaigns", post(create_campaign::<S>))
+        .route("/v1/campaigns/{id}", get(get_campaign::<S>))
+        .route("/v1/opt-outs", post(opt_out::<S>))
+        .layer(DefaultBodyLimit::max(MAX_CAMPAIGN_BODY))
+        .layer(layer);
+    Ok(Router::new()
+        .route(
+            "/v1/sms",
+            post(send_sms::<S>).layer(DefaultBodyLimit::max(MAX_SMS_BODY)),
+        )
+        .route("/healthz", get(healthz::<S>))
+        .route("/metrics", get(metrics::<S>))
+        .merge(limited)
+        .fallback(|| async {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+        })
+        .with_state(app))
+}
+
+/// A body read as bytes: oversized bodies are a JSON 413, not a plain-text one.
+fn body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|rejection| {
+        let status = rejection.status();
+        let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "body_too_large"
+        } else {
+            "bad_body"
+        };
+        ApiError::new(status, code, rejection.body_text())
+    })
+}
+
+/// A JSON object, or a 400 saying where it broke.
+fn json_object(bytes: &[u8]) -> Result<serde_json::Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            "the body must be a JSON object",
+        )),
+        Err(e) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("the body is not valid JSON: {e}"),
+        )),
+    }
+}
+
+fn string_field<'a>(
+    map: &'a serde_json::Map<String, Value>,
+    field: &str,
+) -> Result<&'a str, ApiError> {
+    match map.get(field) {
+        Some(Value::String(s)) => Ok(s),
+        Some(_) => Err(ApiError::invalid(field, "must be a string")),
+        None => Err(ApiError::invalid(field, "is required")),
+    }
+}
+
+/// The client's address: the peer, or the rightmost untrusted hop of the forwarding headers;
+/// IPv6 grouped by /64 so one host cannot rotate through its addresses.
+fn client_key(app_ip: &ClientIp, peer: SocketAddr, headers: &HeaderMap) -> String {
+    match app_ip.resolve(peer.ip(), headers) {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
+        }
+    }
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let ok = !value.is_empty()
+        && value.len() <= 128
+        && value.as_bytes().iter().all(|b| (0x21..=0x7e).contains(b));
+    match value.to_str() {
+        Ok(s) if ok => Ok(Some(s.to_owned())),
+        _ => Err(ApiError::invalid(
+            "Idempotency-Key",
+            "must be 1 to 128 visible ASCII characters",
+        )),
+    }
+}
+
+/// A 429 naming the limit that was hit and when to retry, with the standard headers.
+fn limited(policies: &[&Policy], verdict: &Verdict) -> Response {
+    let (index, decision) = verdict
+        .strictest()
+        .map(|(i, d)| (i, *d))
+        .unwrap_or((0, verdict.decisions[0]));
+    let name = policies.get(index).map_or("unknown", |p| p.name());
+    metrics::counter!("sms_rejected_total", "limit" => name.to_owned()).increment(1);
+    let retry_ms = decision.retry_after_ms();
+    let message = match retry_ms {
+        Some(ms) => format!(
+            "the {name} limit was reached; retry in {:.0}s",
+            (ms as f64 / 1000.0).ceil()
+        ),
+        None => format!("the request exceeds the {name} limit and can never be admitted"),
+    };
+    let body = json!({
+        "error": {
+            "code": "rate_limited",
+            "limit": name,
+            "message": message,
+            "retry_after_ms": retry_ms,
+        },
+        "limits": policies.iter().zip(&verdict.decisions).map(|(p, d)| json!({
+            "name": p.name(),
+            "allowed": d.allowed,
+            "limit": d.limit,
+            "remaining": d.remaining,
+            "retry_after_ms": d.retry_after_ms(),
+            "reset_after_ms": d.reset_after_ms(),
+        })).collect::<Vec<_>>(),
+    });
+    let mut response = (StatusCode::TOO_MANY_REQUESTS, Json(body)).into_response();
+    floodgate::tower::headers::insert_headers(response.headers_mut(), policies, verdict, false);
+    response
+}
+
+/// Checks `checks` against the shared limiter, timing the round trip.
+async fn check<S: Shared>(app: &App<S>, checks: &[Check<'_>]) -> Result<Verdict, ApiError> {
+    let started = Instant::now();
+    let result = app
+        .shared
+        .limiter()
+        .check(checks, CheckOptions::default())
+        .await;
+    metrics::histogram!("sms_limiter_seconds").record(started.elapsed().as_secs_f64());
+    // The gateway fails closed: no SMS goes out while its limits cannot be checked.
+    result.map_err(|e| ApiError::unavailable("the rate limiter", e))
+}
+
+async fn send_sms<S: Shared>(
+    State(app): State<Arc<App<S>>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    raw: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let bytes = body(raw)?;
+    let map = json_object(&bytes)?;
+    let phone = Phone::parse(string_field(&map, "phone")?, "phone")?;
+    let text = string_field(&map, "text")?;
+    validate_text(text, "text")?;
+    let idem = idempotency_key(&headers)?;
+    let request = format!("{}\n{text}", phone.as_str());
+
+    if let Some(key) = &idem {
+        match app
+            .shared
+            .idempotency_begin(key, &request)
+            .await
+            .map_err(|e| ApiError::unavailable("the idempotency store", e))?
+        {
+            Idempotency::New => {}
+            Idempotency::Replay(response) => {
+                let mut r = (StatusCode::ACCEPTED, response).into_response();
+                r.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("application/json"),
+                );
+                r.headers_mut().insert(
+                    "idempotent-replayed",
+                    http::HeaderValue::from_static("true"),
+                );
+                return Ok(r);
+            }
+            Idempotency::InProgress => {
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "in_progress",
+                    "a request with this Idempotency-Key is being handled",
+                ));
+            }
+            Idempotency::Mismatch => {
+                return Err(ApiError::invalid(
+                    "Idempotency-Key",
+                    "was already used with a different request",
+                ));
+            }
+        }
+    }
+    let answer = accept_sms(&app, peer, &headers, &phone, text).await;
+    if let Some(key) = &idem {
+        let recorded = match &answer {
+            Ok((_, body)) => app.shared.idempotency_finish(key, &request, body).await,
+            // Not accepted: the same key may be retried.
+            Err(_) => app.shared.idempotency_abort(key).await,
+        };
+        if let Err(e) = recorded {
+            tracing::warn!(error = %e, "could not record an idempotency key");
+        }
+    }
+    Ok(match answer {
+        Ok((response, _)) => response,
+        Err(refused) => refused,
+    })
+}
+
+/// Everything after validation: opt-out, limits, send. `Ok` is an accepted message (with the
+/// body an idempotent retry gets again); `Err` any refusal, as its response.
+async fn accept_sms<S: Shared>(
+    app: &App<S>,
+    peer: SocketAddr,
+    headers: &HeaderMap,
+    phone: &Phone,
+    text: &str,
+) -> Result<(Response, String), Response> {
+    let opted_out = app
+        .shared
+        .is_opted_out(phone.as_str())
+        .await
+        .map_err(|e| ApiError::unavailable("the opt-out list", e).into_response())?;
+    if opted_out {
+        metrics::counter!("sms_rejected_total", "limit" => "opted-out").increment(1);
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "opted_out",
+            "this phone number opted out of messages",
+        )
+        .into_response());
+    }
+    let ip = client_key(&app.client_ip, peer, headers);
+    let l = &app.limits;
+    let policies = [&l.client_ip, &l.global, &l.phone, &l.phone_daily];
+    let checks = [
+        Check::new(ip.as_bytes(), &l.client_ip),
+        Check::new(b"", &l.global),
+        Check::new(phone.as_str().as_bytes(), &l.phone),
+        Check::new(phone.as_str().as_bytes(), &l.phone_daily),
+    ];
+    let verdict = check(app, &checks)
+        .await
+        .map_err(IntoResponse::into_response)?;
+    if !verdict.allowed() {
+        return Err(limited(&policies, &verdict));
+    }
+    let sms = OutboundSms {
+        id: message_id(),
+        phone: phone.as_str().to_owned(),
+        text: text.to_owned(),
+        campaign: None,
+        instance: app.config.instance_id.clone(),
+        sent_at_ms: now_ms(),
+    };
+    if let Err(e) = app.provider.send(&sms).await {
+        metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
+        tracing::warn!(error = %e, "the SMS provider failed");
+        return Err(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "provider_error",
+            "the SMS provider did not take the message; try again",
+        )
+        .into_response());
+    }
+    metrics::counter!("sms_sent_total", "source" => "api").increment(1);
+    let body = json!({"id": sms.id, "status": "accepted"}).to_string();
+    let mut response = (StatusCode::ACCEPTED, body.clone()).into_response();
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    floodgate::tower::headers::insert_headers(response.headers_mut(), &policies, &verdict, false);
+    Ok((response, body))
+}
+
+pub fn message_id() -> String {
+    format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..))
+}
+
+async fn opt_out<S: Shared>(
+    State(app): State<Arc<App<S>>>,
+    raw: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let bytes = body(raw)?;
+    let map = json_object(&bytes)?;
+    let phone = Phone::parse(string_field(&map, "phone")?, "phone")?;
+    let new = app
+        .shared
+        .opt_out(phone.as_str())
+        .await
+        .map_err(|e| ApiError::unavailable("the opt-out list", e))?;
+    let status = if new {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((
+        status,
+        Json(json!({"phone": phone.as_str(), "opted_out": true})),
+    )
+        .into_response())
+}
+
+async fn create_campaign<S: Shared>(
+    State(app): State<Arc<App<S>>>,
+    raw: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let bytes = body(raw)?;
+    let map = json_object(&bytes)?;
+    let text = string_field(&map, "text")?;
+    validate_text(text, "text")?;
+    let list = match map.get("phones") {
+        Some(Value::Array(list)) => list,
+        Some(_) => return Err(ApiError::invalid("phones", "must be an array of strings")),
+        None => return Err(ApiError::invalid("phones", "is required")),
+    };
+    if list.is_empty() {
+        return Err(ApiError::invalid("phones", "must not be empty"));
+    }
+    if list.len() > MAX_CAMPAIGN_PHONES {
+        return Err(ApiError::invalid(
+            "phones",
+            format!(
+                "has {} numbers; the most is {MAX_CAMPAIGN_PHONES}",
+                list.len()
+            ),
+        ));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(list.len());
+    let mut phones = Vec::with_capacity(list.len());
+    for (i, v) in list.iter().enumerate() {
+        let field = format!("phones[{i}]");
+        let Value::String(raw) = v else {
+            return Err(ApiError::invalid(&field, "must be a string"));
+        };
+        let phone = Phone::parse(raw, &field)?;
+        // Each number gets at most one message: duplicates are dropped here.
+        if seen.insert(phone.as_str().to_owned()) {
+            phones.push(phone.as_str().to_owned());
+        }
+    }
+    let campaign = Campaign {
+        id: message_id(),
+        status: "pending".into(),
+        total: phones.len() as u64,
+        created_ms: now_ms(),
+        text: text.to_owned(),
+        ..Campaign::default()
+    };
+    app.shared
+        .campaign_create(&campaign, &phones)
+        .await
+        .map_err(|e| ApiError::unavailable("the campaign store", e))?;
+    app.new_campaign.notify_one();
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({
+            "id": campaign.id,
+            "status": "pending",
+            "total": campaign.total,
+            "duplicates_dropped": list.len() - phones.len(),
+        })),
+    )
+        .into_response())
+}
+
+async fn get_campaign<S: Shared>(
+    State(app): State<Arc<App<S>>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return Err(ApiError::invalid("id", "is not a campaign id"));
+    }
+    match app
+        .shared
+        .campaign_get(&id)
+        .await
+        .map_err(|e| ApiError::unavailable("the campaign store", e))?
+    {
+        Some(c) => Ok(Json(c).into_response()),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no campaign {id}"),
+        )),
+    }
+}
+
+async fn healthz<S: Shared>(State(app): State<Arc<App<S>>>) -> Response {
+    match app.shared.healthy().await {
+        Ok(store) => Json(json!({
+            "status": "ok",
+            "store": store,
+            "instance": app.config.instance_id,
+        }))
+        .into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "unavailable", "error": e.to_string(), "instance": app.config.instance_id})),
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics<S: Shared>(State(app): State<Arc<App<S>>>) -> Response {
+    (
+        [(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.render(),
+    )
+        .into_response()
+}

@@ -1,0 +1,180 @@
+//! The campaign dispatcher: every replica runs one; a floodgate lock per campaign makes sure
+//! only one replica sends a campaign at a time, and another resumes it when the lease of a
+//! dispatcher that died runs out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use floodgate::LockStore;
+use floodgate::lock::{Lock, LockGuard};
+use floodgate::{Check, CheckOptions, Limiter};
+use tokio::sync::watch;
+
+use crate::app::{App, message_id};
+use crate::provider::OutboundSms;
+use crate::shared::{Campaign, Outcome, Shared, now_ms};
+
+/// How often a replica looks for campaigns that need a dispatcher.
+const POLL: Duration = Duration::from_millis(500);
+/// Numbers read from the store at a time.
+const CHUNK: u64 = 200;
+
+/// Runs until `shutdown` turns true.
+pub async fn run<S: Shared>(app: Arc<App<S>>, mut shutdown: watch::Receiver<bool>)
+where
+    floodgate::lock::Error: From<<S::Locks as LockStore>::Error>,
+{
+    loop {
+        tokio::select! {
+            _ = app.new_campaign.notified() => {}
+            _ = tokio::time::sleep(POLL) => {}
+            _ = shutdown.changed() => {}
+        }
+        if *shutdown.borrow() {
+            return;
+        }
+        let ids = match app.shared.campaigns_pending().await {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list pending campaigns");
+                continue;
+            }
+        };
+        for id in ids {
+            if *shutdown.borrow() {
+                return;
+            }
+            let lock = match Lock::new(
+                app.shared.locks().clone(),
+                format!("campaign:{id}"),
+                app.config.campaign_lease,
+            ) {
+                Ok(lock) => lock.watchdog(true),
+                Err(e) => {
+                    tracing::warn!(error = %e, "bad campaign lock");
+                    continue;
+                }
+            };
+            match lock.try_acquire().await {
+                Ok(Some(guard)) => {
+                    tracing::info!(campaign = %id, fence = guard.fence(), "dispatching campaign");
+                    dispatch(&app, &id, &guard, &shutdown).await;
+                    if let Err(e) = guard.release().await {
+                        tracing::warn!(campaign = %id, error = %e, "campaign lease lost");
+                    }
+                }
+                // Another replica is dispatching it.
+                Ok(None) => {}
+                Err(e) => tracing::warn!(campaign = %id, error = %e, "cannot take a campaign lock"),
+            }
+        }
+    }
+}
+
+/// Sends what is left of campaign `id` while this replica holds its lock.
+async fn dispatch<S: Shared>(
+    app: &App<S>,
+    id: &str,
+    guard: &LockGuard<S::Locks>,
+    shutdown: &watch::Receiver<bool>,
+) where
+    floodgate::lock::Error: From<<S::Locks as LockStore>::Error>,
+{
+    let campaign = match app.shared.campaign_get(id).await {
+        Ok(Some(c)) if c.status != "completed" => c,
+        Ok(_) => return,
+        Err(e) => {
+            tracing::warn!(campaign = %id, error = %e, "cannot load campaign");
+            return;
+        }
+    };
+    let instance = &app.config.instance_id;
+    let mut cursor = campaign.cursor;
+    while cursor < campaign.total {
+        let phones = match app.shared.campaign_phones(id, cursor, CHUNK).await {
+            Ok(p) if !p.is_empty() => p,
+            Ok(_) => break,
+            Err(e) => {
+                tracing::warn!(campaign = %id, error = %e, "cannot read campaign numbers");
+                return;
+            }
+        };
+        for phone in &phones {
+            // Stop as soon as the lease is in doubt: another replica may take over, and the
+            // per-number claim below keeps any overlap from sending a number twice.
+            if guard.is_lost() || *shutdown.borrow() {
+                return;
+            }
+            match app.shared.campaign_claim(id, phone, instance).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    tracing::warn!(campaign = %id, error = %e, "cannot claim a number");
+                    return;
+                }
+            }
+            let outcome = send_one(app, &campaign, phone).await;
+            if let Err(e) = app.shared.campaign_record(id, phone, outcome).await {
+                tracing::warn!(campaign = %id, error = %e, "cannot record an outcome");
+                return;
+            }
+        }
+        cursor += phones.len() as u64;
+        if let Err(e) = app.shared.campaign_progress(id, cursor, instance).await {
+            tracing::warn!(campaign = %id, error = %e, "cannot record progress");
+            return;
+        }
+    }
+    match app.shared.campaign_complete(id).await {
+        Ok(()) => tracing::info!(campaign = %id, "campaign completed"),
+        Err(e) => tracing::warn!(campaign = %id, error = %e, "cannot complete campaign"),
+    }
+}
+
+/// One number: refused if opted out, limited by the per-phone limits (reported, not retried),
+/// otherwise sent.
+async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> Outcome {
+    match app.shared.is_opted_out(phone).await {
+        Ok(true) => return Outcome::OptedOut,
+        Ok(false) => {}
+        // Unsure: never message a number that might have opted out.
+        Err(_) => return Outcome::Failed,
+    }
+    let l = &app.limits;
+    let checks = [
+        Check::new(phone.as_bytes(), &l.phone),
+        Check::new(phone.as_bytes(), &l.phone_daily),
+    ];
+    match app
+        .shared
+        .limiter()
+        .check(&checks, CheckOptions::default())
+        .await
+    {
+        Ok(v) if v.allowed() => {}
+        Ok(_) => {
+            metrics::counter!("sms_rejected_total", "limit" => "campaign-phone").increment(1);
+            return Outcome::Limited;
+        }
+        Err(_) => return Outcome::Failed,
+    }
+    let sms = OutboundSms {
+        id: message_id(),
+        phone: phone.to_owned(),
+        text: campaign.text.clone(),
+        campaign: Some(campaign.id.clone()),
+        instance: app.config.instance_id.clone(),
+        sent_at_ms: now_ms(),
+    };
+    match app.provider.send(&sms).await {
+        Ok(()) => {
+            metrics::counter!("sms_sent_total", "source" => "campaign").increment(1);
+            Outcome::Sent
+        }
+        Err(e) => {
+            metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
+            tracing::warn!(error = %e, "the SMS provider failed");
+            Outcome::Failed
+        }
+    }
+}

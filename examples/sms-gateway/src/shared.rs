@@ -1,0 +1,685 @@
+//! What replicas share: limits, locks, idempotency keys, opt-outs and campaigns — in this
+//! process's memory, or in Redis so that every replica sees the same.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use floodgate::lock::RedisLocks;
+use floodgate::redis::{RedisBloom, RedisConn, RedisLimiter};
+use floodgate::{
+    BloomFilter, BloomParams, DenyCache, Limiter, LockStore, MemoryBloom, MemoryLimiter,
+    MemoryLocks,
+};
+use serde::Serialize;
+use serde_json::json;
+
+/// How long an idempotency key is remembered.
+pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
+/// The most idempotency keys kept in memory (the oldest expire first).
+const MAX_MEMORY_IDEMPOTENCY_KEYS: usize = 200_000;
+
+/// A store operation failed (Redis down, or a corrupted value).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct StoreError(pub String);
+
+fn err(e: impl std::fmt::Display) -> StoreError {
+    StoreError(e.to_string())
+}
+
+/// What an idempotency key says about a request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Idempotency {
+    /// First time: go ahead.
+    New,
+    /// Done before with the same request: answer this again.
+    Replay(String),
+    /// Another request with this key is being handled right now.
+    InProgress,
+    /// The key was used with a different request.
+    Mismatch,
+}
+
+/// What happened to one number of a campaign.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Sent,
+    Limited,
+    OptedOut,
+    Failed,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Sent => "sent",
+            Outcome::Limited => "limited",
+            Outcome::OptedOut => "opted_out",
+            Outcome::Failed => "failed",
+        }
+    }
+
+    pub const ALL: [Outcome; 4] = [
+        Outcome::Sent,
+        Outcome::Limited,
+        Outcome::OptedOut,
+        Outcome::Failed,
+    ];
+}
+
+/// A campaign's definition and progress.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Campaign {
+    pub id: String,
+    pub status: String,
+    pub total: u64,
+    /// Numbers taken by a dispatcher (each exactly once).
+    pub claimed: u64,
+    pub sent: u64,
+    pub limited: u64,
+    pub opted_out: u64,
+    pub failed: u64,
+    /// Numbers claimed by a dispatcher that died before recording what happened (never
+    /// retried, so never messaged twice). Known once the campaign completes.
+    pub unknown: u64,
+    pub dispatcher: Option<String>,
+    pub created_ms: u64,
+    pub completed_ms: Option<u64>,
+    #[serde(skip)]
+    pub text: String,
+    #[serde(skip)]
+    pub cursor: u64,
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The shared state of the gateway.
+pub trait Shared: Send + Sync + 'static {
+    type Limiter: Limiter + Clone + 'static;
+    type Locks: LockStore + Clone;
+
+    fn limiter(&self) -> &Self::Limiter;
+    fn locks(&self) -> &Self::Locks;
+    /// Whether the shared store answers (for /healthz).
+    fn healthy(&self) -> impl Future<Output = Result<&'static str, StoreError>> + Send;
+
+    fn idempotency_begin(
+        &self,
+        key: &str,
+        request: &str,
+    ) -> impl Future<Output = Result<Idempotency, StoreError>> + Send;
+    fn idempotency_finish(
+        &self,
+        key: &str,
+        request: &str,
+        response: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn idempotency_abort(&self, key: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Adds an opt-out; returns whether it is new.
+    fn opt_out(&self, phone: &str) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Whether a phone opted out: the Bloom filter first, then the exact set.
+    fn is_opted_out(&self, phone: &str) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    fn campaign_create(
+        &self,
+        campaign: &Campaign,
+        phones: &[String],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn campaign_get(
+        &self,
+        id: &str,
+    ) -> impl Future<Output = Result<Option<Campaign>, StoreError>> + Send;
+    fn campaigns_pending(&self) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
+    fn campaign_phones(
+        &self,
+        id: &str,
+        from: u64,
+        count: u64,
+    ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
+    /// Takes a number of a campaign for sending; false if someone already took it.
+    fn campaign_claim(
+        &self,
+        id: &str,
+        phone: &str,
+        instance: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    fn campaign_record(
+        &self,
+        id: &str,
+        phone: &str,
+        outcome: Outcome,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn campaign_progress(
+        &self,
+        id: &str,
+        cursor: u64,
+        dispatcher: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn campaign_complete(&self, id: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+fn optout_params() -> BloomParams {
+    // A million opt-outs at 1% false positives: ~1.2 MB.
+    BloomParams::new(1_000_000, 0.01).unwrap_or_else(|e| unreachable!("valid parameters: {e}"))
+}
+
+// ---- memory ------------------------------------------------------------------------------
+
+/// (expires at ms, the request, its response once accepted).
+type IdempotencyEntry = (u64, String, Option<String>);
+
+/// Everything in this process: a single replica.
+pub struct MemoryShared {
+    limiter: MemoryLimiter,
+    locks: MemoryLocks,
+    idempotency: Mutex<HashMap<String, IdempotencyEntry>>,
+    bloom: MemoryBloom,
+    optouts: Mutex<HashSet<String>>,
+    campaigns: Mutex<HashMap<String, MemoryCampaign>>,
+}
+
+impl std::fmt::Debug for MemoryShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryShared").finish_non_exhaustive()
+    }
+}
+
+struct MemoryCampaign {
+    campaign: Campaign,
+    phones: Vec<String>,
+    done: HashMap<String, Option<Outcome>>,
+}
+
+impl MemoryShared {
+    pub fn new() -> Result<Self, StoreError> {
+        Ok(MemoryShared {
+            limiter: MemoryLimiter::new(),
+            locks: MemoryLocks::new(),
+            idempotency: Mutex::new(HashMap::new()),
+            bloom: MemoryBloom::create(optout_params()).map_err(err)?,
+            optouts: Mutex::new(HashSet::new()),
+            campaigns: Mutex::new(HashMap::new()),
+        })
+    }
+}
+
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Shared for MemoryShared {
+    type Limiter = MemoryLimiter;
+    type Locks = MemoryLocks;
+
+    fn limiter(&self) -> &MemoryLimiter {
+        &self.limiter
+    }
+
+    fn locks(&self) -> &MemoryLocks {
+        &self.locks
+    }
+
+    async fn healthy(&self) -> Result<&'static str, StoreError> {
+        Ok("memory")
+    }
+
+    async fn idempotency_begin(&self, key: &str, request: &str) -> Result<Idempotency, StoreError> {
+        let now = now_ms();
+        let mut map = locked(&self.idempotency);
+        if let Some((expires, req, response)) = map.get(key) {
+            if *expires > now {
+                return Ok(match (req == request, response) {
+                    (false, _) => Idempotency::Mismatch,
+                    (true, Some(r)) => Idempotency::Replay(r.clone()),
+                    (true, None) => Idempotency::InProgress,
+                });
+            }
+        }
+        if map.len() >= MAX_MEMORY_IDEMPOTENCY_KEYS {
+            map.retain(|_, (expires, _, _)| *expires > now);
+            if map.len() >= MAX_MEMORY_IDEMPOTENCY_KEYS {
+                // Forget the oldest tenth rather than refuse requests.
+                let mut expiries: Vec<u64> = map.values().map(|v| v.0).collect();
+                expiries.sort_unstable();
+                let cut = expiries[expiries.len() / 10];
+                map.retain(|_, (expires, _, _)| *expires > cut);
+            }
+        }
+        let expires = now + IDEMPOTENCY_TTL.as_millis() as u64;
+        map.insert(key.to_owned(), (expires, request.to_owned(), None));
+        Ok(Idempotency::New)
+    }
+
+    async fn idempotency_finish(
+        &self,
+        key: &str,
+        request: &str,
+        response: &str,
+    ) -> Result<(), StoreError> {
+        let mut map = locked(&self.idempotency);
+        if let Some(entry) = map.get_mut(key) {
+            if entry.1 == request {
+                entry.2 = Some(response.to_owned());
+            }
+        }
+        Ok(())
+    }
+
+    async fn idempotency_abort(&self, key: &str) -> Result<(), StoreError> {
+        locked(&self.idempotency).remove(key);
+        Ok(())
+    }
+
+    async fn opt_out(&self, phone: &str) -> Result<bool, StoreError> {
+        // The exact set first, then the filter: a check that misses the filter in between
+        // raced with the opt-out itself.
+        let new = locked(&self.optouts).insert(phone.to_owned());
+        self.bloom.add(phone.as_bytes()).await.map_err(err)?;
+        Ok(new)
+    }
+
+    async fn is_opted_out(&self, phone: &str) -> Result<bool, StoreError> {
+        if !self.bloom.contains(phone.as_bytes()).await.map_err(err)? {
+            return Ok(false);
+        }
+        Ok(locked(&self.optouts).contains(phone))
+    }
+
+    async fn campaign_create(
+        &self,
+        campaign: &Campaign,
+        phones: &[String],
+    ) -> Result<(), StoreError> {
+        locked(&self.campaigns).insert(
+            campaign.id.clone(),
+            MemoryCampaign {
+                campaign: campaign.clone(),
+                phones: phones.to_vec(),
+                done: HashMap::new(),
+            },
+        );
+        Ok(())
+    }
+
+    async fn campaign_get(&self, id: &str) -> Result<Option<Campaign>, StoreError> {
+        Ok(locked(&self.campaigns).get(id).map(|c| c.campaign.clone()))
+    }
+
+    async fn campaigns_pending(&self) -> Result<Vec<String>, StoreError> {
+        Ok(locked(&self.campaigns)
+            .values()
+            .filter(|c| c.campaign.status != "completed")
+            .map(|c| c.campaign.id.clone())
+            .collect())
+    }
+
+    async fn campaign_phones(
+        &self,
+        id: &str,
+        from: u64,
+        count: u64,
+    ) -> Result<Vec<String>, StoreError> {
+        Ok(locked(&self.campaigns)
+            .get(id)
+            .map(|c| {
+                c.phones
+                    .iter()
+                    .skip(from as usize)
+                    .take(count as usize)
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    async fn campaign_claim(
+        &self,
+        id: &str,
+        phone: &str,
+        _instance: &str,
+    ) -> Result<bool, StoreError> {
+        let mut campaigns = locked(&self.campaigns);
+        let Some(c) = campaigns.get_mut(id) else {
+            return Ok(false);
+        };
+        if c.done.contains_key(phone) {
+            return Ok(false);
+        }
+        c.done.insert(phone.to_owned(), None);
+        c.campaign.claimed += 1;
+        Ok(true)
+    }
+
+    async fn campaign_record(
+        &self,
+        id: &str,
+        phone: &str,
+        outcome: Outcome,
+    ) -> Result<(), StoreError> {
+        let mut campaigns = locked(&self.campaigns);
+        if let Some(c) = campaigns.get_mut(id) {
+            c.done.insert(phone.to_owned(), Some(outcome));
+            *counter(&mut c.campaign, outcome) += 1;
+        }
+        Ok(())
+    }
+
+    async fn campaign_progress(
+        &self,
+        id: &str,
+        cursor: u64,
+        dispatcher: &str,
+    ) -> Result<(), StoreError> {
+        if let Some(c) = locked(&self.campaigns).get_mut(id) {
+            c.campaign.cursor = cursor;
+            c.campaign.status = "running".into();
+            c.campaign.dispatcher = Some(dispatcher.to_owned());
+        }
+        Ok(())
+    }
+
+    async fn campaign_complete(&self, id: &str) -> Result<(), StoreError> {
+        if let Some(c) = locked(&self.campaigns).get_mut(id) {
+            let k = &mut c.campaign;
+            k.status = "completed".into();
+            k.completed_ms = Some(now_ms());
+            k.unknown = k.claimed - (k.sent + k.limited + k.opted_out + k.failed).min(k.claimed);
+        }
+        Ok(())
+    }
+}
+
+fn counter(c: &mut Campaign, outcome: Outcome) -> &mut u64 {
+    match outcome {
+        Outcome::Sent => &mut c.sent,
+        Outcome::Limited => &mut c.limited,
+        Outcome::OptedOut => &mut c.opted_out,
+        Outcome::Failed => &mut c.failed,
+    }
+}
+
+// ---- Redis -------------------------------------------------------------------------------
+
+/// Everything in Redis: any number of replicas.
+pub struct RedisShared {
+    limiter: DenyCache<RedisLimiter>,
+    locks: RedisLocks,
+    conn: RedisConn,
+    bloom: RedisBloom,
+    prefix: String,
+}
+
+impl std::fmt::Debug for RedisShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisShared")
+            .field("conn", &self.conn)
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisShared {
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self, StoreError> {
+        let config = floodgate::redis::RedisConfig::new(url)
+            .and_then(|c| c.key_prefix(prefix))
+            .map_err(err)?;
+        let conn = RedisConn::connect(&config).await.map_err(err)?;
+        let limiter = DenyCache::new(RedisLimiter::new(conn.clone(), prefix));
+        let locks = RedisLocks::builder(conn.clone())
+            .notifications([url])
+            .map_err(err)?
+            .build();
+        let bloom = RedisBloom::new(conn.clone(), "optouts", optout_params()).map_err(err)?;
+        // Created once by whichever replica comes first; the others find it with the same
+        // parameters (a filter with others is an error, never silently reused).
+        bloom.try_init().await.map_err(err)?;
+        Ok(RedisShared {
+            limiter,
+            locks,
+            conn,
+            bloom,
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    fn key(&self, parts: &[&str]) -> String {
+        let mut k = self.prefix.clone();
+        for p in parts {
+            k.push(':');
+            k.push_str(p);
+        }
+        k
+    }
+
+    fn campaign_key(&self, id: &str, suffix: &str) -> String {
+        format!("{}:campaign:{{{id}}}{suffix}", self.prefix)
+    }
+
+    async fn query<T: redis::FromRedisValue>(&self, cmd: redis::Cmd) -> Result<T, StoreError> {
+        self.conn.query(cmd).await.map_err(err)
+    }
+}
+
+impl Shared for RedisShared {
+    type Limiter = DenyCache<RedisLimiter>;
+    type Locks = RedisLocks;
+
+    fn limiter(&self) -> &Self::Limiter {
+        &self.limiter
+    }
+
+    fn locks(&self) -> &RedisLocks {
+        &self.locks
+    }
+
+    async fn healthy(&self) -> Result<&'static str, StoreError> {
+        self.conn.ping().await.map_err(err)?;
+        Ok("redis")
+    }
+
+    async fn idempotency_begin(&self, key: &str, request: &str) -> Result<Idempotency, StoreError> {
+        let mut set = redis::cmd("SET");
+        set.arg(self.key(&["idem", key]))
+            .arg(json!({"request": request}).to_string())
+            .arg("NX")
+            .arg("PX")
+            .arg(IDEMPOTENCY_TTL.as_millis() as u64)
+            .arg("GET");
+        let previous: Option<String> = self.query(set).await?;
+        let Some(previous) = previous else {
+            return Ok(Idempotency::New);
+        };
+        let stored: serde_json::Value = serde_json::from_str(&previous)
+            .map_err(|e| StoreError(format!("corrupted idempotency record: {e}")))?;
+        if stored["request"] != request {
+            return Ok(Idempotency::Mismatch);
+        }
+        Ok(match stored["response"].as_str() {
+            Some(response) => Idempotency::Replay(response.to_owned()),
+            None => Idempotency::InProgress,
+        })
+    }
+
+    async fn idempotency_finish(
+        &self,
+        key: &str,
+        request: &str,
+        response: &str,
+    ) -> Result<(), StoreError> {
+        let mut set = redis::cmd("SET");
+        set.arg(self.key(&["idem", key]))
+            .arg(json!({"request": request, "response": response}).to_string())
+            .arg("XX")
+            .arg("KEEPTTL");
+        let _: Option<String> = self.query(set).await?;
+        Ok(())
+    }
+
+    async fn idempotency_abort(&self, key: &str) -> Result<(), StoreError> {
+        let mut del = redis::cmd("DEL");
+        del.arg(self.key(&["idem", key]));
+        let _: i64 = self.query(del).await?;
+        Ok(())
+    }
+
+    async fn opt_out(&self, phone: &str) -> Result<bool, StoreError> {
+        let mut add = redis::cmd("SADD");
+        add.arg(self.key(&["optouts"])).arg(phone);
+        let new: i64 = self.query(add).await?;
+        self.bloom.add(phone.as_bytes()).await.map_err(err)?;
+        Ok(new == 1)
+    }
+
+    async fn is_opted_out(&self, phone: &str) -> Result<bool, StoreError> {
+        if !self.bloom.contains(phone.as_bytes()).await.map_err(err)? {
+            return Ok(false);
+        }
+        let mut member = redis::cmd("SISMEMBER");
+        member.arg(self.key(&["optouts"])).arg(phone);
+        Ok(self.query::<i64>(member).await? == 1)
+    }
+
+    async fn campaign_create(&self, c: &Campaign, phones: &[String]) -> Result<(), StoreError> {
+        for chunk in phones.chunks(1_000) {
+            let mut push = redis::cmd("RPUSH");
+            push.arg(self.campaign_key(&c.id, ":phones")).arg(chunk);
+            let _: i64 = self.query(push).await?;
+        }
+        let mut hset = redis::cmd("HSET");
+        hset.arg(self.campaign_key(&c.id, "")).arg(&[
+            ("text", c.text.clone()),
+            ("total", c.total.to_string()),
+            ("status", "pending".into()),
+            ("created_ms", c.created_ms.to_string()),
+            ("cursor", "0".into()),
+        ]);
+        let _: i64 = self.query(hset).await?;
+        let mut pending = redis::cmd("SADD");
+        pending.arg(self.key(&["campaigns", "pending"])).arg(&c.id);
+        let _: i64 = self.query(pending).await?;
+        Ok(())
+    }
+
+    async fn campaign_get(&self, id: &str) -> Result<Option<Campaign>, StoreError> {
+        let mut get = redis::cmd("HGETALL");
+        get.arg(self.campaign_key(id, ""));
+        let fields: HashMap<String, String> = self.query(get).await?;
+        if fields.is_empty() {
+            return Ok(None);
+        }
+        let num = |k: &str| fields.get(k).and_then(|v| v.parse().ok()).unwrap_or(0);
+        let mut claimed = redis::cmd("HLEN");
+        claimed.arg(self.campaign_key(id, ":done"));
+        let claimed: u64 = self.query(claimed).await?;
+        let mut c = Campaign {
+            id: id.to_owned(),
+            status: fields.get("status").cloned().unwrap_or_default(),
+            total: num("total"),
+            claimed,
+            sent: num("sent"),
+            limited: num("limited"),
+            opted_out: num("opted_out"),
+            failed: num("failed"),
+            unknown: 0,
+            dispatcher: fields.get("dispatcher").cloned(),
+            created_ms: num("created_ms"),
+            completed_ms: fields.get("completed_ms").and_then(|v| v.parse().ok()),
+            text: fields.get("text").cloned().unwrap_or_default(),
+            cursor: num("cursor"),
+        };
+        if c.status == "completed" {
+            c.unknown = c.claimed - (c.sent + c.limited + c.opted_out + c.failed).min(c.claimed);
+        }
+        Ok(Some(c))
+    }
+
+    async fn campaigns_pending(&self) -> Result<Vec<String>, StoreError> {
+        let mut members = redis::cmd("SMEMBERS");
+        members.arg(self.key(&["campaigns", "pending"]));
+        self.query(members).await
+    }
+
+    async fn campaign_phones(
+        &self,
+        id: &str,
+        from: u64,
+        count: u64,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut range = redis::cmd("LRANGE");
+        range
+            .arg(self.campaign_key(id, ":phones"))
+            .arg(from)
+            .arg(from + count.max(1) - 1);
+        self.query(range).await
+    }
+
+    async fn campaign_claim(
+        &self,
+        id: &str,
+        phone: &str,
+        instance: &str,
+    ) -> Result<bool, StoreError> {
+        let mut claim = redis::cmd("HSETNX");
+        claim
+            .arg(self.campaign_key(id, ":done"))
+            .arg(phone)
+            .arg(format!("claimed:{instance}"));
+        Ok(self.query::<i64>(claim).await? == 1)
+    }
+
+    async fn campaign_record(
+        &self,
+        id: &str,
+        phone: &str,
+        outcome: Outcome,
+    ) -> Result<(), StoreError> {
+        let mut set = redis::cmd("HSET");
+        set.arg(self.campaign_key(id, ":done"))
+            .arg(phone)
+            .arg(outcome.as_str());
+        let _: i64 = self.query(set).await?;
+        let mut incr = redis::cmd("HINCRBY");
+        incr.arg(self.campaign_key(id, ""))
+            .arg(outcome.as_str())
+            .arg(1);
+        let _: i64 = self.query(incr).await?;
+        Ok(())
+    }
+
+    async fn campaign_progress(
+        &self,
+        id: &str,
+        cursor: u64,
+        dispatcher: &str,
+    ) -> Result<(), StoreError> {
+        let mut set = redis::cmd("HSET");
+        set.arg(self.campaign_key(id, "")).arg(&[
+            ("cursor", cursor.to_string()),
+            ("status", "running".to_owned()),
+            ("dispatcher", dispatcher.to_owned()),
+        ]);
+        let _: i64 = self.query(set).await?;
+        Ok(())
+    }
+
+    async fn campaign_complete(&self, id: &str) -> Result<(), StoreError> {
+        let mut set = redis::cmd("HSET");
+        set.arg(self.campaign_key(id, "")).arg(&[
+            ("status", "completed".to_owned()),
+            ("completed_ms", now_ms().to_string()),
+        ]);
+        let _: i64 = self.query(set).await?;
+        let mut done = redis::cmd("SREM");
+        done.arg(self.key(&["campaigns", "pending"])).arg(id);
+        let _: i64 = self.query(done).await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,180 @@
+//! One replica, no Redis: what README's first command starts.
+
+mod support;
+
+use std::time::Duration;
+
+use support::{Gateway, Http, sms, temp_dir};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_replica_in_memory_limits_validates_and_opts_out() {
+    let dir = temp_dir("memory");
+    let gw = Gateway::start(&dir, "solo", &[]);
+    let http = Http::new();
+
+    // The first message to a phone is accepted; the next within 30 minutes is not.
+    let first = http
+        .post(&gw.url("/v1/sms"), &sms("+8613800000000", "hello"))
+        .await;
+    assert_eq!(first.status, 202, "{}", first.body);
+    assert!(first.body["id"].as_str().is_some_and(|s| s.len() == 32));
+    let second = http
+        .post(&gw.url("/v1/sms"), &sms("+8613800000000", "again"))
+        .await;
+    assert_eq!(second.status, 429, "{}", second.body);
+    assert_eq!(second.body["error"]["limit"], "phone");
+    let retry = second.body["error"]["retry_after_ms"]
+        .as_u64()
+        .expect("retry");
+    assert!((29 * 60_000..=30 * 60_000).contains(&retry), "{retry}");
+    assert_eq!(second.headers["retry-after"], "1800");
+    let ratelimit = second.headers["ratelimit"].to_str().expect("ascii");
+    assert!(ratelimit.contains("\"phone\";r=0;t=1800"), "{ratelimit}");
+
+    // Bad input: 4xx naming the field; nothing consumed from the phone's quota.
+    let cases: &[(&str, u16, &str)] = &[
+        (r#"{"phone":"+8613811111111"}"#, 422, "text"),
+        (r#"{"phone":"+8613811111111","text":""}"#, 422, "text"),
+        (r#"{"phone":"13811111111","text":"x"}"#, 422, "phone"),
+        (r#"{"phone":123,"text":"x"}"#, 422, "phone"),
+        (
+            r#"{"phone":"+86138111111119999999","text":"x"}"#,
+            422,
+            "phone",
+        ),
+    ];
+    for (body, status, field) in cases {
+        let r = http.post(&gw.url("/v1/sms"), body).await;
+        assert_eq!(r.status, *status, "{body}: {}", r.body);
+        assert_eq!(r.body["error"]["field"], *field, "{body}");
+    }
+    let long = "x".repeat(sms_gateway::phone::MAX_TEXT_CHARS + 1);
+    let r = http
+        .post(&gw.url("/v1/sms"), &sms("+8613811111111", &long))
+        .await;
+    assert_eq!(
+        (r.status, r.body["error"]["field"].as_str()),
+        (422, Some("text"))
+    );
+    let r = http.post(&gw.url("/v1/sms"), "{not json").await;
+    assert_eq!(
+        (r.status, r.body["error"]["code"].as_str()),
+        (400, Some("invalid_json"))
+    );
+    let huge = format!(
+        r#"{{"phone":"+8613811111111","text":"{}"}}"#,
+        "x".repeat(40_000)
+    );
+    let r = http.post(&gw.url("/v1/sms"), &huge).await;
+    assert_eq!(r.status, 413, "{}", r.body);
+    let r = http
+        .send(
+            "POST",
+            &gw.url("/v1/sms"),
+            &[("idempotency-key", "bad key with spaces")],
+            &sms("+8613811111111", "x"),
+        )
+        .await;
+    assert_eq!(
+        (r.status, r.body["error"]["field"].as_str()),
+        (422, Some("Idempotency-Key"))
+    );
+    // After all that, the phone that only saw invalid requests still has its full quota.
+    let ok = http
+        .post(&gw.url("/v1/sms"), &sms("+8613811111111", "valid"))
+        .await;
+    assert_eq!(ok.status, 202, "{}", ok.body);
+
+    // Idempotency: the same key and request replays the answer without sending again.
+    let idem = [("idempotency-key", "order-42")];
+    let a = http
+        .send(
+            "POST",
+            &gw.url("/v1/sms"),
+            &idem,
+            &sms("+8613822222222", "code 1"),
+        )
+        .await;
+    let b = http
+        .send(
+            "POST",
+            &gw.url("/v1/sms"),
+            &idem,
+            &sms("+8613822222222", "code 1"),
+        )
+        .await;
+    assert_eq!((a.status, b.status), (202, 202));
+    assert_eq!(a.body["id"], b.body["id"]);
+    assert_eq!(b.headers["idempotent-replayed"], "true");
+    let c = http
+        .send(
+            "POST",
+            &gw.url("/v1/sms"),
+            &idem,
+            &sms("+8613822222222", "other"),
+        )
+        .await;
+    assert_eq!(
+        (c.status, c.body["error"]["field"].as_str()),
+        (422, Some("Idempotency-Key"))
+    );
+
+    // Opt-outs are refused, through the Bloom filter and the exact list.
+    let r = http
+        .post(&gw.url("/v1/opt-outs"), r#"{"phone":"+8613833333333"}"#)
+        .await;
+    assert_eq!(r.status, 201);
+    let r = http
+        .post(&gw.url("/v1/sms"), &sms("+8613833333333", "hi"))
+        .await;
+    assert_eq!(
+        (r.status, r.body["error"]["code"].as_str()),
+        (403, Some("opted_out"))
+    );
+
+    // Health and metrics.
+    let h = http.get(&gw.url("/healthz")).await;
+    assert_eq!((h.status, h.body["store"].as_str()), (200, Some("memory")));
+    let m = http.get(&gw.url("/metrics")).await;
+    let text = m.body.as_str().expect("text");
+    assert!(text.contains("sms_sent_total"), "{text}");
+    assert!(
+        text.contains("sms_rejected_total{limit=\"phone\"}"),
+        "{text}"
+    );
+
+    // Exactly the accepted messages reached the outbox; no opted-out number.
+    let lines = gw.outbox_lines();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert!(lines.iter().all(|l| l["phone"] != "+8613833333333"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_ip_limit_and_graceful_shutdown() {
+    let dir = temp_dir("ip");
+    let mut gw = Gateway::start(&dir, "ip", &[("IP_PER_MINUTE", "5")]);
+    let http = Http::new();
+    let mut accepted = 0;
+    for i in 0..8 {
+        let r = http
+            .post(&gw.url("/v1/sms"), &sms(&format!("+861380000{i:04}"), "x"))
+            .await;
+        match r.status {
+            202 => accepted += 1,
+            429 => assert_eq!(r.body["error"]["limit"], "client-ip"),
+            other => panic!("unexpected {other}: {}", r.body),
+        }
+    }
+    assert_eq!(accepted, 5);
+    // The layer guards the other endpoints with the same per-IP limit: it is spent.
+    let r = http
+        .post(&gw.url("/v1/opt-outs"), r#"{"phone":"+8613800000000"}"#)
+        .await;
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert!(r.headers.contains_key("retry-after"));
+    let status = gw.terminate();
+    assert!(status.success(), "{status:?}");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let _ = std::fs::remove_dir_all(dir);
+}

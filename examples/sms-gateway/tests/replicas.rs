@@ -1,0 +1,336 @@
+//! Two replicas sharing one real Redis: limits hold across them, campaigns are sent exactly
+//! once per number even when the dispatching replica is killed, opted-out numbers are never
+//! messaged.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use floodgate_testkit::RedisServer;
+use serde_json::json;
+use support::{Gateway, Http, sms, temp_dir, wait_campaign};
+
+fn pair(dir: &std::path::Path, redis: &RedisServer, env: &[(&str, &str)]) -> (Gateway, Gateway) {
+    let url = redis.url();
+    let mut all: Vec<(&str, &str)> = vec![("REDIS_URL", &url)];
+    all.extend_from_slice(env);
+    (
+        Gateway::start(dir, "a", &all),
+        Gateway::start(dir, "b", &all),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_200_requests_for_one_phone_accept_exactly_one() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = temp_dir("one-phone");
+    let (a, b) = pair(
+        &dir,
+        &redis,
+        &[("IP_PER_MINUTE", "100000"), ("GLOBAL_PER_SECOND", "100")],
+    );
+    let http = Http::new();
+    let urls = Arc::new([a.url("/v1/sms"), b.url("/v1/sms")]);
+    let tasks: Vec<_> = (0..200)
+        .map(|i| {
+            let (http, urls) = (http.clone(), Arc::clone(&urls));
+            tokio::spawn(async move {
+                http.post(&urls[i % 2], &sms("+8613800000000", "your code is 1234"))
+                    .await
+            })
+        })
+        .collect();
+    let mut accepted = 0;
+    let mut by_phone = 0;
+    for t in tasks {
+        let r = t.await.expect("task");
+        match r.status {
+            202 => accepted += 1,
+            429 => {
+                assert_eq!(r.body["error"]["limit"], "phone", "{}", r.body);
+                let retry = r.body["error"]["retry_after_ms"].as_u64().expect("retry");
+                assert!(retry > 29 * 60_000 && retry <= 30 * 60_000, "{retry}");
+                by_phone += 1;
+            }
+            other => panic!("unexpected {other}: {}", r.body),
+        }
+    }
+    assert_eq!((accepted, by_phone), (1, 199));
+    let lines = a.outbox_lines().len() + b.outbox_lines().len();
+    assert_eq!(lines, 1);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_ip_and_global_limits_hold_across_replicas() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = temp_dir("ip-global");
+    let (a, b) = pair(
+        &dir,
+        &redis,
+        &[
+            ("IP_PER_MINUTE", "12"),
+            ("GLOBAL_PER_SECOND", "1000"),
+            ("TRUSTED_PROXIES", "127.0.0.1/32"),
+        ],
+    );
+    let http = Http::new();
+    // One client (through the trusted proxy) over both replicas: 12 per minute in all.
+    let mut accepted = 0;
+    for i in 0..30 {
+        let gw = if i % 2 == 0 { &a } else { &b };
+        let r = http
+            .send(
+                "POST",
+                &gw.url("/v1/sms"),
+                &[("x-forwarded-for", "198.51.100.7")],
+                &sms(&format!("+861390000{i:04}"), "x"),
+            )
+            .await;
+        match r.status {
+            202 => accepted += 1,
+            429 => assert_eq!(r.body["error"]["limit"], "client-ip", "{}", r.body),
+            other => panic!("unexpected {other}: {}", r.body),
+        }
+    }
+    assert_eq!(accepted, 12);
+    // A spoofed header from the client does not give it a fresh key.
+    let r = http
+        .send(
+            "POST",
+            &a.url("/v1/sms"),
+            &[("x-forwarded-for", "203.0.113.9, 198.51.100.7")],
+            &sms("+8613999999999", "x"),
+        )
+        .await;
+    assert_eq!(r.status, 429, "{}", r.body);
+    drop((a, b));
+
+    // The global limit, 5 per second with bursts of 5, over two replicas and many clients.
+    let (a, b) = pair(
+        &dir,
+        &redis,
+        &[
+            ("GLOBAL_PER_SECOND", "5"),
+            ("TRUSTED_PROXIES", "127.0.0.1/32"),
+            ("REDIS_PREFIX", "sms2"),
+        ],
+    );
+    let started = Instant::now();
+    let mut accepted = 0u64;
+    for i in 0..40 {
+        let gw = if i % 2 == 0 { &a } else { &b };
+        let ip = format!("198.51.100.{i}");
+        let r = http
+            .send(
+                "POST",
+                &gw.url("/v1/sms"),
+                &[("x-forwarded-for", &ip)],
+                &sms(&format!("+861370000{i:04}"), "x"),
+            )
+            .await;
+        if r.status == 202 {
+            accepted += 1;
+        } else {
+            assert_eq!(
+                (r.status, r.body["error"]["limit"].as_str()),
+                (429, Some("global")),
+                "{}",
+                r.body
+            );
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let bound = 5 + (elapsed * 5.0).ceil() as u64;
+    assert!(
+        accepted >= 5 && accepted <= bound,
+        "{accepted} accepted in {elapsed:.2}s (bound {bound})"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Every line of both outboxes, by phone.
+fn outbox_by_phone(gateways: &[&Gateway], campaign: &str) -> HashMap<String, usize> {
+    let mut seen = HashMap::new();
+    for gw in gateways {
+        for line in gw.outbox_lines() {
+            if line["campaign"] == campaign {
+                *seen
+                    .entry(line["phone"].as_str().expect("phone").to_owned())
+                    .or_insert(0) += 1;
+            }
+        }
+    }
+    seen
+}
+
+fn campaign_phones(n: usize, base: u64) -> Vec<String> {
+    (0..n).map(|i| format!("+86{}", base + i as u64)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_campaign_of_2000_is_sent_exactly_once_and_skips_opt_outs() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = temp_dir("campaign");
+    let (a, b) = pair(&dir, &redis, &[("IP_PER_MINUTE", "100000")]);
+    let http = Http::new();
+    let phones = campaign_phones(2_000, 13_500_000_000);
+    // Some numbers opted out, through either replica.
+    let opted: Vec<&String> = phones.iter().step_by(97).collect();
+    for (i, p) in opted.iter().enumerate() {
+        let gw = if i % 2 == 0 { &a } else { &b };
+        let r = http
+            .post(&gw.url("/v1/opt-outs"), &json!({"phone": p}).to_string())
+            .await;
+        assert_eq!(r.status, 201, "{}", r.body);
+    }
+    let created = http
+        .post(
+            &a.url("/v1/campaigns"),
+            &json!({"phones": phones, "text": "spring sale"}).to_string(),
+        )
+        .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.body["id"].as_str().expect("id").to_owned();
+    let progress = wait_campaign(&http, &[&a, &b], &id, Duration::from_secs(120)).await;
+    assert_eq!(progress["total"], 2_000);
+    assert_eq!(progress["opted_out"], opted.len());
+    assert_eq!(progress["sent"], 2_000 - opted.len());
+    assert_eq!(progress["unknown"], 0);
+
+    let seen = outbox_by_phone(&[&a, &b], &id);
+    assert_eq!(seen.len(), 2_000 - opted.len());
+    assert!(
+        seen.values().all(|n| *n == 1),
+        "a number was messaged twice"
+    );
+    assert!(
+        opted.iter().all(|p| !seen.contains_key(p.as_str())),
+        "an opted-out number was messaged"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_dispatching_replica_mid_campaign_still_completes_it_once() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = temp_dir("failover");
+    let lease = "2s";
+    let (mut a, mut b) = pair(
+        &dir,
+        &redis,
+        &[("IP_PER_MINUTE", "100000"), ("CAMPAIGN_LEASE", lease)],
+    );
+    let http = Http::new();
+    let phones = campaign_phones(2_000, 13_600_000_000);
+    let created = http
+        .post(
+            &a.url("/v1/campaigns"),
+            &json!({"phones": phones, "text": "flash sale"}).to_string(),
+        )
+        .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.body["id"].as_str().expect("id").to_owned();
+
+    // Wait until a replica is well into it, then kill that one.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let dispatcher = loop {
+        let p = http.get(&a.url(&format!("/v1/campaigns/{id}"))).await.body;
+        if p["claimed"].as_u64().unwrap_or(0) >= 200 {
+            if let Some(d) = p["dispatcher"].as_str() {
+                break d.to_owned();
+            }
+        }
+        assert!(Instant::now() < deadline, "the campaign did not start: {p}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let killed_at = Instant::now();
+    let survivor = if dispatcher == "a" {
+        a.kill();
+        &b
+    } else {
+        b.kill();
+        &a
+    };
+    let progress = wait_campaign(&http, &[survivor], &id, Duration::from_secs(120)).await;
+    let took = killed_at.elapsed();
+    assert_eq!(
+        progress["dispatcher"],
+        survivor.instance.as_str(),
+        "{progress}"
+    );
+    assert_eq!(progress["total"], 2_000);
+    // A number the dead replica claimed but did not record is never retried: at most one.
+    let unknown = progress["unknown"].as_u64().expect("unknown");
+    assert!(unknown <= 1, "{progress}");
+    assert_eq!(
+        progress["sent"].as_u64().expect("sent") + unknown,
+        2_000,
+        "{progress}"
+    );
+
+    let seen = outbox_by_phone(&[&a, &b], &id);
+    assert!(
+        seen.values().all(|n| *n == 1),
+        "a number was messaged twice"
+    );
+    assert!(seen.len() as u64 >= 2_000 - unknown);
+    eprintln!("resumed and completed {took:?} after the kill (lease {lease})");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_keys_and_opt_outs_are_shared_by_replicas() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = temp_dir("idem");
+    let (a, b) = pair(&dir, &redis, &[]);
+    let http = Http::new();
+    let key = [("idempotency-key", "req-7f3a")];
+    let first = http
+        .send(
+            "POST",
+            &a.url("/v1/sms"),
+            &key,
+            &sms("+8613700000001", "code 9"),
+        )
+        .await;
+    let again = http
+        .send(
+            "POST",
+            &b.url("/v1/sms"),
+            &key,
+            &sms("+8613700000001", "code 9"),
+        )
+        .await;
+    assert_eq!(
+        (first.status, again.status),
+        (202, 202),
+        "{} {}",
+        first.body,
+        again.body
+    );
+    assert_eq!(first.body["id"], again.body["id"]);
+    assert_eq!(again.headers["idempotent-replayed"], "true");
+    let other = http
+        .send(
+            "POST",
+            &b.url("/v1/sms"),
+            &key,
+            &sms("+8613700000001", "code 10"),
+        )
+        .await;
+    assert_eq!(other.status, 422, "{}", other.body);
+    // Opted out on one replica, refused on the other.
+    let r = http
+        .post(&a.url("/v1/opt-outs"), r#"{"phone":"+8613700000002"}"#)
+        .await;
+    assert_eq!(r.status, 201);
+    let r = http
+        .post(&b.url("/v1/sms"), &sms("+8613700000002", "hi"))
+        .await;
+    assert_eq!(r.status, 403, "{}", r.body);
+    assert_eq!(a.outbox_lines().len() + b.outbox_lines().len(), 1);
+    let _ = std::fs::remove_dir_all(dir);
+}

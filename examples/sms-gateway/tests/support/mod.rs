@@ -1,0 +1,210 @@
+//! Runs the real `sms-gateway` binary for tests, and talks HTTP to it.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+/// A running gateway; killed on drop.
+pub struct Gateway {
+    child: Option<Child>,
+    pub port: u16,
+    pub outbox: PathBuf,
+    pub instance: String,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+impl Gateway {
+    /// Starts the binary with `env` on a free port, its outbox in `dir`.
+    pub fn start(dir: &Path, instance: &str, env: &[(&str, &str)]) -> Gateway {
+        let port = free_port();
+        let outbox = dir.join(format!("outbox-{instance}.jsonl"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sms-gateway"));
+        cmd.env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("RUST_LOG", "warn")
+            .env("LISTEN", format!("127.0.0.1:{port}"))
+            .env("OUTBOX_PATH", &outbox)
+            .env("INSTANCE_ID", instance)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("start sms-gateway");
+        let gw = Gateway {
+            child: Some(child),
+            port,
+            outbox,
+            instance: instance.to_owned(),
+        };
+        gw.wait_ready();
+        gw
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!(
+            "sms-gateway {} did not listen on {} in time",
+            self.instance, self.port
+        );
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// Kills the process at once (a crash: no graceful shutdown, no lock release).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Sends SIGTERM and waits for a clean exit.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return status;
+            }
+            assert!(Instant::now() < deadline, "no exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The JSON lines of this replica's outbox.
+    pub fn outbox_lines(&self) -> Vec<Value> {
+        match std::fs::read_to_string(&self.outbox) {
+            Ok(text) => text
+                .lines()
+                .map(|l| serde_json::from_str(l).expect("outbox lines are JSON"))
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A minimal HTTP client.
+#[derive(Clone)]
+pub struct Http {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+pub struct Reply {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: Value,
+}
+
+impl Http {
+    pub fn new() -> Http {
+        Http {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
+    pub async fn send(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Reply {
+        let mut req = http::Request::builder().method(method).uri(url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req
+            .body(Full::new(Bytes::from(body.to_owned())))
+            .expect("request");
+        let resp = tokio::time::timeout(Duration::from_secs(20), self.client.request(req))
+            .await
+            .expect("no reply in 20 s")
+            .expect("HTTP request");
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+        let body = serde_json::from_slice(&bytes)
+            .unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub async fn post(&self, url: &str, body: &str) -> Reply {
+        self.send("POST", url, &[("content-type", "application/json")], body)
+            .await
+    }
+
+    pub async fn get(&self, url: &str) -> Reply {
+        self.send("GET", url, &[], "").await
+    }
+}
+
+pub fn sms(phone: &str, text: &str) -> String {
+    serde_json::json!({"phone": phone, "text": text}).to_string()
+}
+
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "sms-gateway-{name}-{}-{}",
+        std::process::id(),
+        fastrand::u64(..)
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Waits for campaign `id` to complete, polling `gw`; returns its progress.
+pub async fn wait_campaign(http: &Http, gateways: &[&Gateway], id: &str, limit: Duration) -> Value {
+    let deadline = Instant::now() + limit;
+    loop {
+        for gw in gateways {
+            let r = http.get(&gw.url(&format!("/v1/campaigns/{id}"))).await;
+            if r.status == 200 && r.body["status"] == "completed" {
+                return r.body;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "campaign {id} not completed within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
