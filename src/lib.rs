@@ -18,6 +18,10 @@
 //! assert!(!limiter.check_key(b"+8613800000000", &per_phone, 1).allowed);
 //! ```
 
+#[cfg(all(doctest, feature = "redis", feature = "tower"))]
+#[doc = include_str!("../README.md")]
+struct ReadmeExamples;
+
 pub use floodgate_core as core;
 pub use floodgate_core::*;
 
