@@ -96,42 +96,17 @@ fn an_aborted_holder_releases_on_drop() {
     });
 }
 
-/// The env var through which the parent gives the child its server.
-const CHILD_URL: &str = "FLOODGATE_LOCK_TEST_CHILD_URL";
 const CHILD_TTL: Duration = Duration::from_millis(1_500);
-
-/// Not a test on its own: the process that [`a_killed_process_blocks_no_longer_than_its_ttl`]
-/// starts and kills. It takes the lock with the watchdog on and holds it forever.
-#[test]
-#[ignore = "run as a child process by a_killed_process_blocks_no_longer_than_its_ttl"]
-fn child_holds_the_lock_forever() {
-    let url = std::env::var(CHILD_URL).expect("run by the crash test, with its env var");
-    run(Duration::from_secs(120), async {
-        let lock = Lock::new(redis_locks(&url).await, "process", CHILD_TTL)
-            .expect("valid")
-            .watchdog(true);
-        let guard = lock
-            .acquire(Duration::from_secs(10))
-            .await
-            .expect("acquired");
-        println!("HOLDING {}", guard.fence());
-        std::future::pending::<()>().await;
-    });
-}
 
 #[test]
 fn a_killed_process_blocks_no_longer_than_its_ttl() {
     let server = server();
-    let exe = std::env::current_exe().expect("test binary");
-    let mut child = Command::new(exe)
+    let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate-lock-holder"))
         .args([
-            "child_holds_the_lock_forever",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
+            server.url(),
+            "process".to_owned(),
+            CHILD_TTL.as_millis().to_string(),
         ])
-        .env(CHILD_URL, server.url())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -143,7 +118,6 @@ fn a_killed_process_blocks_no_longer_than_its_ttl() {
             .next()
             .expect("the child exited before holding the lock")
             .expect("read");
-        // libtest prints "test <name> ... " first, without a newline.
         if let Some((_, fence)) = line.split_once("HOLDING ") {
             break fence.trim().parse().expect("fence");
         }
