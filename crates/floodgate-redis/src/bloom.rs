@@ -66,61 +66,6 @@ static CONTAINS: LazyLock<Script> = bloom_script!("lua/bloom_contains.lua");
 static COUNT: LazyLock<Script> = bloom_script!("lua/bloom_count.lua");
 static DELETE: LazyLock<Script> = bloom_script!("lua/bloom_delete.lua");
 
-/// Errors of [`RedisBloom`]: the filter's own ([`BloomError`]) or Redis' ([`Error`]).
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum RedisBloomError {
-    /// Invalid parameters or name, a filter with other parameters, or none.
-    #[error(transparent)]
-    Bloom(#[from] BloomError),
-    /// Redis could not be reached, timed out, or holds something else under the filter's keys.
-    #[error(transparent)]
-    Redis(#[from] Error),
-}
-
-impl RedisBloomError {
-    /// The filter's own error, if it is one.
-    pub fn as_bloom(&self) -> Option<&BloomError> {
-        match self {
-            Self::Bloom(e) => Some(e),
-            Self::Redis(_) => None,
-        }
-    }
-
-    /// The Redis error, if it is one.
-    pub fn as_redis(&self) -> Option<&Error> {
-        match self {
-            Self::Redis(e) => Some(e),
-            Self::Bloom(_) => None,
-        }
-    }
-
-    /// True when the filter exists with other parameters than the handle's.
-    pub fn is_mismatch(&self) -> bool {
-        self.as_bloom().is_some_and(BloomError::is_mismatch)
-    }
-
-    /// True when the filter (or one of its parts) does not exist.
-    pub fn is_not_initialized(&self) -> bool {
-        self.as_bloom().is_some_and(BloomError::is_not_initialized)
-    }
-
-    /// See [`Error::is_timeout`].
-    pub fn is_timeout(&self) -> bool {
-        self.as_redis().is_some_and(Error::is_timeout)
-    }
-
-    /// See [`Error::is_connection`].
-    pub fn is_connection(&self) -> bool {
-        self.as_redis().is_some_and(Error::is_connection)
-    }
-
-    /// See [`Error::is_corrupted`].
-    pub fn is_corrupted(&self) -> bool {
-        self.as_redis().is_some_and(Error::is_corrupted)
-    }
-}
-
 /// A handle on a Bloom filter stored in Redis: a name, parameters and a connection. Cloning is
 /// cheap; clones share everything.
 ///
@@ -178,7 +123,7 @@ impl RedisBloom {
     /// [`BloomError::NotInitialized`] when it does not exist; [`Error::Corrupted`] when its
     /// stored parameters do not parse; [`BloomError::Mismatch`] when they were written by
     /// another hashing scheme or formula; Redis errors.
-    pub async fn open(conn: RedisConn, name: &str) -> Result<Self, RedisBloomError> {
+    pub async fn open(conn: RedisConn, name: &str) -> Result<Self, Error> {
         validate_name(name)?;
         let (_, cfg) = part_keys(conn.key_prefix(), name, 0);
         let mut cmd = redis::cmd("HMGET");
@@ -276,11 +221,7 @@ impl RedisBloom {
     }
 
     /// The `{0, ...}` reply's payload, or the error its status stands for.
-    fn payload(
-        &self,
-        reply: Result<Value, Error>,
-        part: u32,
-    ) -> Result<Vec<Value>, RedisBloomError> {
+    fn payload(&self, reply: Result<Value, Error>, part: u32) -> Result<Vec<Value>, Error> {
         let unexpected = |got: &Value| Error::UnexpectedReply {
             expected: "a Bloom filter script reply {status, ...}",
             got: describe_value(got),
@@ -317,11 +258,7 @@ impl RedisBloom {
     }
 
     /// Runs one call of `script` per part in `parts` and returns their payloads, in order.
-    async fn per_part(
-        &self,
-        script: &Script,
-        parts: Range<u32>,
-    ) -> Result<Vec<Vec<Value>>, RedisBloomError> {
+    async fn per_part(&self, script: &Script, parts: Range<u32>) -> Result<Vec<Vec<Value>>, Error> {
         if parts.is_empty() {
             return Ok(Vec::new());
         }
@@ -334,7 +271,7 @@ impl RedisBloom {
     }
 
     /// Creates the parts in `parts`: true if any was created.
-    async fn init_parts(&self, parts: Range<u32>) -> Result<bool, RedisBloomError> {
+    async fn init_parts(&self, parts: Range<u32>) -> Result<bool, Error> {
         let payloads = self.per_part(&INIT, parts).await?;
         Ok(payloads
             .iter()
@@ -343,11 +280,7 @@ impl RedisBloom {
 
     /// Runs `script` (add or contains) on `items`: grouped by part, in calls of at most
     /// `max_items_per_call` items, one pipeline per node. Returns one flag per item.
-    async fn per_item(
-        &self,
-        script: &Script,
-        items: &[&[u8]],
-    ) -> Result<Vec<bool>, RedisBloomError> {
+    async fn per_item(&self, script: &Script, items: &[&[u8]]) -> Result<Vec<bool>, Error> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
@@ -400,7 +333,7 @@ impl RedisBloom {
     }
 
     /// Deletes parts `from..to`: (keys deleted, most parts any of their configs recorded).
-    async fn delete_parts(&self, from: u32, to: u32) -> Result<(i64, u32), RedisBloomError> {
+    async fn delete_parts(&self, from: u32, to: u32) -> Result<(i64, u32), Error> {
         let prefix = self.conn.key_prefix();
         let calls = (from..to)
             .map(|part| {
@@ -439,13 +372,13 @@ impl RedisBloom {
 }
 
 impl BloomFilter for RedisBloom {
-    type Error = RedisBloomError;
+    type Error = Error;
 
     fn params(&self) -> &BloomParams {
         &self.params
     }
 
-    async fn try_init(&self) -> Result<bool, RedisBloomError> {
+    async fn try_init(&self) -> Result<bool, Error> {
         // Part 0 first: every part's config holds the part count, so a filter stored with
         // other parameters is refused there, before any other part is created.
         let mut created = self.init_parts(0..1).await?;
@@ -455,25 +388,25 @@ impl BloomFilter for RedisBloom {
         Ok(created)
     }
 
-    async fn add(&self, item: &[u8]) -> Result<bool, RedisBloomError> {
+    async fn add(&self, item: &[u8]) -> Result<bool, Error> {
         Ok(self.per_item(&ADD, &[item]).await?[0])
     }
 
-    async fn contains(&self, item: &[u8]) -> Result<bool, RedisBloomError> {
+    async fn contains(&self, item: &[u8]) -> Result<bool, Error> {
         Ok(self.per_item(&CONTAINS, &[item]).await?[0])
     }
 
     /// On an error some items (those of other calls) may have been added; adding them again is
     /// harmless.
-    async fn add_many(&self, items: &[&[u8]]) -> Result<Vec<bool>, RedisBloomError> {
+    async fn add_many(&self, items: &[&[u8]]) -> Result<Vec<bool>, Error> {
         self.per_item(&ADD, items).await
     }
 
-    async fn contains_many(&self, items: &[&[u8]]) -> Result<Vec<bool>, RedisBloomError> {
+    async fn contains_many(&self, items: &[&[u8]]) -> Result<Vec<bool>, Error> {
         self.per_item(&CONTAINS, items).await
     }
 
-    async fn count(&self) -> Result<u64, RedisBloomError> {
+    async fn count(&self) -> Result<u64, Error> {
         let mut set_bits = Vec::with_capacity(self.params.parts() as usize);
         for payload in self.per_part(&COUNT, 0..self.params.parts()).await? {
             match payload.first() {
@@ -492,7 +425,7 @@ impl BloomFilter for RedisBloom {
 
     /// Deletes every part the handle knows of, and any further parts the stored filter has
     /// (a filter created with more parts than this handle's).
-    async fn delete(&self) -> Result<bool, RedisBloomError> {
+    async fn delete(&self) -> Result<bool, Error> {
         let known = self.params.parts();
         let (mut deleted, recorded) = self.delete_parts(0, known).await?;
         if recorded > known {

@@ -90,6 +90,11 @@ pub enum Error {
         got: String,
     },
 
+    /// A Bloom filter's own error: invalid parameters, a filter stored with other parameters,
+    /// or none at all.
+    #[error(transparent)]
+    Bloom(#[from] floodgate_core::BloomError),
+
     /// Any other Redis error.
     #[error("Redis error: {0}")]
     Redis(#[source] RedisError),
@@ -114,6 +119,26 @@ impl Error {
             Self::Redis(e) => is_connection_error(e),
             _ => false,
         }
+    }
+
+    /// The Bloom filter error, if it is one.
+    pub fn as_bloom(&self) -> Option<&floodgate_core::BloomError> {
+        match self {
+            Self::Bloom(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// True when a Bloom filter exists with other parameters than the handle's.
+    pub fn is_mismatch(&self) -> bool {
+        self.as_bloom()
+            .is_some_and(floodgate_core::BloomError::is_mismatch)
+    }
+
+    /// True when a Bloom filter (or one of its parts) does not exist.
+    pub fn is_not_initialized(&self) -> bool {
+        self.as_bloom()
+            .is_some_and(floodgate_core::BloomError::is_not_initialized)
     }
 
     /// True when a key holds something the limiter cannot use: another

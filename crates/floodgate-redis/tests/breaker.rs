@@ -13,7 +13,10 @@ use support::{run, server};
 fn fault_calls_fail_fast_while_redis_is_down_and_recover_after_restart() {
     let server = server();
     run(Duration::from_secs(60), async {
-        for kind in [ConnectionKind::Multiplexed, ConnectionKind::Pool { size: 4 }] {
+        for kind in [
+            ConnectionKind::Multiplexed,
+            ConnectionKind::Pool { size: 4 },
+        ] {
             let config = RedisConfig::new(&server.url())
                 .expect("url")
                 .connection(kind)
@@ -28,7 +31,11 @@ fn fault_calls_fail_fast_while_redis_is_down_and_recover_after_restart() {
                 let started = Instant::now();
                 let err = limiter.check_one(b"k", &p, 1).await.expect_err("down");
                 assert!(err.is_connection() || err.is_timeout(), "{err:?}");
-                assert!(started.elapsed() < Duration::from_millis(900), "{:?}", started.elapsed());
+                assert!(
+                    started.elapsed() < Duration::from_millis(900),
+                    "{:?}",
+                    started.elapsed()
+                );
             }
             // ...then the breaker is open: every call fails at once.
             let started = Instant::now();
