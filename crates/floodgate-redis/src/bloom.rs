@@ -147,8 +147,7 @@ impl RedisBloom {
             return Err(corrupted(format!(
                 "stored parameters do not parse: {}",
                 describe_stored(&stored)
-            ))
-            .into());
+            )));
         };
         let params = BloomParams::new(n, p)
             .and_then(|params| params.with_parts(parts))
@@ -228,7 +227,7 @@ impl RedisBloom {
         };
         let value = reply?;
         let Value::Array(mut items) = value else {
-            return Err(unexpected(&value).into());
+            return Err(unexpected(&value));
         };
         match items.first() {
             Some(Value::Int(0)) => Ok(items.split_off(1)),
@@ -253,7 +252,7 @@ impl RedisBloom {
                 filter: self.describe_part(part),
             }
             .into()),
-            _ => Err(unexpected(&Value::Array(items)).into()),
+            _ => Err(unexpected(&Value::Array(items))),
         }
     }
 
@@ -321,8 +320,7 @@ impl RedisBloom {
                     return Err(Error::UnexpectedReply {
                         expected: "one flag per item",
                         got: describe_value(&Value::Array(payload)),
-                    }
-                    .into());
+                    });
                 }
             };
             for (&(_, i), flag) in chunk.iter().zip(flags) {
@@ -354,16 +352,14 @@ impl RedisBloom {
                         return Err(Error::UnexpectedReply {
                             expected: "{deleted, parts}",
                             got: describe_value(&Value::Array(v)),
-                        }
-                        .into());
+                        });
                     }
                 },
                 other => {
                     return Err(Error::UnexpectedReply {
                         expected: "{deleted, parts}",
                         got: describe_value(&other),
-                    }
-                    .into());
+                    });
                 }
             }
         }
@@ -415,8 +411,7 @@ impl BloomFilter for RedisBloom {
                     return Err(Error::UnexpectedReply {
                         expected: "a bit count",
                         got: describe_value(&Value::Array(payload)),
-                    }
-                    .into());
+                    });
                 }
             }
         }
