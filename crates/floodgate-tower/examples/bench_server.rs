@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! cargo run --release -p floodgate-tower --example bench_server -- \
-//!     --mode memory|redis|governor|none [--addr 127.0.0.1:8080] [--redis-url redis://127.0.0.1:6379]
+//!     --mode memory|redis|redis-leasing|governor|none [--addr 127.0.0.1:8080] [--redis-url redis://127.0.0.1:6379]
 //! ```
 
 use std::net::SocketAddr;
@@ -28,7 +28,7 @@ struct Args {
 
 fn usage(problem: &str) -> ! {
     eprintln!(
-        "{problem}\nusage: bench_server --mode none|memory|redis|governor [--addr IP:PORT] [--redis-url URL]"
+        "{problem}\nusage: bench_server --mode none|memory|redis|redis-leasing|governor [--addr IP:PORT] [--redis-url URL]"
     );
     std::process::exit(2)
 }
@@ -64,12 +64,17 @@ fn policy() -> Policy {
         .unwrap_or_else(|e| usage(&format!("policy: {e}")))
 }
 
-fn floodgate<L>(limiter: L) -> RateLimitLayer
+fn floodgate<L>(limiter: L, leasing: bool) -> RateLimitLayer
 where
     L: floodgate_core::Limiter + Clone + 'static,
 {
-    RateLimitLayer::builder(limiter)
-        .rule(Rule::new(policy()).key(PeerIp::new()))
+    let builder = RateLimitLayer::builder(limiter).rule(Rule::new(policy()).key(PeerIp::new()));
+    let builder = if leasing {
+        builder.leasing(floodgate_core::LeasingConfig::default())
+    } else {
+        builder
+    };
+    builder
         .build()
         .unwrap_or_else(|e| usage(&format!("layer: {e}")))
 }
@@ -80,14 +85,14 @@ async fn main() {
     let app = Router::new().route("/", get(|| async { "ok" }));
     let app = match args.mode.as_str() {
         "none" => app,
-        "memory" => app.layer(floodgate(MemoryLimiter::new())),
-        "redis" => {
+        "memory" => app.layer(floodgate(MemoryLimiter::new(), false)),
+        "redis" | "redis-leasing" => {
             let config = RedisConfig::new(&args.redis_url)
                 .unwrap_or_else(|e| usage(&format!("redis url: {e}")));
             let limiter = RedisLimiter::connect(&config)
                 .await
                 .unwrap_or_else(|e| usage(&format!("redis: {e}")));
-            app.layer(floodgate(limiter))
+            app.layer(floodgate(limiter, args.mode == "redis-leasing"))
         }
         "governor" => {
             let config = tower_governor::governor::GovernorConfigBuilder::default()

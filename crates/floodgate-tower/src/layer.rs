@@ -5,7 +5,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use floodgate_core::{DenyCache, Limiter, MemoryLimiter, Policy};
+use floodgate_core::{
+    DenyCache, Leasing, LeasingConfig, Limiter, MemoryLimiter, Policy, SystemClock,
+};
 use tower::Layer;
 
 use crate::engine::{DynEngine, Engine, Shared};
@@ -121,6 +123,7 @@ impl RateLimitLayer {
             request_info: true,
             max_key_len: DEFAULT_MAX_KEY_LEN,
             deny_cache: true,
+            leasing: None,
         }
     }
 
@@ -166,6 +169,7 @@ pub struct RateLimitLayerBuilder<L> {
     request_info: bool,
     max_key_len: usize,
     deny_cache: bool,
+    leasing: Option<LeasingConfig>,
 }
 
 impl<L> fmt::Debug for RateLimitLayerBuilder<L> {
@@ -267,6 +271,15 @@ where
         self
     }
 
+    /// Lets very hot keys spend a local slice of their budget instead of asking the store for
+    /// each request ([`floodgate_core::Leasing`]); off by default. Read the bounds in its docs:
+    /// a window can admit up to `replicas × lease` more than its limit, and leased units left
+    /// when a lease ends go unused. Has no effect with a [`MemoryLimiter`].
+    pub fn leasing(mut self, config: LeasingConfig) -> Self {
+        self.leasing = Some(config);
+        self
+    }
+
     /// Keys longer than this many bytes count as missing (default 1 KiB).
     pub fn max_key_len(mut self, max: usize) -> Self {
         self.max_key_len = max;
@@ -317,10 +330,19 @@ where
             metrics: LayerMetrics::default(),
         };
         let local = (&self.limiter as &dyn std::any::Any).is::<MemoryLimiter>();
-        let engine: Arc<dyn DynEngine> = if self.deny_cache && !local {
-            Arc::new(Engine::new(DenyCache::new(self.limiter), shared))
-        } else {
-            Arc::new(Engine::new(self.limiter, shared))
+        let leasing = self.leasing.filter(|_| !local);
+        let deny_cache = self.deny_cache && !local;
+        let engine: Arc<dyn DynEngine> = match (deny_cache, leasing) {
+            (true, Some(cfg)) => Arc::new(Engine::new(
+                DenyCache::new(Leasing::with_config(self.limiter, cfg, SystemClock::new())),
+                shared,
+            )),
+            (true, None) => Arc::new(Engine::new(DenyCache::new(self.limiter), shared)),
+            (false, Some(cfg)) => Arc::new(Engine::new(
+                Leasing::with_config(self.limiter, cfg, SystemClock::new()),
+                shared,
+            )),
+            (false, None) => Arc::new(Engine::new(self.limiter, shared)),
         };
         Ok(RateLimitLayer { engine })
     }

@@ -1,0 +1,374 @@
+//! [`Leasing`]: very hot keys spend a local slice of their budget instead of asking the store
+//! each time.
+//!
+//! When one key sees many checks in a short time, this replica takes a *lease*: it checks the
+//! store once with a cost of `n` units (a small fraction of the policy's limit) and then admits
+//! up to `n` requests locally, without a round trip, until the units run out or the lease ends.
+//!
+//! # Bounds
+//!
+//! Leasing trades a little precision for much less traffic to the shared store:
+//!
+//! - **Never more than the store granted.** Units are taken from the store before they are
+//!   spent, so across all replicas no more units are admitted than the policy's state allows in
+//!   total.
+//! - **Over a single window, at most `replicas × n` over the limit.** Units taken just before a
+//!   window of the policy (its period, its calendar day, ...) may be spent just inside it: any
+//!   window can admit up to `n` extra units per replica (per lease taken before it started).
+//! - **At most `replicas × n` under-used per lease period.** Units left when a lease ends are not
+//!   spent (they are not given back to the store either); with `n` at 1% of the limit, a
+//!   replica strands at most 1% of the limit per lease period.
+//!
+//! Leases only apply to checks of cost ≥ 1 against algorithms whose cost simply adds up (GCRA,
+//! funnel, token bucket, fixed and sliding windows, sliding log), and only when `n` would be at
+//! least [`LeasingConfig::min_units`]: a limit of 20 per minute is never leased. Concurrency
+//! limits and shapers always go to the store, as do checks with an injected time.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use super::sharded::{NewSlot, OnFull, ShardedMap};
+use super::{Check, CheckOptions, Limiter};
+use crate::clock::{Clock, SystemClock, duration_micros};
+use crate::policy::Kind;
+use crate::{Decision, LeaseId, Policy, Verdict};
+
+/// How [`Leasing`] leases.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LeasingConfig {
+    /// A lease takes this fraction of the policy's limit (default 1%).
+    pub fraction: f64,
+    /// Keys whose lease would be smaller than this are never leased (default 8).
+    pub min_units: u64,
+    /// The most units in one lease (default 10,000).
+    pub max_units: u64,
+    /// How long a lease lasts (default 250 ms); also the period over which a key must see
+    /// [`LeasingConfig::hot_after`] checks to be leased.
+    pub lease_for: Duration,
+    /// Checks within one lease period that make a key hot (default 16).
+    pub hot_after: u32,
+    /// The most keys tracked at once (default 100,000).
+    pub max_keys: usize,
+}
+
+impl Default for LeasingConfig {
+    fn default() -> Self {
+        LeasingConfig {
+            fraction: 0.01,
+            min_units: 8,
+            max_units: 10_000,
+            lease_for: Duration::from_millis(250),
+            hot_after: 16,
+            max_keys: 100_000,
+        }
+    }
+}
+
+/// Counters of a [`Leasing`] limiter.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LeasingStats {
+    /// Checks answered from a lease, without the store.
+    pub local: u64,
+    /// Checks passed to the store.
+    pub store: u64,
+    /// Leases taken.
+    pub leases: u64,
+    /// Units taken in leases but never spent.
+    pub wasted: u64,
+}
+
+/// One (policy, key)'s local state.
+struct Local {
+    /// Units left in the current lease.
+    units: u64,
+    /// When the lease ends (local clock, µs).
+    until: u64,
+    /// The decision the lease was taken with (for headers of local answers).
+    decision: Decision,
+    /// Checks seen in the current counting period, and when that period started.
+    seen: u32,
+    period_start: u64,
+}
+
+struct Shared<C> {
+    map: ShardedMap<Local>,
+    clock: C,
+    cfg: LeasingConfig,
+    /// Serialises lease taking per limiter: simple, and leases are rare.
+    taking: tokio::sync::Mutex<()>,
+    local: AtomicU64,
+    store: AtomicU64,
+    leases: AtomicU64,
+    wasted: AtomicU64,
+}
+
+/// A [`Limiter`] that leases slices of very hot keys' budgets (see the [module docs](self)).
+pub struct Leasing<L, C = SystemClock> {
+    inner: L,
+    shared: Arc<Shared<C>>,
+}
+
+impl<L: Clone, C> Clone for Leasing<L, C> {
+    fn clone(&self) -> Self {
+        Leasing {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<L: std::fmt::Debug, C> std::fmt::Debug for Leasing<L, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leasing")
+            .field("inner", &self.inner)
+            .field("config", &self.shared.cfg)
+            .finish()
+    }
+}
+
+impl<L> Leasing<L, SystemClock> {
+    /// Leasing in front of `inner` with the default settings.
+    pub fn new(inner: L) -> Self {
+        Leasing::with_config(inner, LeasingConfig::default(), SystemClock::new())
+    }
+}
+
+impl<L, C: Clock> Leasing<L, C> {
+    /// Leasing with explicit settings and clock.
+    pub fn with_config(inner: L, cfg: LeasingConfig, clock: C) -> Self {
+        Leasing {
+            inner,
+            shared: Arc::new(Shared {
+                map: ShardedMap::new(cfg.max_keys, 64, OnFull::EvictSoonest),
+                clock,
+                cfg,
+                taking: tokio::sync::Mutex::new(()),
+                local: AtomicU64::new(0),
+                store: AtomicU64::new(0),
+                leases: AtomicU64::new(0),
+                wasted: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The limiter behind.
+    pub fn inner(&self) -> &L {
+        &self.inner
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> LeasingStats {
+        let s = &self.shared;
+        LeasingStats {
+            local: s.local.load(Ordering::Relaxed),
+            store: s.store.load(Ordering::Relaxed),
+            leases: s.leases.load(Ordering::Relaxed),
+            wasted: s.wasted.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Units in a lease of `policy`, if it can be leased at all.
+    fn lease_size(&self, policy: &Policy) -> Option<u64> {
+        let leasable = matches!(
+            policy.kind(),
+            Kind::Gcra(_)
+                | Kind::LeakyBucket(_)
+                | Kind::TokenBucket(_)
+                | Kind::FixedWindow(_)
+                | Kind::SlidingWindow(_)
+                | Kind::SlidingLog(_)
+        );
+        let cfg = &self.shared.cfg;
+        let n = (policy.limit() as f64 * cfg.fraction).floor() as u64;
+        let n = n.min(cfg.max_units);
+        (leasable && n >= cfg.min_units.max(2)).then_some(n)
+    }
+
+    /// Spends `cost` units of every check locally, all or nothing; counts the checks towards
+    /// hotness either way. Returns the local verdict, or which checks are hot without units.
+    fn spend(&self, checks: &[Check<'_>], now: u64) -> Result<Verdict, SmallVec<[usize; 2]>> {
+        let map = &self.shared.map;
+        let cfg = &self.shared.cfg;
+        let period = duration_micros(cfg.lease_for);
+        let mut hot_without_units: SmallVec<[usize; 2]> = SmallVec::new();
+        let mut enough = true;
+        let located: SmallVec<[u64; 2]> = checks
+            .iter()
+            .map(|c| map.hash(c.policy.ident(), c.key))
+            .collect();
+        for (i, (c, &hash)) in checks.iter().zip(&located).enumerate() {
+            let mut shard = map.lock(map.shard_of(hash));
+            let local = match shard.find_mut(hash, c.policy.ident(), c.key) {
+                Some(slot) => &mut slot.value,
+                None => {
+                    let _ = map.insert(
+                        &mut shard,
+                        NewSlot {
+                            hash,
+                            ident: c.policy.ident(),
+                            key: c.key,
+                            value: Local {
+                                units: 0,
+                                until: 0,
+                                decision: Decision::from_micros(true, 0, 0, None, 0),
+                                seen: 0,
+                                period_start: now,
+                            },
+                            expires_at: now + 2 * period,
+                        },
+                        now,
+                    );
+                    enough = false;
+                    continue;
+                }
+            };
+            if now >= local.period_start + period {
+                local.period_start = now;
+                local.seen = 0;
+            }
+            local.seen = local.seen.saturating_add(1);
+            if local.until <= now && local.units > 0 {
+                self.shared.wasted.fetch_add(local.units, Ordering::Relaxed);
+                local.units = 0;
+            }
+            if local.units < c.cost {
+                enough = false;
+                if local.seen >= cfg.hot_after {
+                    hot_without_units.push(i);
+                }
+            }
+        }
+        if !enough {
+            return Err(hot_without_units);
+        }
+        // Every check has units: take them. Another thread may have spent them in between, so
+        // check again under each shard's lock, and put back what was taken if one falls short.
+        let mut taken: SmallVec<[usize; 2]> = SmallVec::new();
+        let mut decisions = SmallVec::new();
+        for (i, (c, &hash)) in checks.iter().zip(&located).enumerate() {
+            let mut shard = map.lock(map.shard_of(hash));
+            match shard.find_mut(hash, c.policy.ident(), c.key) {
+                Some(slot) if slot.value.units >= c.cost && slot.value.until > now => {
+                    let local = &mut slot.value;
+                    local.units -= c.cost;
+                    decisions.push(Decision {
+                        remaining: local.decision.remaining.saturating_add(local.units),
+                        ..local.decision
+                    });
+                    taken.push(i);
+                }
+                _ => {
+                    drop(shard);
+                    for &j in &taken {
+                        let (c, hash) = (&checks[j], located[j]);
+                        let mut shard = map.lock(map.shard_of(hash));
+                        if let Some(slot) = shard.find_mut(hash, c.policy.ident(), c.key) {
+                            slot.value.units += c.cost;
+                        }
+                    }
+                    return Err(SmallVec::new());
+                }
+            }
+        }
+        Ok(Verdict {
+            decisions,
+            wait: Duration::ZERO,
+            lease: None,
+        })
+    }
+}
+
+impl<L: Limiter, C: Clock> Leasing<L, C> {
+    /// Takes a lease for each hot check that has a lease size. Denied or failed leases are left
+    /// alone: the check then goes to the store as it is.
+    async fn take_leases(&self, checks: &[Check<'_>], hot: &[usize]) {
+        let _one_at_a_time = self.shared.taking.lock().await;
+        for &i in hot {
+            let c = &checks[i];
+            let Some(n) = self.lease_size(c.policy) else {
+                continue;
+            };
+            let now = self.shared.clock.now().as_micros();
+            // Someone may have leased it while we waited.
+            let map = &self.shared.map;
+            let hash = map.hash(c.policy.ident(), c.key);
+            let has_units = map
+                .lock(map.shard_of(hash))
+                .find(hash, c.policy.ident(), c.key)
+                .is_some_and(|s| s.value.units >= c.cost && s.value.until > now);
+            if has_units {
+                continue;
+            }
+            self.shared.store.fetch_add(1, Ordering::Relaxed);
+            let lease = [Check::new(c.key, c.policy).cost(n)];
+            let Ok(verdict) = self.inner.check(&lease, CheckOptions::default()).await else {
+                continue;
+            };
+            if !verdict.allowed() {
+                continue;
+            }
+            let now = self.shared.clock.now().as_micros();
+            let until = now + duration_micros(self.shared.cfg.lease_for);
+            self.shared.leases.fetch_add(1, Ordering::Relaxed);
+            let mut shard = map.lock(map.shard_of(hash));
+            if let Some(slot) = shard.find_mut(hash, c.policy.ident(), c.key) {
+                let local = &mut slot.value;
+                if local.units > 0 {
+                    self.shared.wasted.fetch_add(local.units, Ordering::Relaxed);
+                }
+                local.units = n;
+                local.until = until;
+                local.decision = verdict.decisions[0];
+                slot.set_expires_at(until + duration_micros(self.shared.cfg.lease_for));
+            }
+        }
+    }
+}
+
+impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
+    type Error = L::Error;
+
+    async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, L::Error> {
+        let leasable = opts.now.is_none()
+            && opts.max_wait.is_zero()
+            && checks
+                .iter()
+                .all(|c| c.cost > 0 && self.lease_size(c.policy).is_some());
+        if leasable {
+            let now = self.shared.clock.now().as_micros();
+            match self.spend(checks, now) {
+                Ok(verdict) => {
+                    self.shared.local.fetch_add(1, Ordering::Relaxed);
+                    return Ok(verdict);
+                }
+                Err(hot) if !hot.is_empty() => {
+                    self.take_leases(checks, &hot).await;
+                    let now = self.shared.clock.now().as_micros();
+                    if let Ok(verdict) = self.spend(checks, now) {
+                        self.shared.local.fetch_add(1, Ordering::Relaxed);
+                        return Ok(verdict);
+                    }
+                }
+                Err(_) => {}
+            }
+        }
+        self.shared.store.fetch_add(1, Ordering::Relaxed);
+        self.inner.check(checks, opts).await
+    }
+
+    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), L::Error> {
+        self.inner.release(checks, lease).await
+    }
+
+    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), L::Error> {
+        // Forget the local lease too, so the reset takes effect at once here.
+        let map = &self.shared.map;
+        let hash = map.hash(policy.ident(), key);
+        map.lock(map.shard_of(hash))
+            .remove(hash, policy.ident(), key);
+        self.inner.reset(key, policy).await
+    }
+}

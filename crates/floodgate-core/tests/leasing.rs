@@ -1,0 +1,159 @@
+//! Leasing: a hot key costs the store one call per lease, and no more is admitted than the
+//! store granted.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use floodgate_core::{
+    Check, CheckOptions, LeaseId, Leasing, LeasingConfig, Limiter, MemoryError, MemoryLimiter,
+    Policy, SystemClock, Verdict,
+};
+
+/// A store that counts calls and the units it granted.
+#[derive(Clone)]
+struct Store {
+    inner: MemoryLimiter,
+    calls: Arc<AtomicU64>,
+    granted: Arc<AtomicU64>,
+}
+
+impl Limiter for Store {
+    type Error = MemoryError;
+
+    async fn check(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<Verdict, MemoryError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let v = self.inner.check(checks, opts).await?;
+        if v.allowed() {
+            self.granted
+                .fetch_add(checks.iter().map(|c| c.cost).sum(), Ordering::Relaxed);
+        }
+        Ok(v)
+    }
+
+    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
+        self.inner.release(checks, lease).await
+    }
+
+    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
+        self.inner.reset(key, policy).await
+    }
+}
+
+fn store() -> Store {
+    Store {
+        inner: MemoryLimiter::new(),
+        calls: Arc::new(AtomicU64::new(0)),
+        granted: Arc::new(AtomicU64::new(0)),
+    }
+}
+
+/// `replicas` leasing limiters over one store, 16 tasks each hammering one key for `run`.
+async fn hammer(store: &Store, replicas: usize, policy: &Policy, run: Duration) -> u64 {
+    let admitted = Arc::new(AtomicU64::new(0));
+    let stop = Instant::now() + run;
+    let mut tasks = Vec::new();
+    let mut leasings = Vec::new();
+    for _ in 0..replicas {
+        let leasing =
+            Leasing::with_config(store.clone(), LeasingConfig::default(), SystemClock::new());
+        leasings.push(leasing.clone());
+        for _ in 0..16 {
+            let (leasing, policy, admitted) =
+                (leasing.clone(), policy.clone(), Arc::clone(&admitted));
+            tasks.push(tokio::spawn(async move {
+                while Instant::now() < stop {
+                    let v = leasing
+                        .check(&[Check::new(b"hot", &policy)], CheckOptions::default())
+                        .await
+                        .expect("check");
+                    if v.allowed() {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    tokio::task::yield_now().await;
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    for l in &leasings {
+        let stats = l.stats();
+        assert!(stats.local > 0, "{stats:?}");
+    }
+    admitted.load(Ordering::Relaxed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_costs_one_store_call_per_lease_and_never_more_than_granted() {
+    // A million per second (bursts of ten million), far above the load: leases of 10,000.
+    let policy = Policy::per(10_000_000, Duration::from_secs(10)).expect("valid");
+    let store = store();
+    let run = Duration::from_millis(800);
+    let admitted = hammer(&store, 2, &policy, run).await;
+    let calls = store.calls.load(Ordering::Relaxed);
+    let granted = store.granted.load(Ordering::Relaxed);
+    assert!(
+        admitted <= granted,
+        "admitted {admitted} > granted {granted}"
+    );
+    assert!(admitted > 10_000, "only {admitted} admitted");
+    // Before the key is hot, and around lease changes, a few calls go to the store itself;
+    // otherwise one call per lease of 10,000.
+    assert!(
+        calls < admitted / 500,
+        "{calls} store calls for {admitted} admitted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_a_window_leasing_admits_at_most_replicas_times_a_lease_extra() {
+    // 2,000 per fixed second; leases of 20 units.
+    let policy = Policy::fixed_window(2_000, Duration::from_secs(1)).expect("valid");
+    let store = store();
+    let admitted = hammer(&store, 3, &policy, Duration::from_millis(1_500)).await;
+    let granted = store.granted.load(Ordering::Relaxed);
+    assert!(admitted <= granted);
+    // The rolling window opened at the first check: 1.5 s holds at most two windows.
+    let bound = 2 * 2_000;
+    assert!(admitted <= bound, "{admitted} > {bound}");
+}
+
+#[tokio::test]
+async fn small_limits_concurrency_and_injected_time_are_never_leased() {
+    let store = store();
+    let leasing = Leasing::new(store.clone());
+    let small = Policy::per_minute(20).expect("valid");
+    let conc = Policy::concurrency(10_000, Duration::from_secs(5)).expect("valid");
+    for p in [&small, &conc] {
+        for _ in 0..40 {
+            let _ = leasing
+                .check(&[Check::new(b"k", p)], CheckOptions::default())
+                .await
+                .expect("check");
+        }
+    }
+    assert_eq!(store.calls.load(Ordering::Relaxed), 80);
+    assert_eq!(leasing.stats().local, 0);
+    // And a small limit is exact: 20 admitted, no more.
+    let admitted = {
+        let mut n = 0;
+        for _ in 0..40 {
+            if leasing
+                .check(&[Check::new(b"other", &small)], CheckOptions::default())
+                .await
+                .expect("check")
+                .allowed()
+            {
+                n += 1;
+            }
+        }
+        n
+    };
+    assert_eq!(admitted, 20);
+}
