@@ -65,6 +65,15 @@ pub(crate) type Checked = (Verdict, u64);
 pub(crate) struct Job {
     pub(crate) group: Group,
     pub(crate) reply: oneshot::Sender<Result<Checked, Error>>,
+    /// When the caller's per-call timeout runs out: the check fails then, wherever it is.
+    pub(crate) deadline: tokio::time::Instant,
+}
+
+fn expired(after: Duration) -> Error {
+    Error::Timeout {
+        after,
+        op: "batched check",
+    }
 }
 
 /// The check script's arguments for `groups` (see `lua/check.lua`).
@@ -114,13 +123,24 @@ pub(crate) async fn run(
     conn: &RedisConn,
     groups: &[&Group],
 ) -> Result<Vec<Result<Checked, Error>>, Error> {
+    run_within(conn, groups, conn.timeout()).await
+}
+
+/// [`run`] bounded by `timeout`.
+pub(crate) async fn run_within(
+    conn: &RedisConn,
+    groups: &[&Group],
+    timeout: Duration,
+) -> Result<Vec<Result<Checked, Error>>, Error> {
     let keys: Vec<&[u8]> = groups
         .iter()
         .flat_map(|g| g.keys.iter().map(Vec::as_slice))
         .collect();
     let args = encode_args(groups);
     let arg_refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-    let reply = conn.invoke_script(&CHECK_SCRIPT, &keys, &arg_refs).await?;
+    let reply = conn
+        .invoke_script_within(&CHECK_SCRIPT, &keys, &arg_refs, timeout)
+        .await?;
     decode(&reply, groups)
 }
 
@@ -268,7 +288,30 @@ pub(crate) async fn batcher(conn: RedisConn, cfg: BatchConfig, mut rx: mpsc::Rec
                 }
             }
         }
-        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+        // Wait for a slot in the pipeline, but not past the checks' deadlines: a check that
+        // cannot be sent in time fails at its deadline.
+        let permit = loop {
+            let Some(earliest) = batch.iter().map(|j| j.deadline).min() else {
+                break None;
+            };
+            match tokio::time::timeout_at(earliest, Arc::clone(&permits).acquire_owned()).await {
+                Ok(Ok(permit)) => break Some(permit),
+                Ok(Err(_)) => break None,
+                Err(_) => {
+                    let now = tokio::time::Instant::now();
+                    let (late, on_time): (Vec<Job>, Vec<Job>) =
+                        batch.into_iter().partition(|j| j.deadline <= now);
+                    for job in late {
+                        let _ = job.reply.send(Err(expired(conn.timeout())));
+                    }
+                    batch = on_time;
+                }
+            }
+        };
+        let Some(permit) = permit else {
+            if batch.is_empty() {
+                continue;
+            }
             break;
         };
         // Whatever queued while we waited for a slot in the pipeline joins this batch.
@@ -303,8 +346,21 @@ async fn dispatch(conn: RedisConn, jobs: Vec<Job>) {
 }
 
 async fn run_set(conn: &RedisConn, jobs: Vec<Job>) {
+    // The call gets what is left of the earliest deadline among its checks.
+    let now = tokio::time::Instant::now();
+    let left = jobs
+        .iter()
+        .map(|j| j.deadline.saturating_duration_since(now))
+        .min()
+        .unwrap_or(Duration::ZERO);
+    if left.is_zero() {
+        for job in jobs {
+            let _ = job.reply.send(Err(expired(conn.timeout())));
+        }
+        return;
+    }
     let groups: Vec<&Group> = jobs.iter().map(|j| &j.group).collect();
-    match run(conn, &groups).await {
+    match run_within(conn, &groups, left).await {
         Ok(results) => {
             for (job, result) in jobs.into_iter().zip(results) {
                 let _ = job.reply.send(result);

@@ -146,6 +146,50 @@ impl Breaker {
     }
 }
 
+/// The breakers of one connection: one for a single node; on a cluster one per range of 128
+/// slots (so a master that dies opens only the breakers of its own slots) and one for calls
+/// without a key.
+#[derive(Debug)]
+pub(crate) struct Breakers {
+    slots: Box<[Breaker]>,
+    keyless: Breaker,
+    cluster: bool,
+}
+
+/// Slots per breaker on a cluster.
+const SLOTS_PER_BREAKER: usize = 128;
+
+impl Breakers {
+    pub(crate) fn new(cfg: &BreakerConfig, cluster: bool) -> Self {
+        let n = if cluster {
+            16_384 / SLOTS_PER_BREAKER
+        } else {
+            1
+        };
+        Breakers {
+            slots: (0..n).map(|_| Breaker::new(cfg.clone())).collect(),
+            keyless: Breaker::new(cfg.clone()),
+            cluster,
+        }
+    }
+
+    /// The breaker of a call to `slot` (`None`: a call without a key).
+    pub(crate) fn get(&self, slot: Option<u16>) -> &Breaker {
+        match (self.cluster, slot) {
+            (true, Some(slot)) => {
+                &self.slots[usize::from(slot) / SLOTS_PER_BREAKER % self.slots.len()]
+            }
+            (true, None) => &self.keyless,
+            (false, _) => &self.slots[0],
+        }
+    }
+
+    /// Whether any breaker is open or probing.
+    pub(crate) fn any_open(&self) -> bool {
+        self.slots.iter().any(Breaker::is_open) || (self.cluster && self.keyless.is_open())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +222,24 @@ mod tests {
         b.record(&probe, true);
         assert_eq!(b.admit(), Admit::Go);
         assert!(!b.is_open());
+    }
+
+    #[test]
+    fn on_a_cluster_a_dead_slot_range_does_not_open_the_others() {
+        let b = Breakers::new(&BreakerConfig::default(), true);
+        for _ in 0..3 {
+            let breaker = b.get(Some(100));
+            let a = breaker.admit();
+            breaker.record(&a, false);
+        }
+        assert!(matches!(b.get(Some(100)).admit(), Admit::Reject(_)));
+        // Slot 127 shares the range of slot 100; slot 5000 is another master's.
+        assert!(matches!(b.get(Some(127)).admit(), Admit::Reject(_)));
+        assert_eq!(b.get(Some(5000)).admit(), Admit::Go);
+        assert_eq!(b.get(None).admit(), Admit::Go);
+        assert!(b.any_open());
+        let single = Breakers::new(&BreakerConfig::default(), false);
+        assert!(std::ptr::eq(single.get(Some(1)), single.get(None)));
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 
-use crate::breaker::{Admit, Breaker};
+use crate::breaker::{Admit, Breakers};
 use redis::aio::{
     ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
 };
@@ -115,7 +115,7 @@ struct Inner {
     addr: String,
     key_prefix: String,
     redis_cell: OnceCell<bool>,
-    breaker: Breaker,
+    breakers: Breakers,
 }
 
 enum Backend {
@@ -203,7 +203,7 @@ impl RedisConn {
                 addr,
                 key_prefix: config.get_key_prefix().to_owned(),
                 redis_cell: OnceCell::new(),
-                breaker: Breaker::new(config.get_breaker().clone()),
+                breakers: Breakers::new(config.get_breaker(), kind == ConnectionKind::Cluster),
             }),
         })
     }
@@ -244,9 +244,29 @@ impl RedisConn {
         keys: &[&[u8]],
         args: &[&[u8]],
     ) -> Result<Value, Error> {
+        self.invoke_script_within(script, keys, args, self.inner.timeout)
+            .await
+    }
+
+    /// [`RedisConn::invoke_script`] bounded by `timeout` instead of the configured per-call
+    /// timeout (a caller with a deadline of its own, such as a batched check).
+    ///
+    /// # Errors
+    /// As [`RedisConn::invoke_script`].
+    pub async fn invoke_script_within(
+        &self,
+        script: &Script,
+        keys: &[&[u8]],
+        args: &[&[u8]],
+        timeout: Duration,
+    ) -> Result<Value, Error> {
         let target = self.script_target(keys)?;
         let cmd = evalsha(script, keys, args);
-        self.bounded("invoke_script", async {
+        let slot = match target {
+            Target::Slot(slot) => Some(slot),
+            _ => None,
+        };
+        self.bounded_for("invoke_script", slot, timeout, async {
             let mut result = self.send(&cmd, target).await;
             for _ in 0..NOSCRIPT_ROUNDS {
                 match &result {
@@ -272,7 +292,8 @@ impl RedisConn {
     /// the command's first argument as the key), [`Error::UnexpectedReply`]
     /// when the reply does not convert to `T`, [`Error::Redis`].
     pub async fn query<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, Error> {
-        self.bounded("query", async {
+        let slot = first_arg(&cmd).map(key_slot);
+        self.bounded_for("query", slot, self.inner.timeout, async {
             let value = self
                 .send(&cmd, Target::Default)
                 .await
@@ -447,19 +468,30 @@ impl RedisConn {
         op: &'static str,
         fut: impl Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
-        let admit = self.inner.breaker.admit();
+        self.bounded_for(op, None, self.inner.timeout, fut).await
+    }
+
+    /// Runs `fut` within `after`, behind the circuit breaker of `slot` (see `Breakers`).
+    async fn bounded_for<T>(
+        &self,
+        op: &'static str,
+        slot: Option<u16>,
+        after: Duration,
+        fut: impl Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        let breaker = self.inner.breakers.get(slot);
+        let admit = breaker.admit();
         if let Admit::Reject(retry_in) = admit {
             return Err(Error::Unavailable {
                 addr: self.inner.addr.clone(),
                 retry_in,
             });
         }
-        let after = self.inner.timeout;
         let result = tokio::time::timeout(after, fut)
             .await
             .unwrap_or_else(|_| Err(Error::Timeout { after, op }));
         let unreachable = matches!(&result, Err(e) if e.is_timeout() || e.is_connection());
-        if self.inner.breaker.record(&admit, !unreachable) {
+        if breaker.record(&admit, !unreachable) {
             tracing::warn!(addr = %self.inner.addr, "Redis unreachable: failing fast for a while (circuit breaker open)");
         }
         result
@@ -467,7 +499,7 @@ impl RedisConn {
 
     /// Whether the circuit breaker is open or probing: Redis was unreachable just now.
     pub fn is_circuit_open(&self) -> bool {
-        self.inner.breaker.is_open()
+        self.inner.breakers.any_open()
     }
 
     /// Where a script with these keys runs; on a cluster all keys must share a slot.

@@ -206,6 +206,13 @@ impl Error {
                     .first()
                     .map_or_else(|| "(no key)".to_owned(), |k| display_key(k.as_ref())),
             },
+            // Still NOSCRIPT after loading it: on a cluster in the middle of a failover the
+            // call and the load landed on different nodes. The topology is in flux: treat it
+            // like an unreachable node, not as a script error.
+            _ if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => Self::Connect {
+                addr: addr.to_owned(),
+                source: e,
+            },
             _ if is_script_error(&e) => Self::Script {
                 message: server_message(&e),
             },

@@ -294,17 +294,31 @@ impl RedisLimiter {
         match self.batcher() {
             Some(jobs) => {
                 let (tx, rx) = oneshot::channel();
-                if jobs.send(Job { group, reply: tx }).await.is_err() {
-                    return Err(batcher_gone());
+                let timeout = self.inner.conn.timeout();
+                let deadline = tokio::time::Instant::now() + timeout;
+                let job = Job {
+                    group,
+                    reply: tx,
+                    deadline,
+                };
+                match tokio::time::timeout_at(deadline, jobs.send(job)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return Err(batcher_gone()),
+                    Err(_) => {
+                        return Err(Error::Timeout {
+                            after: timeout,
+                            op: "batched check",
+                        });
+                    }
                 }
-                // The batcher bounds each call by the connection's timeout; this only guards
-                // against a batcher that stopped answering.
-                let patience = self.inner.conn.timeout() * 2 + self.inner.batch.window;
-                match tokio::time::timeout(patience, rx).await {
+                // The batcher answers by the deadline; the margin only guards against a
+                // batcher that stopped answering.
+                let patience = deadline + Duration::from_millis(20);
+                match tokio::time::timeout_at(patience, rx).await {
                     Ok(Ok(result)) => result,
                     Ok(Err(_)) => Err(batcher_gone()),
                     Err(_) => Err(Error::Timeout {
-                        after: patience,
+                        after: timeout,
                         op: "batched check",
                     }),
                 }
@@ -512,6 +526,12 @@ pub(crate) fn decode_group(ints: &[i64]) -> Option<Verdict> {
 
 impl Limiter for RedisLimiter {
     type Error = Error;
+
+    /// Timeouts and connection errors (including an open circuit breaker); a corrupted key or a
+    /// malformed check is not.
+    fn is_unavailable(error: &Error) -> bool {
+        error.is_timeout() || error.is_connection()
+    }
 
     async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, Error> {
         self.run_check(checks, opts).await

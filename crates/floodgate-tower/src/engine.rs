@@ -531,7 +531,13 @@ where
                 }
                 Some(Err(e)) => {
                     sh.metrics.store_error(false);
-                    sh.health.failed(&e);
+                    if L::is_unavailable(&e) {
+                        sh.health.failed(&e);
+                    } else {
+                        // One key's problem (a corrupted value): this request gets the failure
+                        // policy; every other key keeps asking the store.
+                        tracing::warn!(error = %e, "rate-limit check failed for this request");
+                    }
                 }
                 None => {
                     sh.metrics.store_error(true);
@@ -570,8 +576,9 @@ where
                         return Some((verdict, DecisionSource::Store));
                     }
                     Err(e) => {
+                        // The memory store is never down: its errors are this request's.
                         sh.metrics.store_error(false);
-                        sh.health.failed(&e);
+                        tracing::warn!(error = %e, "rate-limit check failed for this request");
                     }
                 }
             }

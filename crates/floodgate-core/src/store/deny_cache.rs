@@ -264,6 +264,10 @@ fn next_unit(policy: &Policy, d: &Decision) -> Option<Duration> {
 impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
     type Error = L::Error;
 
+    fn is_unavailable(error: &L::Error) -> bool {
+        L::is_unavailable(error)
+    }
+
     async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, L::Error> {
         let cacheable = opts.now.is_none()
             && checks

@@ -331,6 +331,10 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
 impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
     type Error = L::Error;
 
+    fn is_unavailable(error: &L::Error) -> bool {
+        L::is_unavailable(error)
+    }
+
     async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, L::Error> {
         let leasable = opts.now.is_none()
             && opts.max_wait.is_zero()

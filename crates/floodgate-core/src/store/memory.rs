@@ -430,6 +430,11 @@ fn lease_for(kind: &Kind) -> u64 {
 impl<C: Clock> Limiter for MemoryLimiter<C> {
     type Error = MemoryError;
 
+    /// A full store or a malformed check is never the store being down.
+    fn is_unavailable(_: &MemoryError) -> bool {
+        false
+    }
+
     async fn check(
         &self,
         checks: &[Check<'_>],

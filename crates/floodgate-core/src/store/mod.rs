@@ -103,6 +103,14 @@ pub trait Limiter: Send + Sync {
         policy: &Policy,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
+    /// Whether `error` means the store itself is unavailable (down, unreachable, too slow), as
+    /// opposed to a problem with one key or one check (a corrupted value, a bad request). Layers
+    /// use it to decide whether to stop asking the store for a while. Defaults to `true`.
+    fn is_unavailable(error: &Self::Error) -> bool {
+        let _ = error;
+        true
+    }
+
     /// Checks one policy for one key.
     fn check_one(
         &self,
