@@ -170,7 +170,16 @@ impl Key {
         let mut key = Key::default();
         match canonical_ip(ip) {
             IpAddr::V4(v4) => {
-                let _ = write!(key, "{v4}");
+                // The hot path of per-IP limits: dotted decimal without `core::fmt`.
+                let mut digits = itoa::Buffer::new();
+                for (i, octet) in v4.octets().into_iter().enumerate() {
+                    if i > 0 {
+                        key.push(b'.');
+                    }
+                    for b in digits.format(octet).bytes() {
+                        key.push(b);
+                    }
+                }
             }
             IpAddr::V6(v6) if v6_prefix >= 128 => {
                 let _ = write!(key, "{v6}");
@@ -398,5 +407,24 @@ impl fmt::Debug for AnyExtractor {
             AnyExtractor::Sync(_) => "KeyExtractor",
             AnyExtractor::Async(_) => "AsyncKeyExtractor",
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ipv4_keys_are_dotted_decimal() {
+        for ip in [
+            "0.0.0.0",
+            "255.255.255.255",
+            "10.0.0.1",
+            "127.0.0.1",
+            "192.168.100.20",
+        ] {
+            let addr: std::net::IpAddr = ip.parse().expect("ip");
+            assert_eq!(super::Key::from_ip(addr, 64).as_bytes(), ip.as_bytes());
+        }
+        let mapped: std::net::IpAddr = "::ffff:10.1.2.3".parse().expect("ip");
+        assert_eq!(super::Key::from_ip(mapped, 64).as_bytes(), b"10.1.2.3");
     }
 }
