@@ -228,13 +228,13 @@ fn aged(entry: &Entry, now: u64) -> Verdict {
 fn denial_for(checks: &[Check<'_>], verdict: &Verdict) -> Option<Duration> {
     if verdict.allowed() {
         // The check spent a key's last unit: denied until the next one comes, when the
-        // algorithm says exactly when (minus a millisecond of rounding, to stay on the safe side).
+        // algorithm says exactly when. Decisions round durations up to whole milliseconds, so
+        // this is never earlier than the store would admit (at most a millisecond later).
         return checks
             .iter()
             .zip(&verdict.decisions)
             .filter(|(c, d)| d.remaining < c.cost.max(1))
             .filter_map(|(c, d)| next_unit(c.policy, d))
-            .map(|d| d.saturating_sub(Duration::from_millis(1)))
             .filter(|d| !d.is_zero())
             .max();
     }
