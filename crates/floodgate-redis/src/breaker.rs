@@ -139,6 +139,22 @@ impl Breaker {
         opened
     }
 
+    /// The probe let through by `admit` ended without an outcome: its caller dropped the call
+    /// (a cancelled request, a `select!` that took another branch). Without this the breaker
+    /// would stay half-open, failing every call, forever; instead the next call probes.
+    pub(crate) fn abandon(&self, admit: &Admit) {
+        if *admit != Admit::Probe {
+            return;
+        }
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if let State::HalfOpen { period } = *state {
+            *state = State::Open {
+                until: Instant::now(),
+                period,
+            };
+        }
+    }
+
     /// Whether the breaker is open now (for health checks).
     pub(crate) fn is_open(&self) -> bool {
         let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -222,6 +238,31 @@ mod tests {
         b.record(&probe, true);
         assert_eq!(b.admit(), Admit::Go);
         assert!(!b.is_open());
+    }
+
+    #[test]
+    fn a_dropped_probe_lets_the_next_call_probe() {
+        let b = Breaker::new(BreakerConfig {
+            open_for: Duration::from_millis(5),
+            ..BreakerConfig::default()
+        });
+        for _ in 0..3 {
+            let a = b.admit();
+            b.record(&a, false);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        let probe = b.admit();
+        assert_eq!(probe, Admit::Probe);
+        assert_eq!(b.admit(), Admit::Reject(Duration::ZERO));
+        // The probe's caller gave up before an answer.
+        b.abandon(&probe);
+        let probe = b.admit();
+        assert_eq!(probe, Admit::Probe, "the breaker is not stuck half-open");
+        b.record(&probe, true);
+        assert_eq!(b.admit(), Admit::Go);
+        // Abandoning an ordinary call changes nothing.
+        b.abandon(&Admit::Go);
+        assert_eq!(b.admit(), Admit::Go);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 
-use crate::breaker::{Admit, Breakers};
+use crate::breaker::{Admit, Breaker, Breakers};
 use redis::aio::{
     ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
 };
@@ -487,11 +487,16 @@ impl RedisConn {
                 retry_in,
             });
         }
+        // Dropped before the outcome (the caller was cancelled): a probe is handed back.
+        let pending = Pending {
+            breaker,
+            admit: Some(admit),
+        };
         let result = tokio::time::timeout(after, fut)
             .await
             .unwrap_or_else(|_| Err(Error::Timeout { after, op }));
         let unreachable = matches!(&result, Err(e) if e.is_timeout() || e.is_connection());
-        if breaker.record(&admit, !unreachable) {
+        if pending.record(!unreachable) {
             tracing::warn!(addr = %self.inner.addr, "Redis unreachable: failing fast for a while (circuit breaker open)");
         }
         result
@@ -998,5 +1003,29 @@ mod tests {
         assert_eq!(parse_time(&v), Some(1_700_000_000_123_456));
         assert_eq!(parse_time(&Value::Nil), None);
         assert_eq!(parse_time(&Value::Array(vec![Value::Nil])), None);
+    }
+}
+
+/// A call let through by a breaker, until its outcome is recorded; dropped without one, it
+/// abandons its probe (see `Breaker::abandon`).
+struct Pending<'a> {
+    breaker: &'a Breaker,
+    admit: Option<Admit>,
+}
+
+impl Pending<'_> {
+    fn record(mut self, reached: bool) -> bool {
+        match self.admit.take() {
+            Some(admit) => self.breaker.record(&admit, reached),
+            None => false,
+        }
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if let Some(admit) = self.admit.take() {
+            self.breaker.abandon(&admit);
+        }
     }
 }
