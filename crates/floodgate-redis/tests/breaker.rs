@@ -95,3 +95,55 @@ fn a_disabled_breaker_waits_for_every_timeout() {
         server.resume().expect("resume");
     });
 }
+
+/// A probe whose caller gives up (a cancelled request) must not leave the breaker half-open:
+/// once Redis answers again, decisions come back.
+#[test]
+fn fault_a_cancelled_probe_does_not_wedge_the_breaker() {
+    let server = server();
+    run(Duration::from_secs(60), async {
+        let config = RedisConfig::new(&server.url())
+            .expect("url")
+            .timeout(Duration::from_millis(300))
+            .circuit_breaker(BreakerConfig {
+                open_for: Duration::from_millis(50),
+                max_open_for: Duration::from_millis(50),
+                ..BreakerConfig::default()
+            });
+        let limiter = RedisLimiter::connect(&config).await.expect("connect");
+        let p = Policy::per_second(1_000).expect("valid");
+        assert!(limiter.check_one(b"k", &p, 1).await.expect("up").allowed);
+
+        server.pause().expect("pause");
+        // Direct calls (as the lock makes): the caller's future is the call itself.
+        let conn = limiter.conn();
+        for _ in 0..3 {
+            let err = conn.ping().await.expect_err("paused");
+            assert!(err.is_timeout(), "{err:?}");
+        }
+        assert!(limiter.conn().is_circuit_open());
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        // This call is the probe; its caller gives up long before the call timeout.
+        let gave_up = tokio::time::timeout(Duration::from_millis(20), conn.ping()).await;
+        assert!(gave_up.is_err(), "the paused server answered: {gave_up:?}");
+        server.resume().expect("resume");
+
+        let resumed = Instant::now();
+        loop {
+            match limiter.check_one(b"k", &p, 1).await {
+                Ok(d) => {
+                    assert!(d.allowed);
+                    break;
+                }
+                Err(e) => assert!(e.is_connection() || e.is_timeout(), "{e:?}"),
+            }
+            assert!(
+                resumed.elapsed() < Duration::from_secs(2),
+                "still failing {:?} after the server came back",
+                resumed.elapsed()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!limiter.conn().is_circuit_open());
+    });
+}
