@@ -969,6 +969,30 @@ fn key_slot(key: &[u8]) -> u16 {
     crc % 16384
 }
 
+/// A call let through by a breaker, until its outcome is recorded; dropped without one, it
+/// abandons its probe (see `Breaker::abandon`).
+struct Pending<'a> {
+    breaker: &'a Breaker,
+    admit: Option<Admit>,
+}
+
+impl Pending<'_> {
+    fn record(mut self, reached: bool) -> bool {
+        match self.admit.take() {
+            Some(admit) => self.breaker.record(&admit, reached),
+            None => false,
+        }
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if let Some(admit) = self.admit.take() {
+            self.breaker.abandon(&admit);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1003,29 +1027,5 @@ mod tests {
         assert_eq!(parse_time(&v), Some(1_700_000_000_123_456));
         assert_eq!(parse_time(&Value::Nil), None);
         assert_eq!(parse_time(&Value::Array(vec![Value::Nil])), None);
-    }
-}
-
-/// A call let through by a breaker, until its outcome is recorded; dropped without one, it
-/// abandons its probe (see `Breaker::abandon`).
-struct Pending<'a> {
-    breaker: &'a Breaker,
-    admit: Option<Admit>,
-}
-
-impl Pending<'_> {
-    fn record(mut self, reached: bool) -> bool {
-        match self.admit.take() {
-            Some(admit) => self.breaker.record(&admit, reached),
-            None => false,
-        }
-    }
-}
-
-impl Drop for Pending<'_> {
-    fn drop(&mut self) {
-        if let Some(admit) = self.admit.take() {
-            self.breaker.abandon(&admit);
-        }
     }
 }
