@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use futures_util::future::join_all;
 use redis::Value;
+use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::limiter::{CHECK_SCRIPT, Group, decode_group};
@@ -80,45 +81,91 @@ fn expired(after: Duration) -> Error {
     }
 }
 
-/// The check script's arguments for `groups` (see `lua/check.lua`).
-pub(crate) fn encode_args(groups: &[&Group]) -> Vec<Vec<u8>> {
-    let mut policies: Vec<(&'static str, [i64; 4])> = Vec::new();
-    let mut index_of = |p: &(&'static str, [i64; 4])| -> usize {
-        match policies.iter().position(|q| q == p) {
-            Some(i) => i + 1,
-            None => {
-                policies.push(*p);
-                policies.len()
-            }
-        }
-    };
-    let mut body: Vec<Vec<u8>> = Vec::new();
-    let mut buf = itoa::Buffer::new();
-    let mut num = |v: u64| buf.format(v).as_bytes().to_vec();
-    body.push(num(groups.len() as u64));
+/// The check script's arguments, written into one buffer: one allocation per call instead of
+/// one per number.
+pub(crate) struct EncodedArgs {
+    buf: Vec<u8>,
+    /// Where each argument ends in `buf`.
+    ends: SmallVec<[usize; 32]>,
+}
+
+impl EncodedArgs {
+    fn push_bytes(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+        self.ends.push(self.buf.len());
+    }
+
+    fn push_u64(&mut self, v: u64) {
+        self.push_bytes(itoa::Buffer::new().format(v).as_bytes());
+    }
+
+    fn push_i64(&mut self, v: i64) {
+        self.push_bytes(itoa::Buffer::new().format(v).as_bytes());
+    }
+
+    /// The arguments, in order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &[u8]> {
+        let mut start = 0;
+        self.ends.iter().map(move |&end| {
+            let arg = &self.buf[start..end];
+            start = end;
+            arg
+        })
+    }
+}
+
+/// The check script's arguments for `groups` (see `lua/check.lua`): the injected time (or
+/// nothing), the policy table (each distinct policy once: its tag and four parameters), then
+/// per group its key count, max wait, lease, dry-run flag, and per check the policy's
+/// position in the table (from 1) and the cost.
+pub(crate) fn encode(groups: &[&Group]) -> EncodedArgs {
+    let mut policies: SmallVec<[(&'static str, [i64; 4]); 4]> = SmallVec::new();
+    let mut index: SmallVec<[u64; 16]> = SmallVec::new();
     for g in groups {
-        body.push(num(g.keys.len() as u64));
-        body.push(num(g.max_wait));
-        body.push(num(g.lease));
-        body.push(num(u64::from(g.dry_run)));
-        for (p, cost) in g.policies.iter().zip(&g.costs) {
-            body.push(num(index_of(p) as u64));
-            body.push(num(*cost));
+        for p in &g.policies {
+            let i = match policies.iter().position(|q| q == p) {
+                Some(i) => i,
+                None => {
+                    policies.push(*p);
+                    policies.len() - 1
+                }
+            };
+            index.push(i as u64 + 1);
         }
     }
-    let now = groups
-        .first()
-        .and_then(|g| g.now)
-        .map_or_else(Vec::new, |t| t.as_micros().to_string().into_bytes());
-    let mut args = Vec::with_capacity(2 + policies.len() * 5 + body.len());
-    args.push(now);
-    args.push(policies.len().to_string().into_bytes());
-    for (tag, p) in &policies {
-        args.push(tag.as_bytes().to_vec());
-        args.extend(p.iter().map(|v| v.to_string().into_bytes()));
+    let mut out = EncodedArgs {
+        buf: Vec::with_capacity(16 + policies.len() * 48 + index.len() * 24 + groups.len() * 32),
+        ends: SmallVec::new(),
+    };
+    match groups.first().and_then(|g| g.now) {
+        Some(t) => out.push_u64(t.as_micros()),
+        None => out.push_bytes(b""),
     }
-    args.extend(body);
-    args
+    out.push_u64(policies.len() as u64);
+    for (tag, p) in &policies {
+        out.push_bytes(tag.as_bytes());
+        for &v in p {
+            out.push_i64(v);
+        }
+    }
+    out.push_u64(groups.len() as u64);
+    let mut index = index.into_iter();
+    for g in groups {
+        out.push_u64(g.keys.len() as u64);
+        out.push_u64(g.max_wait);
+        out.push_u64(g.lease);
+        out.push_u64(u64::from(g.dry_run));
+        for &cost in &g.costs {
+            out.push_u64(index.next().unwrap_or(0));
+            out.push_u64(cost);
+        }
+    }
+    out
+}
+
+/// [`encode`], one vector per argument (for [`crate::ScriptArgs`]).
+pub(crate) fn encode_args(groups: &[&Group]) -> Vec<Vec<u8>> {
+    encode(groups).iter().map(<[u8]>::to_vec).collect()
 }
 
 /// Runs `groups` in one script call. The groups must share a slot on a cluster and an
@@ -136,12 +183,12 @@ pub(crate) async fn run_within(
     groups: &[&Group],
     timeout: Duration,
 ) -> Result<Vec<Result<Checked, Error>>, Error> {
-    let keys: Vec<&[u8]> = groups
+    let keys: SmallVec<[&[u8]; 8]> = groups
         .iter()
         .flat_map(|g| g.keys.iter().map(Vec::as_slice))
         .collect();
-    let args = encode_args(groups);
-    let arg_refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+    let args = encode(groups);
+    let arg_refs: SmallVec<[&[u8]; 32]> = args.iter().collect();
     let reply = conn
         .invoke_script_within(&CHECK_SCRIPT, &keys, &arg_refs, timeout)
         .await?;
@@ -166,14 +213,15 @@ fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Checked, Error>
         match items.get(at) {
             Some(Value::Int(1)) => {
                 let n = g.keys.len() * 6;
-                let ints: Option<Vec<i64>> = items.get(at + 1..at + 1 + n).and_then(|s| {
-                    s.iter()
-                        .map(|v| match v {
-                            Value::Int(i) => Some(*i),
-                            _ => None,
-                        })
-                        .collect()
-                });
+                let ints: Option<SmallVec<[i64; 12]>> =
+                    items.get(at + 1..at + 1 + n).and_then(|s| {
+                        s.iter()
+                            .map(|v| match v {
+                                Value::Int(i) => Some(*i),
+                                _ => None,
+                            })
+                            .collect()
+                    });
                 let verdict = ints
                     .as_deref()
                     .and_then(decode_group)
@@ -347,11 +395,19 @@ fn fill(rx: &mut mpsc::Receiver<Job>, batch: &mut Vec<Job>, max_batch: usize) {
 /// Sends one batch: one script call per (slot, injected time), concurrently.
 async fn dispatch(conn: RedisConn, jobs: Vec<Job>) {
     let cluster = conn.kind() == ConnectionKind::Cluster;
+    let set_of = |job: &Job| {
+        let slot = if cluster { job.group.slot() } else { 0 };
+        (slot, job.group.now.map(|t| t.as_micros()))
+    };
+    // The usual batch is one set (one server, the server's time): no map, no join.
+    let first = jobs.first().map(set_of);
+    if jobs.iter().all(|job| Some(set_of(job)) == first) {
+        run_set(&conn, jobs).await;
+        return;
+    }
     let mut sets: HashMap<(u16, Option<u64>), Vec<Job>> = HashMap::new();
     for job in jobs {
-        let slot = if cluster { job.group.slot() } else { 0 };
-        let now = job.group.now.map(|t| t.as_micros());
-        sets.entry((slot, now)).or_default().push(job);
+        sets.entry(set_of(&job)).or_default().push(job);
     }
     join_all(sets.into_values().map(|set| run_set(&conn, set))).await;
 }

@@ -270,8 +270,11 @@ impl RedisLimiter {
         let group = self.encode(checks, opts)?;
         let lease = group.lease;
         let slots = self.slots_of(&group);
+        // The cross-slot path is boxed: it holds several script calls, and its futures would
+        // make every check's future (boxed and copied by callers such as the tower layer)
+        // many kilobytes larger.
         let verdict = match slots {
-            Some(slots) => self.run_across_slots(checks, opts, lease, &slots).await?,
+            Some(slots) => Box::pin(self.run_across_slots(checks, opts, lease, &slots)).await?,
             None => self.run_group(group).await?.0,
         };
         Ok(Verdict {
@@ -293,16 +296,12 @@ impl RedisLimiter {
     async fn run_group(&self, group: Group) -> Result<Checked, Error> {
         match self.batcher() {
             Some(jobs) => {
-                let (tx, rx) = oneshot::channel();
                 let timeout = self.inner.conn.timeout();
                 let deadline = tokio::time::Instant::now() + timeout;
-                let job = Job {
-                    group,
-                    reply: tx,
-                    deadline,
-                };
-                match tokio::time::timeout_at(deadline, jobs.send(job)).await {
-                    Ok(Ok(())) => {}
+                // A place in the queue first, then the job: the job is built once and moved
+                // once, instead of living in the future of `send` as well.
+                let permit = match tokio::time::timeout_at(deadline, jobs.reserve()).await {
+                    Ok(Ok(permit)) => permit,
                     Ok(Err(_)) => return Err(batcher_gone()),
                     Err(_) => {
                         return Err(Error::Timeout {
@@ -310,7 +309,13 @@ impl RedisLimiter {
                             op: "batched check",
                         });
                     }
-                }
+                };
+                let (tx, rx) = oneshot::channel();
+                permit.send(Job {
+                    group,
+                    reply: tx,
+                    deadline,
+                });
                 // The batcher answers by the deadline; the margin only guards against a
                 // batcher that stopped answering.
                 let patience = deadline + Duration::from_millis(20);
@@ -324,7 +329,9 @@ impl RedisLimiter {
                 }
             }
             None => {
-                let mut results = batch::run(&self.inner.conn, &[&group]).await?;
+                // Boxed for the same reason as the cross-slot path: a script call's future is
+                // large, and the batched path (the default) does not need it here.
+                let mut results = Box::pin(batch::run(&self.inner.conn, &[&group])).await?;
                 results.pop().unwrap_or_else(|| Err(batcher_gone()))
             }
         }

@@ -3,9 +3,12 @@
 //! requests per second per client IP (GCRA, burst 1,000,000), so that almost everything is
 //! allowed and the benchmark measures the limiter's overhead.
 //!
+//! `memory-bare` is `memory` without rate-limit headers on allowed responses and without
+//! `RateLimitInfo` in the request extensions: the cost of the decision alone.
+//!
 //! ```text
 //! cargo run --release -p floodgate-tower --example bench_server -- \
-//!     --mode memory|redis|redis-leasing|governor|none [--addr 127.0.0.1:8080] [--redis-url redis://127.0.0.1:6379]
+//!     --mode memory|memory-bare|redis|redis-leasing|governor|none [--addr 127.0.0.1:8080] [--redis-url redis://127.0.0.1:6379]
 //! ```
 
 use std::net::SocketAddr;
@@ -28,7 +31,7 @@ struct Args {
 
 fn usage(problem: &str) -> ! {
     eprintln!(
-        "{problem}\nusage: bench_server --mode none|memory|redis|redis-leasing|governor [--addr IP:PORT] [--redis-url URL]"
+        "{problem}\nusage: bench_server --mode none|memory|memory-bare|redis|redis-leasing|governor [--addr IP:PORT] [--redis-url URL]"
     );
     std::process::exit(2)
 }
@@ -64,13 +67,18 @@ fn policy() -> Policy {
         .unwrap_or_else(|e| usage(&format!("policy: {e}")))
 }
 
-fn floodgate<L>(limiter: L, leasing: bool) -> RateLimitLayer
+fn floodgate<L>(limiter: L, leasing: bool, bare: bool) -> RateLimitLayer
 where
     L: floodgate_core::Limiter + Clone + 'static,
 {
     let builder = RateLimitLayer::builder(limiter).rule(Rule::new(policy()).key(PeerIp::new()));
     let builder = if leasing {
         builder.leasing(floodgate_core::LeasingConfig::default())
+    } else {
+        builder
+    };
+    let builder = if bare {
+        builder.ietf_headers(false).request_info(false)
     } else {
         builder
     };
@@ -85,14 +93,18 @@ async fn main() {
     let app = Router::new().route("/", get(|| async { "ok" }));
     let app = match args.mode.as_str() {
         "none" => app,
-        "memory" => app.layer(floodgate(MemoryLimiter::new(), false)),
+        "memory" | "memory-bare" => app.layer(floodgate(
+            MemoryLimiter::new(),
+            false,
+            args.mode == "memory-bare",
+        )),
         "redis" | "redis-leasing" => {
             let config = RedisConfig::new(&args.redis_url)
                 .unwrap_or_else(|e| usage(&format!("redis url: {e}")));
             let limiter = RedisLimiter::connect(&config)
                 .await
                 .unwrap_or_else(|e| usage(&format!("redis: {e}")));
-            app.layer(floodgate(limiter, args.mode == "redis-leasing"))
+            app.layer(floodgate(limiter, args.mode == "redis-leasing", false))
         }
         "governor" => {
             let config = tower_governor::governor::GovernorConfigBuilder::default()

@@ -5,20 +5,22 @@
 use std::any::Any;
 use std::fmt;
 use std::future::Future;
-use std::pin::{Pin, pin};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use floodgate_core::{Check, CheckOptions, Kind, LeaseId, Limiter, MemoryLimiter, Verdict};
+use floodgate_core::{
+    Check, CheckOptions, Decision, Kind, LeaseId, Limiter, MemoryLimiter, Verdict,
+};
 use http::{HeaderValue, Response};
 use smallvec::SmallVec;
 use tracing::Instrument as _;
 
 use crate::headers::{self, HeaderBlock, HeaderOptions, ceil_secs};
 use crate::health::StoreHealth;
-use crate::info::{DecisionSource, RateLimitInfo};
+use crate::info::{DecisionSource, RateLimitInfo, RuleIds};
 use crate::key::{Extracted, Key, KeyError, KeyFuture, RequestView};
 use crate::layer::{MAX_DELAY_ATTEMPTS, Mode, OnMissingKey};
 use crate::rejection::{Rejection, RejectionHandler, RejectionKind};
@@ -67,43 +69,48 @@ impl fmt::Debug for Shared {
 #[derive(Default)]
 pub(crate) struct Job {
     checks: Checks,
-    /// Keys still being found, by position in `checks.rules`.
-    pending: SmallVec<[(usize, KeyFuture); 1]>,
+    /// Keys still being found (asynchronous extractors), by position in `checks.items`.
+    pending: Vec<(usize, KeyFuture)>,
 }
 
-/// The checks of one request.
+/// The checks of one request (inline room for the usual one or two rules).
 #[derive(Default)]
 struct Checks {
-    rules: SmallVec<[usize; 4]>,
-    keys: SmallVec<[Key; 4]>,
-    costs: SmallVec<[u64; 4]>,
+    items: SmallVec<[Item; 2]>,
     grpc: bool,
+}
+
+/// One rule's check: the rule (by position in the table), its key and its cost.
+struct Item {
+    rule: usize,
+    key: Key,
+    cost: u64,
 }
 
 impl Checks {
     fn push(&mut self, rule: usize, key: Key, cost: u64) {
-        self.rules.push(rule);
-        self.keys.push(key);
-        self.costs.push(cost);
+        self.items.push(Item { rule, key, cost });
     }
 
-    fn remove(&mut self, pos: usize) {
-        self.rules.remove(pos);
-        self.keys.remove(pos);
-        self.costs.remove(pos);
+    fn rules(&self) -> RuleIds {
+        // Pushes, not `collect`: the generic `extend` costs more than the one or two items.
+        let mut rules = RuleIds::new();
+        for item in &self.items {
+            rules.push(item.rule);
+        }
+        rules
     }
 }
 
-/// What `call` found before asking the limiter.
-// Moved once per request; boxing the big variant would cost an allocation instead.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum Prepared {
-    /// No rule applies.
-    Skip,
-    /// Turned away already (no key).
+/// What `call` makes of a request. What an allowed request carries on is written into an
+/// [`Allowed`] of the caller's: it is large, and moving it costs more than deciding.
+pub(crate) enum Called {
+    /// Let it through (no rule applies, or the limiter allowed it at once).
+    Allow,
+    /// Turned away (by the limiter, or for want of a key).
     Reject(Response<Bytes>),
-    /// Ask the limiter.
-    Decide(Job),
+    /// The limiter must be awaited: the job is in the caller's [`Job`].
+    Deciding,
 }
 
 /// The engine's answer.
@@ -121,7 +128,7 @@ pub(crate) struct Allowed {
     pub(crate) lease: Option<LeaseGuard>,
 }
 
-/// A concurrency lease to give back.
+/// A concurrency lease to give back (boxed in its guard: leases are rare, futures moved often).
 pub(crate) struct LeaseJob {
     rules: SmallVec<[usize; 2]>,
     keys: SmallVec<[Key; 2]>,
@@ -133,13 +140,13 @@ pub(crate) struct LeaseJob {
 /// the request, on error) is dropped.
 pub(crate) struct LeaseGuard {
     engine: Arc<dyn DynEngine>,
-    job: Option<LeaseJob>,
+    job: Option<Box<LeaseJob>>,
 }
 
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
         if let Some(job) = self.job.take() {
-            Arc::clone(&self.engine).release(job);
+            Arc::clone(&self.engine).release(*job);
         }
     }
 }
@@ -155,11 +162,16 @@ impl fmt::Debug for LeaseGuard {
 /// The engine, with its limiter type erased.
 pub(crate) trait DynEngine: Send + Sync + 'static {
     fn shared(&self) -> &Shared;
+    /// Finds the rules and keys of `req`, and decides at once when the limiter can (the
+    /// in-memory limiter in reject mode); `this` is `self`, for concurrency leases.
+    fn call(
+        &self,
+        this: &Arc<dyn DynEngine>,
+        req: &RequestView<'_>,
+        job: &mut Job,
+        allowed: &mut Allowed,
+    ) -> Called;
     fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided>;
-    /// Decides without a future when the limiter allows it; gives the job back otherwise.
-    // Both variants move once per request; boxing would cost the allocation this avoids.
-    #[allow(clippy::result_large_err)]
-    fn decide_now(&self, this: &Arc<dyn DynEngine>, job: Job) -> Result<Decided, Job>;
     fn release(self: Arc<Self>, job: LeaseJob);
 }
 
@@ -174,9 +186,9 @@ impl<L> Engine<L> {
     }
 }
 
-/// Finds the rules that apply to `req` and their keys.
-pub(crate) fn prepare(sh: &Shared, req: &RequestView<'_>) -> Prepared {
-    let mut job = Job::default();
+/// Finds the rules that apply to `req` and their keys; a response when a missing key turns
+/// the request away.
+fn prepare(sh: &Shared, req: &RequestView<'_>, job: &mut Job) -> Option<Response<Bytes>> {
     for (i, entry) in sh.table.iter().enumerate() {
         let rule = &entry.rule;
         if !rule.applies_to(req) {
@@ -188,23 +200,17 @@ pub(crate) fn prepare(sh: &Shared, req: &RequestView<'_>) -> Prepared {
                 Ok(key) => job.checks.push(i, key, cost),
                 Err(e) => match sh.missing_key(entry, &e) {
                     Some(OnMissingKey::UseKey(key)) => job.checks.push(i, key.clone(), cost),
-                    Some(_) => {
-                        return Prepared::Reject(sh.reject_missing(entry, &e, req.is_grpc()));
-                    }
+                    Some(_) => return Some(sh.reject_missing(entry, &e, req.is_grpc())),
                     None => {}
                 },
             },
             Extracted::Pending(fut) => {
-                job.pending.push((job.checks.rules.len(), fut));
+                job.pending.push((job.checks.items.len(), fut));
                 job.checks.push(i, Key::default(), cost);
             }
         }
     }
-    if job.checks.rules.is_empty() {
-        return Prepared::Skip;
-    }
-    job.checks.grpc = req.is_grpc();
-    Prepared::Decide(job)
+    None
 }
 
 impl Shared {
@@ -252,16 +258,26 @@ impl Shared {
         })
     }
 
-    fn render(&self, info: &RateLimitInfo, out: &mut HeaderBlock) {
-        if !(self.headers.ietf || self.headers.legacy) || info.decisions.is_empty() {
+    /// The headers of `decisions` (of `rules`, in order).
+    fn render(
+        &self,
+        rules: impl Iterator<Item = usize> + Clone,
+        decisions: &[Decision],
+        strictest: Option<usize>,
+        out: &mut HeaderBlock,
+    ) {
+        if !(self.headers.ietf || self.headers.legacy) || decisions.is_empty() {
             return;
         }
-        let items = info
-            .rules
-            .iter()
-            .zip(&info.decisions)
-            .map(|(&i, d)| (self.table[i].rule.policy(), &self.table[i].policy_item, d));
-        headers::render(self.headers, items, info.strictest().map(|(_, d)| d), out);
+        let items = rules
+            .zip(decisions)
+            .map(|(i, d)| (self.table[i].rule.policy(), &self.table[i].policy_item, d));
+        headers::render(
+            self.headers,
+            items,
+            strictest.and_then(|i| decisions.get(i)),
+            out,
+        );
     }
 
     fn reject_limited(&self, info: &RateLimitInfo, grpc: bool) -> Response<Bytes> {
@@ -281,7 +297,12 @@ impl Shared {
                 .or_insert_with(|| HeaderValue::from(ceil_secs(retry)));
         }
         let mut block = HeaderBlock::new();
-        self.render(info, &mut block);
+        self.render(
+            info.rules.iter().copied(),
+            &info.decisions,
+            info.strictest,
+            &mut block,
+        );
         headers::apply(block, res.headers_mut());
         res
     }
@@ -314,6 +335,34 @@ impl<L> Engine<L>
 where
     L: Limiter + Clone + 'static,
 {
+    /// Everything `call` does: the rules and keys, then the decision when it can be made at
+    /// once (the in-memory limiter, in reject mode, with every key found).
+    fn call_now(
+        &self,
+        this: &Arc<dyn DynEngine>,
+        req: &RequestView<'_>,
+        job: &mut Job,
+        allowed: &mut Allowed,
+    ) -> Called {
+        let sh = &self.shared;
+        if let Some(response) = prepare(sh, req, job) {
+            return Called::Reject(response);
+        }
+        if job.checks.items.is_empty() {
+            return Called::Allow;
+        }
+        if job.pending.is_empty() && sh.mode == Mode::Reject {
+            if let Some(memory) = (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>() {
+                return match self.decide_sync(this, memory, &mut job.checks, req, allowed) {
+                    None => Called::Allow,
+                    Some(response) => Called::Reject(response),
+                };
+            }
+        }
+        job.checks.grpc = req.is_grpc();
+        Called::Deciding
+    }
+
     async fn run(self: Arc<Self>, job: Job) -> Decided {
         let sh = &self.shared;
         let Job {
@@ -324,11 +373,11 @@ where
             let mut skipped: SmallVec<[usize; 2]> = SmallVec::new();
             for (pos, fut) in pending {
                 match fut.await.and_then(|k| sh.check_len(k)) {
-                    Ok(key) => job.keys[pos] = key,
+                    Ok(key) => job.items[pos].key = key,
                     Err(e) => {
-                        let entry = &sh.table[job.rules[pos]];
+                        let entry = &sh.table[job.items[pos].rule];
                         match sh.missing_key(entry, &e) {
-                            Some(OnMissingKey::UseKey(key)) => job.keys[pos] = key.clone(),
+                            Some(OnMissingKey::UseKey(key)) => job.items[pos].key = key.clone(),
                             Some(_) => {
                                 return Decided::Reject(sh.reject_missing(entry, &e, job.grpc));
                             }
@@ -338,21 +387,46 @@ where
                 }
             }
             for &pos in skipped.iter().rev() {
-                job.remove(pos);
+                job.items.remove(pos);
             }
-            if job.rules.is_empty() {
+            if job.items.is_empty() {
                 return Decided::Allow(Allowed::default());
             }
         }
 
         let span = self.span(&job);
-        let result = self.verdict(&job).instrument(span.clone()).await;
+        // One await of one future: limiters' futures are large, and this one is boxed.
+        let result = self
+            .verdict(&job)
+            .instrument(span.clone().unwrap_or_else(tracing::Span::none))
+            .await;
         let this = Arc::clone(&self) as Arc<dyn DynEngine>;
-        self.conclude(&this, job, result, &span)
+        let grpc = job.grpc;
+        let (result, waited) = match &result {
+            Some(r) => (Some((&r.verdict, r.source)), r.waited),
+            None => (None, Duration::ZERO),
+        };
+        let mut allowed = Allowed::default();
+        match self.conclude(
+            &this,
+            &mut job,
+            result,
+            waited,
+            span.as_ref(),
+            || grpc,
+            &mut allowed,
+        ) {
+            None => Decided::Allow(allowed),
+            Some(response) => Decided::Reject(response),
+        }
     }
 
-    /// The `floodgate.check` span of `job` (fields filled only when it is enabled).
-    fn span(&self, job: &Checks) -> tracing::Span {
+    /// The `floodgate.check` span of `job`, when something listens at debug level: otherwise
+    /// none at all, since even a disabled span costs its bookkeeping on every request.
+    fn span(&self, job: &Checks) -> Option<tracing::Span> {
+        if !tracing::span_enabled!(target: "floodgate", tracing::Level::DEBUG) {
+            return None;
+        }
         let span = tracing::debug_span!(
             target: "floodgate",
             "floodgate.check",
@@ -363,104 +437,118 @@ where
         if !span.is_disabled() {
             span.record(
                 "key",
-                tracing::field::display(Escaped::new(job.keys[0].as_bytes())),
+                tracing::field::display(Escaped::new(job.items[0].key.as_bytes())),
             );
             span.record(
                 "policy",
-                self.shared.table[job.rules[0]].rule.policy().name(),
+                self.shared.table[job.items[0].rule].rule.policy().name(),
             );
         }
-        span
+        Some(span)
     }
 
-    /// Turns a verdict (or its absence) into the answer: metrics, info, headers, lease,
-    /// rejection.
+    /// Turns a verdict (or its absence) into the answer: metrics, then a rejection, or the
+    /// info, headers and lease of an allowed request written into `out`. `grpc` says whether
+    /// the request is a gRPC one (asked only to reject it).
+    #[allow(clippy::too_many_arguments)]
     fn conclude(
         &self,
         this: &Arc<dyn DynEngine>,
-        mut job: Checks,
-        result: Option<Verdicted>,
-        span: &tracing::Span,
-    ) -> Decided {
+        job: &mut Checks,
+        result: Option<(&Verdict, DecisionSource)>,
+        waited: Duration,
+        span: Option<&tracing::Span>,
+        grpc: impl FnOnce() -> bool,
+        out: &mut Allowed,
+    ) -> Option<Response<Bytes>> {
         let sh = &self.shared;
-        let Some(Verdicted {
-            verdict,
-            source,
-            waited,
-        }) = result
-        else {
-            let entry = &sh.table[job.rules[0]];
+        let Some((verdict, source)) = result else {
+            let entry = &sh.table[job.items[0].rule];
             entry
                 .metrics
                 .count(entry.rule.policy().name(), Outcome::Error);
-            span.record("outcome", "error");
-            if sh.fail_closed {
-                return Decided::Reject(sh.reject_unavailable(job.grpc));
+            if let Some(span) = span {
+                span.record("outcome", "error");
             }
-            let info = RateLimitInfo {
-                table: Arc::clone(&sh.table),
-                rules: job.rules,
-                decisions: SmallVec::new(),
-                strictest: None,
-                source: DecisionSource::FailOpen,
-                waited: Duration::ZERO,
-            };
-            return Decided::Allow(Allowed {
-                info: sh.request_info.then_some(info),
-                headers: HeaderBlock::new(),
-                lease: None,
-            });
+            if sh.fail_closed {
+                return Some(sh.reject_unavailable(grpc()));
+            }
+            if sh.request_info {
+                out.info = Some(RateLimitInfo {
+                    table: Arc::clone(&sh.table),
+                    rules: job.rules(),
+                    decisions: SmallVec::new(),
+                    strictest: None,
+                    source: DecisionSource::FailOpen,
+                    waited: Duration::ZERO,
+                });
+            }
+            return None;
         };
 
-        let allowed = verdict.allowed();
-        let strictest = verdict.strictest().map(|(i, _)| i);
-        let lease = verdict.lease;
+        // A denial is stricter than any allowance: the strictest decision says it all.
+        let strictest = verdict.strictest();
+        let allowed = strictest.is_none_or(|(_, d)| d.allowed);
+        let strictest = strictest.map(|(i, _)| i);
         let outcome = match (source, allowed) {
             (DecisionSource::Fallback, _) => Outcome::Fallback,
             (_, true) => Outcome::Allowed,
             (_, false) => Outcome::Denied,
         };
-        let counted = &sh.table[job.rules[strictest.unwrap_or(0)]];
+        let counted = &sh.table[job.items[strictest.unwrap_or(0)].rule];
         counted.metrics.count(counted.rule.policy().name(), outcome);
-        span.record("outcome", if allowed { "allowed" } else { "denied" });
+        if let Some(span) = span {
+            span.record("outcome", if allowed { "allowed" } else { "denied" });
+        }
 
-        let lease = lease.filter(|_| allowed).map(|lease| {
+        if !allowed {
+            let info = RateLimitInfo {
+                table: Arc::clone(&sh.table),
+                rules: job.rules(),
+                decisions: SmallVec::from_slice(&verdict.decisions),
+                strictest,
+                source,
+                waited,
+            };
+            return Some(sh.reject_limited(&info, grpc()));
+        }
+        if let Some(lease) = verdict.lease {
             let mut rules = SmallVec::new();
             let mut keys = SmallVec::new();
-            for (pos, &i) in job.rules.iter().enumerate() {
-                if matches!(sh.table[i].rule.policy().kind(), Kind::Concurrency(_)) {
-                    rules.push(i);
-                    keys.push(std::mem::take(&mut job.keys[pos]));
+            for item in &mut job.items {
+                if matches!(
+                    sh.table[item.rule].rule.policy().kind(),
+                    Kind::Concurrency(_)
+                ) {
+                    rules.push(item.rule);
+                    keys.push(std::mem::take(&mut item.key));
                 }
             }
-            LeaseGuard {
+            out.lease = Some(LeaseGuard {
                 engine: Arc::clone(this),
-                job: Some(LeaseJob {
+                job: Some(Box::new(LeaseJob {
                     rules,
                     keys,
                     lease,
                     fallback: source == DecisionSource::Fallback,
-                }),
-            }
-        });
-        let info = RateLimitInfo {
-            table: Arc::clone(&sh.table),
-            rules: job.rules,
-            decisions: verdict.decisions,
-            strictest,
-            source,
-            waited,
-        };
-        if !allowed {
-            return Decided::Reject(sh.reject_limited(&info, job.grpc));
+                })),
+            });
         }
-        let mut headers = HeaderBlock::new();
-        sh.render(&info, &mut headers);
-        Decided::Allow(Allowed {
-            info: sh.request_info.then_some(info),
-            headers,
-            lease,
-        })
+        if sh.headers.allowed {
+            let rules = job.items.iter().map(|c| c.rule);
+            sh.render(rules, &verdict.decisions, strictest, &mut out.headers);
+        }
+        if sh.request_info {
+            out.info = Some(RateLimitInfo {
+                table: Arc::clone(&sh.table),
+                rules: job.rules(),
+                decisions: SmallVec::from_slice(&verdict.decisions),
+                strictest,
+                source,
+                waited,
+            });
+        }
+        None
     }
 
     /// The verdict of `job`, waiting in delay mode; `None` when neither the store nor a
@@ -552,57 +640,65 @@ where
     }
 
     /// The in-memory limiter decides synchronously: no future, no box, no clone of the inner
-    /// service. `None` for any other limiter, in delay mode, or with keys still pending.
-    #[allow(clippy::result_large_err)]
-    fn decide_sync(&self, this: &Arc<dyn DynEngine>, job: Job) -> Result<Decided, Job> {
-        if !job.pending.is_empty() || self.shared.mode != Mode::Reject {
-            return Err(job);
-        }
-        let Some(memory) = (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>() else {
-            return Err(job);
-        };
+    /// service. Concluded like [`Engine::conclude`].
+    fn decide_sync(
+        &self,
+        this: &Arc<dyn DynEngine>,
+        memory: &MemoryLimiter,
+        job: &mut Checks,
+        req: &RequestView<'_>,
+        out: &mut Allowed,
+    ) -> Option<Response<Bytes>> {
         let sh = &self.shared;
-        let job = job.checks;
-        let span = self.span(&job);
-        let result = span.in_scope(|| {
-            let checks = sh.checks(&job);
-            if !sh.health.skip_store() {
-                let started = Instant::now();
-                let result = memory.check_sync(&checks, CheckOptions::default());
-                sh.metrics.check_duration(started.elapsed().as_secs_f64());
-                match result {
-                    Ok(verdict) => {
-                        sh.health.succeeded();
-                        return Some((verdict, DecisionSource::Store));
-                    }
-                    Err(e) => {
-                        // The memory store is never down: its errors are this request's.
-                        sh.metrics.store_error(false);
-                        tracing::warn!(error = %e, "rate-limit check failed for this request");
-                    }
+        let span = self.span(job);
+        let entered = span.as_ref().map(tracing::Span::enter);
+        let checks = sh.checks(job);
+        let grpc = || req.is_grpc();
+        if !sh.health.skip_store() {
+            let started = Instant::now();
+            let checked = memory.check_sync(&checks, CheckOptions::default());
+            sh.metrics.check_duration(started.elapsed().as_secs_f64());
+            // Verdicts are large: concluded by reference, where they were returned.
+            match &checked {
+                Ok(verdict) => {
+                    sh.health.succeeded();
+                    drop((checks, entered));
+                    let result = Some((verdict, DecisionSource::Store));
+                    return self.conclude(
+                        this,
+                        job,
+                        result,
+                        Duration::ZERO,
+                        span.as_ref(),
+                        grpc,
+                        out,
+                    );
+                }
+                Err(e) => {
+                    // The memory store is never down: its errors are this request's.
+                    sh.metrics.store_error(false);
+                    tracing::warn!(error = %e, "rate-limit check failed for this request");
                 }
             }
-            sh.fallback_check(&checks, CheckOptions::default())
-        });
-        let result = result.map(|(verdict, source)| Verdicted {
-            verdict,
-            source,
-            waited: Duration::ZERO,
-        });
-        Ok(self.conclude(this, job, result, &span))
+        }
+        let fallback = sh.fallback_check(&checks, CheckOptions::default());
+        drop((checks, entered));
+        let result = fallback
+            .as_ref()
+            .map(|(verdict, source)| (verdict, *source));
+        self.conclude(this, job, result, Duration::ZERO, span.as_ref(), grpc, out)
     }
 }
 
 impl Shared {
-    fn checks<'a>(&'a self, job: &'a Checks) -> SmallVec<[Check<'a>; 4]> {
-        job.rules
-            .iter()
-            .zip(&job.keys)
-            .zip(&job.costs)
-            .map(|((&i, key), &cost)| {
-                Check::new(key.as_bytes(), self.table[i].rule.policy()).cost(cost)
-            })
-            .collect()
+    fn checks<'a>(&'a self, job: &'a Checks) -> SmallVec<[Check<'a>; 2]> {
+        // A plain loop: `collect` into a SmallVec costs several times more for one or two.
+        let mut checks = SmallVec::new();
+        for c in &job.items {
+            checks
+                .push(Check::new(c.key.as_bytes(), self.table[c.rule].rule.policy()).cost(c.cost));
+        }
+        checks
     }
 
     fn fallback_check(
@@ -629,13 +725,18 @@ where
         &self.shared
     }
 
-    fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided> {
-        Box::pin(self.run(job))
+    fn call(
+        &self,
+        this: &Arc<dyn DynEngine>,
+        req: &RequestView<'_>,
+        job: &mut Job,
+        allowed: &mut Allowed,
+    ) -> Called {
+        self.call_now(this, req, job, allowed)
     }
 
-    #[allow(clippy::result_large_err)]
-    fn decide_now(&self, this: &Arc<dyn DynEngine>, job: Job) -> Result<Decided, Job> {
-        self.decide_sync(this, job)
+    fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided> {
+        Box::pin(self.run(job))
     }
 
     fn release(self: Arc<Self>, job: LeaseJob) {
@@ -690,13 +791,42 @@ fn lease_checks<'a>(sh: &'a Shared, job: &'a LeaseJob) -> SmallVec<[Check<'a>; 2
         .collect()
 }
 
-/// Awaits `fut` for at most `timeout`; a future that is ready at once (the in-memory limiter)
-/// does not touch the timer.
-async fn timeout_unless_ready<F: Future>(timeout: Duration, fut: F) -> Option<F::Output> {
-    let mut fut = pin!(fut);
-    let first = std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await;
-    match first {
-        Poll::Ready(out) => Some(out),
-        Poll::Pending => tokio::time::timeout(timeout, fut).await.ok(),
+pin_project_lite::pin_project! {
+    /// Awaits `fut` for at most `timeout`; a future that is ready at once (the in-memory
+    /// limiter) does not touch the timer. Written out rather than `async`: an `async fn` would
+    /// hold the limiter's future twice (argument and pinned local), and limiters' futures are
+    /// large.
+    struct TimeoutUnlessReady<F> {
+        #[pin]
+        fut: F,
+        #[pin]
+        sleep: Option<tokio::time::Sleep>,
+        timeout: Duration,
+    }
+}
+
+fn timeout_unless_ready<F: Future>(timeout: Duration, fut: F) -> TimeoutUnlessReady<F> {
+    TimeoutUnlessReady {
+        fut,
+        sleep: None,
+        timeout,
+    }
+}
+
+impl<F: Future> Future for TimeoutUnlessReady<F> {
+    type Output = Option<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        if let Poll::Ready(out) = this.fut.poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        if this.sleep.is_none() {
+            this.sleep.set(Some(tokio::time::sleep(*this.timeout)));
+        }
+        match this.sleep.as_pin_mut().map(|sleep| sleep.poll(cx)) {
+            Some(Poll::Ready(())) => Poll::Ready(None),
+            _ => Poll::Pending,
+        }
     }
 }

@@ -25,6 +25,31 @@ pin_project! {
     }
 }
 
+/// What an allowed response gets on its way out: rate-limit headers, a concurrency lease. Boxed,
+/// and absent by default: the future stays as small as the inner one, which is moved often.
+struct After {
+    headers: HeaderBlock,
+    lease: Option<LeaseGuard>,
+}
+
+impl After {
+    #[inline]
+    fn boxed(headers: HeaderBlock, lease: Option<LeaseGuard>) -> Option<Box<After>> {
+        match lease {
+            None if headers.is_empty() => None,
+            lease => Some(Box::new(After { headers, lease })),
+        }
+    }
+}
+
+/// Waiting for the limiter, with what the call needs afterwards. Boxed: only limiters that do
+/// I/O get here, and every response future is as large as its largest state.
+struct Deciding<S, B> {
+    decide: BoxFuture<Decided>,
+    request: Request<B>,
+    inner: S,
+}
+
 pin_project! {
     #[project = StateProj]
     enum State<S, B>
@@ -33,16 +58,13 @@ pin_project! {
     {
         // Waiting for the limiter.
         Deciding {
-            decide: BoxFuture<Decided>,
-            request: Option<Request<B>>,
-            inner: Option<S>,
+            deciding: Option<Box<Deciding<S, B>>>,
         },
         // Allowed (or not limited): the inner service is answering.
         Calling {
             #[pin]
             future: S::Future,
-            headers: HeaderBlock,
-            lease: Option<LeaseGuard>,
+            after: Option<Box<After>>,
         },
         // Turned away without calling the inner service.
         Early {
@@ -55,24 +77,24 @@ impl<S, B> ResponseFuture<S, B>
 where
     S: Service<Request<B>>,
 {
-    pub(crate) fn calling(future: S::Future) -> Self {
-        ResponseFuture::allowed(future, HeaderBlock::new(), None)
-    }
-
-    pub(crate) fn allowed(
-        future: S::Future,
+    /// Calls `inner` with an allowed `request`. The call is made in place, so that the inner
+    /// future (often the largest part) is written once.
+    #[inline]
+    pub(crate) fn call(
+        inner: &mut S,
+        request: Request<B>,
         headers: HeaderBlock,
         lease: Option<LeaseGuard>,
     ) -> Self {
         ResponseFuture {
             state: State::Calling {
-                future,
-                headers,
-                lease,
+                future: inner.call(request),
+                after: After::boxed(headers, lease),
             },
         }
     }
 
+    #[inline]
     pub(crate) fn early(response: Response<Bytes>) -> Self {
         ResponseFuture {
             state: State::Early {
@@ -84,9 +106,11 @@ where
     pub(crate) fn deciding(decide: BoxFuture<Decided>, request: Request<B>, inner: S) -> Self {
         ResponseFuture {
             state: State::Deciding {
-                decide,
-                request: Some(request),
-                inner: Some(inner),
+                deciding: Some(Box::new(Deciding {
+                    decide,
+                    request,
+                    inner,
+                })),
             },
         }
     }
@@ -102,46 +126,41 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Deciding {
-                    decide,
-                    request,
-                    inner,
-                } => match ready!(decide.as_mut().poll(cx)) {
-                    Decided::Allow(Allowed {
-                        info,
-                        headers,
-                        lease,
-                    }) => {
-                        let mut request = request
-                            .take()
-                            .expect("ResponseFuture polled after completion");
-                        let mut inner = inner
-                            .take()
-                            .expect("ResponseFuture polled after completion");
-                        if let Some(info) = info {
-                            request.extensions_mut().insert(info);
-                        }
-                        let future = inner.call(request);
-                        this.state.set(State::Calling {
-                            future,
+                StateProj::Deciding { deciding } => {
+                    const DONE: &str = "ResponseFuture polled after completion";
+                    let decided = ready!(deciding.as_mut().expect(DONE).decide.as_mut().poll(cx));
+                    let Deciding {
+                        mut request,
+                        mut inner,
+                        ..
+                    } = *deciding.take().expect(DONE);
+                    match decided {
+                        Decided::Allow(Allowed {
+                            info,
                             headers,
                             lease,
-                        });
+                        }) => {
+                            if let Some(info) = info {
+                                request.extensions_mut().insert(info);
+                            }
+                            this.state.set(State::Calling {
+                                future: inner.call(request),
+                                after: After::boxed(headers, lease),
+                            });
+                        }
+                        Decided::Reject(response) => {
+                            return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                        }
                     }
-                    Decided::Reject(response) => {
-                        return Poll::Ready(Ok(response.map(ResponseBody::full)));
-                    }
-                },
-                StateProj::Calling {
-                    future,
-                    headers,
-                    lease,
-                } => {
-                    let response = ready!(future.poll(cx))?;
-                    let (mut parts, body) = response.into_parts();
-                    headers::apply(std::mem::take(headers), &mut parts.headers);
-                    let body = ResponseBody::new(body, lease.take());
-                    return Poll::Ready(Ok(Response::from_parts(parts, body)));
+                }
+                StateProj::Calling { future, after } => {
+                    let mut response = ready!(future.poll(cx))?;
+                    let lease = after.take().and_then(|after| {
+                        let After { headers, lease } = *after;
+                        headers::apply(headers, response.headers_mut());
+                        lease
+                    });
+                    return Poll::Ready(Ok(response.map(|body| ResponseBody::new(body, lease))));
                 }
                 StateProj::Early { response } => {
                     let response = response

@@ -11,6 +11,10 @@
 //!
 //! Legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (seconds) are
 //! optional and describe the strictest policy.
+//!
+//! Rejections carry them; allowed responses too with
+//! [`crate::RateLimitLayerBuilder::headers_on_allowed`] (off by default: rendering and sending
+//! them is most of what the layer does for an allowed request).
 
 use std::time::Duration;
 
@@ -34,10 +38,36 @@ pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-r
 pub(crate) struct HeaderOptions {
     pub(crate) ietf: bool,
     pub(crate) legacy: bool,
+    /// On allowed responses too, not only on rejections.
+    pub(crate) allowed: bool,
 }
 
-/// Headers to add to a response.
-pub(crate) type HeaderBlock = SmallVec<[(HeaderName, HeaderValue); 4]>;
+/// One of the rate-limit headers: a byte instead of a [`HeaderName`], so that a
+/// [`HeaderBlock`] stays small enough to move cheaply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Field {
+    Policy,
+    RateLimit,
+    Limit,
+    Remaining,
+    Reset,
+}
+
+impl Field {
+    pub(crate) fn name(self) -> HeaderName {
+        match self {
+            Field::Policy => RATELIMIT_POLICY,
+            Field::RateLimit => RATELIMIT,
+            Field::Limit => X_RATELIMIT_LIMIT,
+            Field::Remaining => X_RATELIMIT_REMAINING,
+            Field::Reset => X_RATELIMIT_RESET,
+        }
+    }
+}
+
+/// Headers to add to a response (allocated only when there are some: allowed responses carry
+/// none by default).
+pub(crate) type HeaderBlock = Vec<(Field, HeaderValue)>;
 
 /// Seconds, rounded up.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
@@ -72,34 +102,71 @@ pub(crate) fn render<'a>(
     out: &mut HeaderBlock,
 ) {
     if opts.ietf {
-        let mut buf: SmallVec<[u8; 128]> = SmallVec::new();
-        let mut itoa = itoa::Buffer::new();
-        for (i, (policy, item, d)) in items.enumerate() {
-            out.push((RATELIMIT_POLICY, item.clone()));
-            if i > 0 {
-                buf.extend_from_slice(b", ");
-            }
-            buf.push(b'"');
-            buf.extend_from_slice(policy.name().as_bytes());
-            buf.extend_from_slice(b"\";r=");
-            buf.extend_from_slice(itoa.format(d.remaining).as_bytes());
-            if !matches!(policy.kind(), Kind::Concurrency(_)) {
-                buf.extend_from_slice(b";t=");
-                buf.extend_from_slice(itoa.format(ceil_secs(effective_window(d))).as_bytes());
-            }
+        for (_, item, _) in items.clone() {
+            out.push((Field::Policy, item.clone()));
         }
-        if let Ok(v) = HeaderValue::from_bytes(&buf) {
-            out.push((RATELIMIT, v));
+        // Room for every item: `, "<name>";r=<u64>;t=<u64>`. On the stack when it fits: the
+        // one allocation is the header value's own.
+        let room: usize = items.clone().map(|(p, _, _)| p.name().len() + 50).sum();
+        let value = if room <= 128 {
+            let mut buf = [0u8; 128];
+            let len = write_ratelimit(items, &mut buf);
+            HeaderValue::from_bytes(&buf[..len])
+        } else {
+            let mut buf = vec![0u8; room];
+            let len = write_ratelimit(items, &mut buf);
+            HeaderValue::from_bytes(&buf[..len])
+        };
+        if let Ok(v) = value {
+            out.push((Field::RateLimit, v));
         }
     }
     if opts.legacy {
         if let Some(d) = strictest {
-            out.push((X_RATELIMIT_LIMIT, HeaderValue::from(d.limit)));
-            out.push((X_RATELIMIT_REMAINING, HeaderValue::from(d.remaining)));
+            out.push((Field::Limit, HeaderValue::from(d.limit)));
+            out.push((Field::Remaining, HeaderValue::from(d.remaining)));
             out.push((
-                X_RATELIMIT_RESET,
+                Field::Reset,
                 HeaderValue::from(ceil_secs(effective_window(d))),
             ));
+        }
+    }
+}
+
+/// Writes the `RateLimit` value of `items` into `buf` (large enough), returning its length.
+fn write_ratelimit<'a>(
+    items: impl Iterator<Item = (&'a Policy, &'a HeaderValue, &'a Decision)>,
+    buf: &mut [u8],
+) -> usize {
+    let mut w = Writer { buf, len: 0 };
+    let mut itoa = itoa::Buffer::new();
+    for (i, (policy, _, d)) in items.enumerate() {
+        if i > 0 {
+            w.put(b", ");
+        }
+        w.put(b"\"");
+        w.put(policy.name().as_bytes());
+        w.put(b"\";r=");
+        w.put(itoa.format(d.remaining).as_bytes());
+        if !matches!(policy.kind(), Kind::Concurrency(_)) {
+            w.put(b";t=");
+            w.put(itoa.format(ceil_secs(effective_window(d))).as_bytes());
+        }
+    }
+    w.len
+}
+
+/// A cursor over a buffer sized beforehand: cheaper per write than a growable vector.
+struct Writer<'a> {
+    buf: &'a mut [u8],
+    len: usize,
+}
+
+impl Writer<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        if let Some(dst) = self.buf.get_mut(self.len..self.len + bytes.len()) {
+            dst.copy_from_slice(bytes);
+            self.len += bytes.len();
         }
     }
 }
@@ -132,7 +199,11 @@ pub fn insert_headers(
     let mut block = HeaderBlock::new();
     let strictest = verdict.decision();
     render(
-        HeaderOptions { ietf: true, legacy },
+        HeaderOptions {
+            ietf: true,
+            legacy,
+            allowed: true,
+        },
         policies
             .iter()
             .zip(&items)
@@ -152,8 +223,8 @@ pub fn insert_headers(
 
 /// Appends `block` to `headers`.
 pub(crate) fn apply(block: HeaderBlock, headers: &mut HeaderMap) {
-    for (name, value) in block {
-        headers.append(name, value);
+    for (field, value) in block {
+        headers.append(field.name(), value);
     }
 }
 
@@ -197,6 +268,7 @@ mod tests {
             HeaderOptions {
                 ietf: true,
                 legacy: true,
+                allowed: true,
             },
             policies
                 .iter()
@@ -208,7 +280,7 @@ mod tests {
         );
         let get = |n: &HeaderName| {
             out.iter()
-                .filter(|(k, _)| k == n)
+                .filter(|(k, _)| k.name() == n)
                 .map(|(_, v)| v.to_str().expect("ascii"))
                 .collect::<Vec<_>>()
         };

@@ -9,6 +9,9 @@ use smallvec::SmallVec;
 
 use crate::rule::RuleEntry;
 
+/// The rules of one request, by position in the layer's table; sized for the usual one or two.
+pub(crate) type RuleIds = SmallVec<[usize; 2]>;
+
 /// Where a decision came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -37,8 +40,8 @@ pub enum DecisionSource {
 #[derive(Clone)]
 pub struct RateLimitInfo {
     pub(crate) table: Arc<[RuleEntry]>,
-    pub(crate) rules: SmallVec<[usize; 4]>,
-    pub(crate) decisions: SmallVec<[Decision; 4]>,
+    pub(crate) rules: RuleIds,
+    pub(crate) decisions: SmallVec<[Decision; 2]>,
     pub(crate) strictest: Option<usize>,
     pub(crate) source: DecisionSource,
     pub(crate) waited: Duration,

@@ -118,6 +118,7 @@ impl RateLimitLayer {
             headers: HeaderOptions {
                 ietf: true,
                 legacy: false,
+                allowed: false,
             },
             handler: Arc::new(DefaultRejection),
             request_info: true,
@@ -237,16 +238,28 @@ where
         self
     }
 
-    /// Adds `RateLimit-Policy` and `RateLimit` to every decided response (default on).
+    /// Adds `RateLimit-Policy` and `RateLimit` to rejections (default on), and to allowed
+    /// responses with [`RateLimitLayerBuilder::headers_on_allowed`].
     pub fn ietf_headers(mut self, on: bool) -> Self {
         self.headers.ietf = on;
         self
     }
 
     /// Adds `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` for the
-    /// strictest policy to every decided response (default off).
+    /// strictest policy to rejections, and to allowed responses with
+    /// [`RateLimitLayerBuilder::headers_on_allowed`] (default off).
     pub fn legacy_headers(mut self, on: bool) -> Self {
         self.headers.legacy = on;
+        self
+    }
+
+    /// Adds the rate-limit headers (those of [`RateLimitLayerBuilder::ietf_headers`] and
+    /// [`RateLimitLayerBuilder::legacy_headers`]) to allowed responses too, not only to
+    /// rejections (default off). They tell well-behaved clients to slow down before they are
+    /// turned away, at a cost: rendering and sending them is most of what the layer does for
+    /// an allowed request.
+    pub fn headers_on_allowed(mut self, on: bool) -> Self {
+        self.headers.allowed = on;
         self
     }
 

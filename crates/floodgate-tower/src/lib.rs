@@ -29,12 +29,12 @@
 //! for _ in 0..2 {
 //!     let res = svc.clone().oneshot(request()).await?;
 //!     assert_eq!(res.status(), StatusCode::OK);
-//!     assert_eq!(res.headers()["ratelimit-policy"], r#""per-ip";q=2;w=1"#);
 //! }
 //! let res = svc.clone().oneshot(request()).await?;
 //! assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
 //! assert_eq!(res.headers()["retry-after"], "1");
 //! assert_eq!(res.headers()["content-type"], "application/problem+json");
+//! assert_eq!(res.headers()["ratelimit-policy"], r#""per-ip";q=2;w=1"#);
 //! assert!(res.headers()["ratelimit"].to_str()?.starts_with(r#""per-ip";r=0;t=1"#));
 //! # Ok(())
 //! # }
@@ -52,8 +52,8 @@
 //!   `RESOURCE_EXHAUSTED` with a `google.rpc.RetryInfo` (see [`grpc`]). Replace them with a
 //!   [`RejectionHandler`].
 //! - **Headers** ([`headers`]): `RateLimit-Policy` and `RateLimit` as in
-//!   draft-ietf-httpapi-ratelimit-headers-11, optional `X-RateLimit-*`, on allowed and rejected
-//!   responses.
+//!   draft-ietf-httpapi-ratelimit-headers-11, optional `X-RateLimit-*`, on rejections, and on
+//!   allowed responses too with [`RateLimitLayerBuilder::headers_on_allowed`].
 //! - **Modes** ([`Mode`]): reject, or delay requests up to a maximum wait.
 //! - **Concurrency** policies hold their lease until the response body ends or is dropped.
 //! - **Failures** ([`OnStoreError`]): when the store errors or misses the layer's timeout, fail
@@ -66,10 +66,12 @@
 //! # Cost
 //!
 //! `RateLimit` is cloned per connection and holds one `Arc`; the policy headers are rendered
-//! once, when the layer is built. Per request: the key bytes (inline up to 48 bytes), the
-//! `RateLimit` header value, and the `RateLimitInfo` extension (disable with
-//! [`RateLimitLayerBuilder::request_info`]). With a [`floodgate_core::MemoryLimiter`] in reject
-//! mode the decision is made synchronously inside `call`, like any in-process limiter; other
+//! once, when the layer is built. With a [`floodgate_core::MemoryLimiter`] in reject mode the
+//! decision is made synchronously inside `call`, like any in-process limiter: the key stays
+//! inline (up to 48 bytes), nothing is allocated for the decision, and the response future is
+//! the inner one and a pointer. Per allowed request the layer allocates the `RateLimitInfo`
+//! extension (disable with [`RateLimitLayerBuilder::request_info`]) and, only when asked for
+//! with [`RateLimitLayerBuilder::headers_on_allowed`], the `RateLimit` header value. Other
 //! limiters (Redis) are awaited in one boxed future, and the inner service is cloned for the
 //! call, as tower requires.
 

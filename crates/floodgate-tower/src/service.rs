@@ -8,7 +8,7 @@ use http::{Request, Response};
 use tower::Service;
 
 use crate::body::ResponseBody;
-use crate::engine::{self, Decided, DynEngine, Prepared};
+use crate::engine::{Allowed, Called, DynEngine, Job};
 use crate::future::ResponseFuture;
 use crate::key::RequestView;
 
@@ -64,27 +64,27 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        let prepared = engine::prepare(self.engine.shared(), &RequestView::from_request(&req));
-        match prepared {
-            Prepared::Skip => ResponseFuture::calling(self.inner.call(req)),
-            Prepared::Reject(response) => ResponseFuture::early(response),
-            Prepared::Decide(job) => match self.engine.decide_now(&self.engine, job) {
-                Ok(Decided::Allow(allowed)) => {
-                    let mut req = req;
-                    if let Some(info) = allowed.info {
-                        req.extensions_mut().insert(info);
-                    }
-                    ResponseFuture::allowed(self.inner.call(req), allowed.headers, allowed.lease)
+    fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
+        let mut job = Job::default();
+        let mut allowed = Allowed::default();
+        let view = RequestView::from_request(&req);
+        match self
+            .engine
+            .call(&self.engine, &view, &mut job, &mut allowed)
+        {
+            Called::Allow => {
+                if let Some(info) = allowed.info {
+                    req.extensions_mut().insert(info);
                 }
-                Ok(Decided::Reject(response)) => ResponseFuture::early(response),
-                Err(job) => {
-                    // Take the service that was made ready; leave a fresh clone in its place.
-                    let clone = self.inner.clone();
-                    let inner = std::mem::replace(&mut self.inner, clone);
-                    ResponseFuture::deciding(Arc::clone(&self.engine).decide(job), req, inner)
-                }
-            },
+                ResponseFuture::call(&mut self.inner, req, allowed.headers, allowed.lease)
+            }
+            Called::Reject(response) => ResponseFuture::early(response),
+            Called::Deciding => {
+                // Take the service that was made ready; leave a fresh clone in its place.
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::deciding(Arc::clone(&self.engine).decide(job), req, inner)
+            }
         }
     }
 }

@@ -25,6 +25,7 @@ fn policy(limit: u64, name: &str) -> Policy {
 async fn the_call_over_the_limit_is_resource_exhausted() {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(Rule::new(policy(2, "grpc")).key(GlobalKey))
+        .headers_on_allowed(true)
         .build()
         .expect("layer");
     let channel = greeter::channel(greeter::serve(layer).await).await;

@@ -33,6 +33,7 @@ fn policy(limit: u64, window_secs: u64, name: &str) -> Policy {
 async fn the_request_over_the_limit_gets_429_with_headers() {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(Rule::new(policy(3, 10, "per-ip")).key(PeerIp::new()))
+        .headers_on_allowed(true)
         .build()
         .expect("layer");
     let addr = serve(Router::new().route("/", get(ok)).layer(layer)).await;
@@ -91,11 +92,35 @@ async fn the_request_over_the_limit_gets_429_with_headers() {
 }
 
 #[tokio::test]
+async fn by_default_only_rejections_carry_the_headers() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(1, 10, "per-ip")).key(PeerIp::new()))
+        .legacy_headers(true)
+        .build()
+        .expect("layer");
+    let addr = serve(Router::new().route("/", get(ok)).layer(layer)).await;
+    let client = HttpClient::new(addr);
+
+    let res = client.get("/").await;
+    assert_eq!(res.status, StatusCode::OK);
+    for name in ["ratelimit", "ratelimit-policy", "x-ratelimit-remaining"] {
+        assert!(res.headers.get(name).is_none(), "{name}");
+    }
+    let res = client.get("/").await;
+    assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(res.header("retry-after").is_some());
+    assert_eq!(sf_list(&res.headers, "ratelimit")[0].int("r"), 0);
+    assert_eq!(sf_list(&res.headers, "ratelimit-policy")[0].int("q"), 1);
+    assert_eq!(res.header("x-ratelimit-remaining"), Some("0"));
+}
+
+#[tokio::test]
 async fn several_policies_are_all_or_nothing() {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(Rule::new(policy(2, 60, "per-user")).key(HeaderKey::named("x-user").expect("name")))
         .rule(Rule::new(policy(3, 60, "global")).key(GlobalKey))
         .legacy_headers(true)
+        .headers_on_allowed(true)
         .build()
         .expect("layer");
     let addr = serve(Router::new().route("/", get(ok)).layer(layer)).await;
@@ -220,6 +245,7 @@ async fn rules_apply_per_route_and_method() {
                 .route("/users/{id}")
                 .key(RouteKey),
         )
+        .headers_on_allowed(true)
         .build()
         .expect("layer");
     let app = Router::new()
@@ -533,6 +559,7 @@ async fn a_concurrency_lease_lasts_until_the_body_ends() {
             )
             .key(GlobalKey),
         )
+        .headers_on_allowed(true)
         .build()
         .expect("layer");
     let (app, senders) = common::held_stream_app(layer);
@@ -609,6 +636,7 @@ async fn store_failures_follow_the_failure_policy() {
                 .rule(Rule::new(policy(2, 60, "per-ip")))
                 .on_store_error(on_error)
                 .timeout(Duration::from_millis(50))
+                .headers_on_allowed(true)
                 .build()
                 .expect("layer");
             Router::new()

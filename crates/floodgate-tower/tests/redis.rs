@@ -47,6 +47,7 @@ async fn http_limits_hold_across_replicas() {
             .rule(Rule::new(policy(3, "per-ip")).key(PeerIp::new()))
             .rule(Rule::new(policy(100, "global")).key(GlobalKey))
             .legacy_headers(true)
+            .headers_on_allowed(true)
             .build()
             .expect("layer");
         let app = Router::new().route("/", get(common::ok)).layer(layer);
@@ -101,6 +102,7 @@ async fn grpc_calls_over_the_limit_are_resource_exhausted() {
     let redis = start_redis();
     let layer = RateLimitLayer::builder(limiter(&redis).await)
         .rule(Rule::new(policy(2, "grpc")).key(GlobalKey))
+        .headers_on_allowed(true)
         .build()
         .expect("layer");
     let channel = greeter::channel(greeter::serve(layer).await).await;
@@ -167,6 +169,7 @@ async fn failure_policies_with_redis_down_and_back() {
             .on_store_error(on_error)
             .timeout(Duration::from_millis(300))
             .store_retry_interval(Duration::from_millis(50))
+            .headers_on_allowed(true)
             .build()
             .expect("layer")
     };

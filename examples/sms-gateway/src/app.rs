@@ -87,6 +87,8 @@ pub fn router<S: Shared>(app: Arc<App<S>>) -> Result<Router, floodgate::tower::C
         .rule(Rule::new(app.limits.client_ip.clone()).key(ClientIp::new(trusted)))
         .rule(Rule::new(app.limits.global.clone()).key(floodgate::tower::key::GlobalKey))
         .on_store_error(OnStoreError::FailClosed)
+        // Clients see their remaining budget before they are turned away.
+        .headers_on_allowed(true)
         .build()?;
     let limited = Router::new()
         .route("/v1/campaigns", post(create_campaign::<S>))

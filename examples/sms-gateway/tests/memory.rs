@@ -124,6 +124,9 @@ async fn one_replica_in_memory_limits_validates_and_opts_out() {
         .post(&gw.url("/v1/opt-outs"), r#"{"phone":"+8613833333333"}"#)
         .await;
     assert_eq!(r.status, 201);
+    // The layer's routes tell clients their per-IP budget on allowed responses too.
+    let ratelimit = r.headers["ratelimit"].to_str().expect("ascii");
+    assert!(ratelimit.contains("\"client-ip\";r="), "{ratelimit}");
     let r = http
         .post(&gw.url("/v1/sms"), &sms("+8613833333333", "hi"))
         .await;
