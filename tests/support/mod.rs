@@ -5,7 +5,7 @@
 //! Every load loop here is bounded three ways: a stop flag, a hard deadline, and a maximum
 //! number of calls per task. All traffic goes to servers on 127.0.0.1.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 pub mod http;
 
@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Once};
 use std::time::Duration;
 
-use floodgate_testkit::{RedisCluster, RedisServer};
+pub use floodgate_testkit::{cluster, server};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -33,31 +33,12 @@ pub fn run<F: Future>(limit: Duration, test: F) -> F::Output {
             previous(info);
         }));
     });
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    runtime.block_on(async {
-        tokio::time::timeout(limit, test)
-            .await
-            .expect("the test did not finish within its time limit")
-    })
+    floodgate_testkit::run(limit, test)
 }
 
 /// How many panics happened so far (see [`run`]).
 pub fn panics() -> usize {
     PANICS.load(Ordering::SeqCst)
-}
-
-pub fn server() -> RedisServer {
-    RedisServer::start()
-        .unwrap_or_else(|e| panic!("cannot start redis-server (run scripts/install-redis): {e}"))
-}
-
-pub fn cluster() -> RedisCluster {
-    RedisCluster::start()
-        .unwrap_or_else(|e| panic!("cannot start a Redis cluster (run scripts/install-redis): {e}"))
 }
 
 /// Runs a blocking fault injection (kill, pause, restart...) without stalling the runtime's

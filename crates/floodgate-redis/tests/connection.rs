@@ -23,16 +23,7 @@ const SINGLE_KINDS: [ConnectionKind; 2] = [
 ];
 
 fn run<F: Future>(test: F) -> F::Output {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    runtime.block_on(async {
-        tokio::time::timeout(TEST_LIMIT, test)
-            .await
-            .expect("the test did not finish within its time limit")
-    })
+    floodgate_testkit::run(TEST_LIMIT, test)
 }
 
 fn incr() -> Script {

@@ -37,6 +37,7 @@
 mod binary;
 mod cluster;
 mod error;
+mod harness;
 mod resp;
 mod server;
 mod servers;
@@ -45,6 +46,7 @@ mod slot;
 pub use binary::{REDIS_CLI_ENV, REDIS_SERVER_ENV, redis_cli_binary, redis_server_binary};
 pub use cluster::{FailoverMode, RedisCluster, RedisClusterBuilder, Role};
 pub use error::TestkitError;
+pub use harness::{cluster, run, server, servers};
 pub use resp::{Connection, DEFAULT_CONNECT_TIMEOUT, DEFAULT_IO_TIMEOUT, Resp, encode_command};
 pub use server::{
     DEFAULT_CLUSTER_NODE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, RedisServer, RedisServerBuilder,

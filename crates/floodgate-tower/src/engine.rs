@@ -335,34 +335,6 @@ impl<L> Engine<L>
 where
     L: Limiter + Clone + 'static,
 {
-    /// Everything `call` does: the rules and keys, then the decision when it can be made at
-    /// once (the in-memory limiter, in reject mode, with every key found).
-    fn call_now(
-        &self,
-        this: &Arc<dyn DynEngine>,
-        req: &RequestView<'_>,
-        job: &mut Job,
-        allowed: &mut Allowed,
-    ) -> Called {
-        let sh = &self.shared;
-        if let Some(response) = prepare(sh, req, job) {
-            return Called::Reject(response);
-        }
-        if job.checks.items.is_empty() {
-            return Called::Allow;
-        }
-        if job.pending.is_empty() && sh.mode == Mode::Reject {
-            if let Some(memory) = (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>() {
-                return match self.decide_sync(this, memory, &mut job.checks, req, allowed) {
-                    None => Called::Allow,
-                    Some(response) => Called::Reject(response),
-                };
-            }
-        }
-        job.checks.grpc = req.is_grpc();
-        Called::Deciding
-    }
-
     async fn run(self: Arc<Self>, job: Job) -> Decided {
         let sh = &self.shared;
         let Job {
@@ -732,7 +704,23 @@ where
         job: &mut Job,
         allowed: &mut Allowed,
     ) -> Called {
-        self.call_now(this, req, job, allowed)
+        let sh = &self.shared;
+        if let Some(response) = prepare(sh, req, job) {
+            return Called::Reject(response);
+        }
+        if job.checks.items.is_empty() {
+            return Called::Allow;
+        }
+        if job.pending.is_empty() && sh.mode == Mode::Reject {
+            if let Some(memory) = (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>() {
+                return match self.decide_sync(this, memory, &mut job.checks, req, allowed) {
+                    None => Called::Allow,
+                    Some(response) => Called::Reject(response),
+                };
+            }
+        }
+        job.checks.grpc = req.is_grpc();
+        Called::Deciding
     }
 
     fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided> {

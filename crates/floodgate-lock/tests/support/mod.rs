@@ -1,7 +1,7 @@
 //! Shared set-up of the lock tests: real servers from the testkit, bounded runtimes, and the
 //! checker of a critical-section log.
 
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -9,34 +9,9 @@ use std::time::Duration;
 
 use floodgate_lock::{Lock, LockStore, RedisLocks};
 use floodgate_redis::{ConnectionKind, RedisConfig, RedisConn};
-use floodgate_testkit::{RedisCluster, RedisServer, RedisServers};
+use floodgate_testkit::RedisCluster;
+pub use floodgate_testkit::{cluster, run, server, servers};
 use tokio::time::Instant;
-
-/// Runs an async test on a two-thread runtime, bounded in time.
-pub fn run<F: Future>(limit: Duration, test: F) -> F::Output {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    runtime.block_on(async {
-        tokio::time::timeout(limit, test)
-            .await
-            .expect("the test did not finish within its time limit")
-    })
-}
-
-pub fn server() -> RedisServer {
-    RedisServer::start().unwrap_or_else(|e| panic!("cannot start redis-server: {e}"))
-}
-
-pub fn servers(n: usize) -> RedisServers {
-    RedisServers::start(n).unwrap_or_else(|e| panic!("cannot start {n} redis-servers: {e}"))
-}
-
-pub fn cluster() -> RedisCluster {
-    RedisCluster::start().unwrap_or_else(|e| panic!("cannot start a Redis cluster: {e}"))
-}
 
 /// A lock client on `url` with a generous call timeout (the machine is shared) and release
 /// notifications.
