@@ -216,8 +216,16 @@ async fn failover_under_load(
                     .write(guard.fence(), |n| *n += 1)
                     .expect("the new holder writes");
                 let fence = guard.fence();
-                guard.release().await.expect("release");
-                (acquired, fence)
+                // Released (retried through the topology refresh), found gone by a retry whose
+                // earlier attempt ran after all, or still failing in the cluster client's
+                // refresh window (the lease then frees the lock): never an untyped failure.
+                let released = match guard.release().await {
+                    Ok(()) => "released",
+                    Err(e) if e.is_lost() => "found gone by a retry",
+                    Err(e) if e.is_transient() => "store error (lease frees it)",
+                    Err(e) => panic!("release after the failover: {e}"),
+                };
+                (acquired, fence, released)
             })
         };
 
@@ -251,10 +259,11 @@ async fn failover_under_load(
             .await
             .expect("the doomed lock's holder learns it lost the lease")
             .expect("lost task");
-        let (reacquired_at, new_fence) = tokio::time::timeout(Duration::from_secs(45), contender)
-            .await
-            .expect("the contender finishes")
-            .expect("contender task");
+        let (reacquired_at, new_fence, released) =
+            tokio::time::timeout(Duration::from_secs(45), contender)
+                .await
+                .expect("the contender finishes")
+                .expect("contender task");
         // Load on for a while after the failover: until 4 s after the cluster is healthy.
         let settle = (epoch + healthy_at + Duration::from_secs(4)).max(Instant::now());
         tokio::time::sleep_until(settle).await;
@@ -378,6 +387,7 @@ async fn failover_under_load(
             &format!("{label}.lock.reacquired_after_kill"),
             ms(reacquired_at - killed_at),
         );
+        figure(&format!("{label}.lock.new_holder_release"), released);
         assert!(
             matches!(reason, LeaseLost::Expired | LeaseLost::NotHeld),
             "{reason:?}"

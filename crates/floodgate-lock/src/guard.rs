@@ -13,6 +13,11 @@ use crate::lease::{LeaseCell, LeaseWatch};
 use crate::token::Token;
 use crate::{Error, LeaseLost};
 
+/// Attempts of [`LockGuard::release`] when the store fails transiently.
+const RELEASE_ATTEMPTS: u32 = 4;
+/// The first pause between them (doubling).
+const RELEASE_BACKOFF: Duration = Duration::from_millis(25);
+
 /// What a guard and its watchdog share.
 pub(crate) struct Held<S> {
     pub(crate) store: S,
@@ -202,6 +207,12 @@ impl<S: LockStore + Clone> LockGuard<S> {
 
     /// Releases the lock, waking the next waiter.
     ///
+    /// A transient store error (a timeout, a broken connection, a cluster failing over) is
+    /// retried a few times with a short backoff while the lease lasts, so that waiters are not
+    /// left waiting for the lease to run out. If an attempt that failed had in fact released
+    /// the lock, the retry finds it gone and reports [`Error::Lost`]: on the safe side, since
+    /// the two cases cannot be told apart.
+    ///
     /// # Errors
     /// [`Error::Lost`] if the store no longer held it for us: the lease had run out, so another
     /// holder may have overlapped with this critical section. A store error if it could not be
@@ -213,12 +224,35 @@ impl<S: LockStore + Clone> LockGuard<S> {
         self.done = true;
         self.stop_watchdog();
         let expired = self.held.lease.check();
+        let deadline = self.held.lease.get().deadline;
         self.held.lease.lose(LeaseLost::Released);
-        let released = self
-            .held
-            .store
-            .unlock(&self.held.name, self.held.token.as_bytes())
-            .await?;
+        let mut backoff = RELEASE_BACKOFF;
+        let mut attempts = 1;
+        let released = loop {
+            match self
+                .held
+                .store
+                .unlock(&self.held.name, self.held.token.as_bytes())
+                .await
+            {
+                Ok(released) => break released,
+                Err(e) => {
+                    let e = Error::from(e);
+                    let retry_at = Instant::now() + backoff;
+                    if !e.is_transient() || attempts >= RELEASE_ATTEMPTS || retry_at >= deadline {
+                        return Err(e);
+                    }
+                    tracing::debug!(
+                        lock = %floodgate_redis::display_key(&self.held.name),
+                        error = %e,
+                        "releasing the lock failed; retrying"
+                    );
+                    tokio::time::sleep_until(retry_at).await;
+                    attempts += 1;
+                    backoff *= 2;
+                }
+            }
+        };
         match (released, expired) {
             (true, None) => Ok(()),
             // Released in the store, but past our own deadline: someone may have overlapped.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use floodgate_lock::{
     Backoff, Error, Lock, LockAttempt, LockStore, MAX_LOCK_NAME, MAX_TTL, MemoryLocks, Redlock,
 };
-use support::{redis_locks, redis_locks_silent, run, server};
+use support::{redis_locks, redis_locks_silent, redis_locks_with, run, server};
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(10);
@@ -179,6 +179,40 @@ fn try_acquire_does_not_wait_and_acquire_times_out() {
             "{took:?}"
         );
         guard.release().await.expect("release");
+    });
+}
+
+/// A release that times out is retried within the lease instead of leaving waiters to wait for
+/// the lease to run out. Here Redis is paused past the first attempt's timeout; the retry
+/// answers once it resumes. (If the timed-out attempt ran first after all, the retry finds the
+/// lock gone: the ambiguous case, reported as lost, on the safe side.)
+#[test]
+fn fault_a_release_that_times_out_is_retried_within_the_lease() {
+    let server = std::sync::Arc::new(server());
+    run(Duration::from_secs(20), async {
+        let locks = redis_locks_with(&server.url(), Duration::from_millis(100)).await;
+        let lock = Lock::new(locks, "flaky-release", TTL).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        server.pause().expect("pause");
+        let resume = tokio::spawn({
+            let server = std::sync::Arc::clone(&server);
+            async move {
+                tokio::time::sleep(Duration::from_millis(160)).await;
+                server.resume().expect("resume");
+            }
+        });
+        let released = guard.release().await;
+        resume.await.expect("resume task");
+        // Released by the retry, or found gone by it (the first attempt ran after all):
+        // either way answered by a retry, not a timeout.
+        if let Err(e) = released {
+            assert!(e.is_lost(), "a retry answered, not a timeout: {e}");
+        }
+        // The lock is free at once, not after its 10 s lease.
+        let other = redis_locks(&server.url()).await;
+        let other = Lock::new(other, "flaky-release", TTL).expect("valid");
+        let again = other.try_acquire().await.expect("ok").expect("released");
+        again.release().await.expect("release");
     });
 }
 
