@@ -208,3 +208,70 @@ async fn concurrency_and_injected_time_bypass_the_cache() {
     );
     assert_eq!(calls.load(Ordering::Relaxed), 3);
 }
+
+/// A limiter whose store calls take as long as `delay_ms` says.
+#[derive(Clone)]
+struct Slow {
+    inner: MemoryLimiter,
+    delay_ms: Arc<AtomicU64>,
+}
+
+impl Limiter for Slow {
+    type Error = MemoryError;
+
+    async fn check(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<Verdict, MemoryError> {
+        let delay = self.delay_ms.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        self.inner.check(checks, opts).await
+    }
+
+    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
+        self.inner.release(checks, lease).await
+    }
+
+    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
+        self.inner.reset(key, policy).await
+    }
+}
+
+/// When a denial runs out, one caller probes the store and the others wait for it. If that
+/// caller is cancelled (a dropped request, a timeout), the next caller must not wait for an
+/// answer that will never come.
+#[tokio::test]
+async fn a_cancelled_probe_does_not_hold_up_the_next_caller() {
+    let delay_ms = Arc::new(AtomicU64::new(0));
+    let cache = DenyCache::new(Slow {
+        inner: MemoryLimiter::new(),
+        delay_ms: Arc::clone(&delay_ms),
+    });
+    let p = Arc::new(Policy::per(1, Duration::from_millis(200)).expect("valid"));
+    let check = |cache: DenyCache<Slow>, p: Arc<Policy>| async move {
+        cache
+            .check(&[Check::new(b"k", &p)], CheckOptions::default())
+            .await
+            .expect("ok")
+    };
+    assert!(check(cache.clone(), Arc::clone(&p)).await.allowed());
+    assert!(!check(cache.clone(), Arc::clone(&p)).await.allowed());
+    // The denial runs out; the next caller probes, and the store hangs.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    delay_ms.store(5_000, Ordering::Relaxed);
+    let probe = tokio::spawn(check(cache.clone(), Arc::clone(&p)));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    probe.abort();
+    assert!(probe.await.is_err_and(|e| e.is_cancelled()));
+    // The store answers again; the next caller asks it at once.
+    delay_ms.store(0, Ordering::Relaxed);
+    let started = Instant::now();
+    let next = check(cache.clone(), Arc::clone(&p)).await;
+    assert!(next.allowed());
+    assert!(
+        started.elapsed() < Duration::from_millis(300),
+        "waited {:?} for a cancelled probe",
+        started.elapsed()
+    );
+}

@@ -221,7 +221,9 @@ impl<S: LockStore + Clone> LockGuard<S> {
     where
         Error: From<S::Error>,
     {
-        self.done = true;
+        // `done` only once the store has answered: if this future is dropped before (a
+        // timeout around `release`, a cancelled task), `Drop` still releases in the background
+        // rather than leaving the lock held until its lease runs out.
         self.stop_watchdog();
         let expired = self.held.lease.check();
         let deadline = self.held.lease.get().deadline;
@@ -253,6 +255,7 @@ impl<S: LockStore + Clone> LockGuard<S> {
                 }
             }
         };
+        self.done = true;
         match (released, expired) {
             (true, None) => Ok(()),
             // Released in the store, but past our own deadline: someone may have overlapped.

@@ -163,13 +163,19 @@ where
     /// A store error.
     pub async fn try_acquire(&self) -> Result<Option<LockGuard<S>>, Error> {
         let token = Token::random()?;
+        // Until the store has answered, this attempt may have taken the lock for us: if it is
+        // cancelled or fails, the token is released in the background.
+        let pending = PendingAttempt::new(self, &token);
         match self.attempt(&token).await {
-            Ok(Attempt::Acquired(guard)) => Ok(Some(guard)),
-            Ok(Attempt::Busy(_)) => Ok(None),
-            Err(e) => {
-                self.forget_attempt(token);
-                Err(e)
+            Ok(Attempt::Acquired(guard)) => {
+                pending.disarm();
+                Ok(Some(guard))
             }
+            Ok(Attempt::Busy(_)) => {
+                pending.disarm();
+                Ok(None)
+            }
+            Err(e) => Err(e),
         }
     }
 
@@ -197,13 +203,20 @@ where
         // One token for every attempt of this acquisition: if an attempt timed out after the
         // store had taken the lock for us, the next attempt finds our own token and keeps it.
         let token = Token::random()?;
+        // Armed while an attempt may have taken the lock for us unseen (an attempt in flight,
+        // or one that failed): dropped armed, by an error return or by cancellation, it
+        // releases the token in the background.
+        let pending = PendingAttempt::new(self, &token);
         let mut backoff = self.backoff.start();
         let mut registered = None;
         let mut last_error: Option<Error>;
         let mut had_error = false;
         loop {
             let wait = match self.attempt(&token).await {
-                Ok(Attempt::Acquired(guard)) => return Ok(guard),
+                Ok(Attempt::Acquired(guard)) => {
+                    pending.disarm();
+                    return Ok(guard);
+                }
                 Ok(Attempt::Busy(remaining)) => {
                     last_error = None;
                     if registered.is_none() {
@@ -225,15 +238,13 @@ where
                     last_error = Some(e);
                     backoff.next()
                 }
-                Err(e) => {
-                    self.forget_attempt(token);
-                    return Err(e);
-                }
+                Err(e) => return Err(e),
             };
             let now = Instant::now();
             if now >= deadline {
-                if had_error {
-                    self.forget_attempt(token);
+                if !had_error {
+                    // Every attempt was answered "held by another": nothing to give back.
+                    pending.disarm();
                 }
                 return Err(last_error.unwrap_or_else(|| Error::Timeout {
                     name: floodgate_redis::display_key(&self.name),
@@ -308,13 +319,41 @@ where
             LockAttempt::Held { remaining } => Ok(Attempt::Busy(remaining)),
         }
     }
+}
 
-    /// After a failed acquisition that may have taken the lock unseen (an attempt that timed
-    /// out after the store acted), releases it in the background.
-    fn forget_attempt(&self, token: Token) {
+/// An acquisition attempt whose outcome the store may have applied without our seeing it (it
+/// timed out, failed, or was cancelled): dropped without [`PendingAttempt::disarm`], it
+/// releases the lock under its token in the background, so a lock nobody knows it holds does
+/// not block others until its lease runs out. Releasing a lock held under another token does
+/// nothing.
+struct PendingAttempt<S: LockStore + Clone> {
+    store: S,
+    name: Arc<[u8]>,
+    token: Option<Token>,
+}
+
+impl<S: LockStore + Clone> PendingAttempt<S> {
+    fn new(lock: &Lock<S>, token: &Token) -> Self {
+        PendingAttempt {
+            store: lock.store.clone(),
+            name: Arc::clone(&lock.name),
+            token: Some(token.clone()),
+        }
+    }
+
+    /// The outcome was seen: nothing to give back.
+    fn disarm(mut self) {
+        self.token = None;
+    }
+}
+
+impl<S: LockStore + Clone> Drop for PendingAttempt<S> {
+    fn drop(&mut self) {
+        let Some(token) = self.token.take() else {
+            return;
+        };
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            let store = self.store.clone();
-            let name = Arc::clone(&self.name);
+            let (store, name) = (self.store.clone(), Arc::clone(&self.name));
             handle.spawn(async move {
                 let _ = store.unlock(&name, token.as_bytes()).await;
             });

@@ -216,6 +216,76 @@ fn fault_a_release_that_times_out_is_retried_within_the_lease() {
     });
 }
 
+/// A release whose caller gives up before the store answers (a timeout around it, a cancelled
+/// task) still releases: the guard's drop does it in the background.
+#[test]
+fn fault_a_cancelled_release_still_releases() {
+    let server = std::sync::Arc::new(server());
+    run(Duration::from_secs(20), async {
+        let locks = redis_locks(&server.url()).await;
+        let lock = Lock::new(locks, "cancelled-release", TTL).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        // The scripts are loaded (by the acquisition): the release's script runs on resume.
+        server.pause().expect("pause");
+        let gave_up = tokio::time::timeout(Duration::from_millis(50), guard.release()).await;
+        assert!(gave_up.is_err(), "the paused server answered: {gave_up:?}");
+        server.resume().expect("resume");
+        // Free well before its 10 s lease runs out.
+        let other = redis_locks(&server.url()).await;
+        let other = Lock::new(other, "cancelled-release", TTL).expect("valid");
+        let started = Instant::now();
+        let again = other
+            .acquire(Duration::from_secs(3))
+            .await
+            .expect("released in the background");
+        assert!(started.elapsed() < Duration::from_secs(3));
+        again.release().await.expect("release");
+    });
+}
+
+/// An acquisition whose caller gives up while its attempt is in flight may still take the lock
+/// when the store gets to it; nobody would know the token, so the lock is given back in the
+/// background instead of blocking everyone for its lease.
+#[test]
+fn fault_a_cancelled_acquisition_leaves_no_unknown_holder() {
+    let server = std::sync::Arc::new(server());
+    run(Duration::from_secs(30), async {
+        // The scripts are loaded first: a cancelled attempt that met NOSCRIPT would never be
+        // retried, and the test would prove nothing.
+        let warm_up = Lock::new(redis_locks(&server.url()).await, "warm-up", TTL).expect("valid");
+        let guard = warm_up.try_acquire().await.expect("ok").expect("free");
+        guard.release().await.expect("release");
+        for (round, name) in ["cancelled-try-acquire", "cancelled-acquire"]
+            .into_iter()
+            .enumerate()
+        {
+            let locks = redis_locks(&server.url()).await;
+            let lock = Lock::new(locks, name, TTL).expect("valid");
+            server.pause().expect("pause");
+            let gave_up = if round == 0 {
+                tokio::time::timeout(Duration::from_millis(50), lock.try_acquire())
+                    .await
+                    .is_err()
+            } else {
+                tokio::time::timeout(Duration::from_millis(50), lock.acquire(TTL))
+                    .await
+                    .is_err()
+            };
+            assert!(gave_up, "{name}: the paused server answered");
+            server.resume().expect("resume");
+            let other = redis_locks(&server.url()).await;
+            let other = Lock::new(other, name, TTL).expect("valid");
+            let started = Instant::now();
+            let guard = other
+                .acquire(Duration::from_secs(3))
+                .await
+                .unwrap_or_else(|e| panic!("{name}: still held by a forgotten token: {e}"));
+            assert!(started.elapsed() < Duration::from_secs(3));
+            guard.release().await.expect("release");
+        }
+    });
+}
+
 /// With a backoff of 5 s, a waiter that acquires within a fraction of it was woken by the
 /// release notification, not by a timer.
 #[test]

@@ -412,7 +412,13 @@ async fn dispatch(conn: RedisConn, jobs: Vec<Job>) {
     join_all(sets.into_values().map(|set| run_set(&conn, set))).await;
 }
 
-async fn run_set(conn: &RedisConn, jobs: Vec<Job>) {
+async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
+    // A check whose caller is gone (a cancelled request) is not sent: nothing would be told of
+    // its decision, and an admission, or a concurrency lease, would be counted for nobody.
+    jobs.retain(|job| !job.reply.is_closed());
+    if jobs.is_empty() {
+        return;
+    }
     // The call gets what is left of the earliest deadline among its checks.
     let now = tokio::time::Instant::now();
     let left = jobs

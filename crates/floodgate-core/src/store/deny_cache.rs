@@ -299,7 +299,11 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
                         None => {
                             let n = Arc::new(Notify::new());
                             probes.insert(fp, Arc::clone(&n));
-                            leader = Some(n);
+                            leader = Some(Leader {
+                                probes: &shared.probes,
+                                fp,
+                                notify: n,
+                            });
                             None
                         }
                     }
@@ -330,14 +334,9 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
                     self.remember(&fp, now, entry);
                 }
             }
-            if let Some(n) = leader {
-                shared
-                    .probes
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .remove(&fp);
-                n.notify_waiters();
-            }
+            // The leader's guard, dropped here (or with this future, if it is cancelled before
+            // the store answers), hands the probe on.
+            drop(leader);
             return result;
         }
     }
@@ -348,6 +347,30 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
 
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), L::Error> {
         self.inner.reset(key, policy).await
+    }
+}
+
+/// The caller probing the store for a check whose denial ran out. Dropped, when the probe is
+/// answered or when its caller is cancelled (a dropped request, a timeout) or panics, it clears
+/// the probe and wakes the callers waiting for it: a cancelled probe never leaves them waiting
+/// for an answer that will not come.
+struct Leader<'a> {
+    probes: &'a Mutex<HashMap<[u64; 2], Arc<Notify>>>,
+    fp: [u64; 2],
+    notify: Arc<Notify>,
+}
+
+impl Drop for Leader<'_> {
+    fn drop(&mut self) {
+        let mut probes = self.probes.lock().unwrap_or_else(PoisonError::into_inner);
+        if probes
+            .get(&self.fp)
+            .is_some_and(|n| Arc::ptr_eq(n, &self.notify))
+        {
+            probes.remove(&self.fp);
+        }
+        drop(probes);
+        self.notify.notify_waiters();
     }
 }
 
