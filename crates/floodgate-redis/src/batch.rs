@@ -18,7 +18,7 @@ use redis::Value;
 use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use crate::limiter::{CHECK_SCRIPT, Group, decode_group};
+use crate::limiter::{CHECK_SCRIPT, Group, RELEASE, decode_group};
 use crate::{ConnectionKind, Error, RedisConn, display_key};
 use floodgate_core::Verdict;
 
@@ -412,6 +412,32 @@ async fn dispatch(conn: RedisConn, jobs: Vec<Job>) {
     join_all(sets.into_values().map(|set| run_set(&conn, set))).await;
 }
 
+/// A concurrency lease granted to a caller that is gone (cancelled while its check was in
+/// flight) is given back at once, instead of holding a slot until the lease expires.
+fn give_back_lease(conn: &RedisConn, group: Group, unsent: Result<Checked, Error>) {
+    let Ok((verdict, _)) = unsent else {
+        return;
+    };
+    if group.lease == 0 || group.dry_run || !verdict.allowed() {
+        return;
+    }
+    let conn = conn.clone();
+    tokio::spawn(async move {
+        let lease = group.lease.to_string();
+        let now = group
+            .now
+            .map_or(String::new(), |t| t.as_micros().to_string());
+        for (key, (tag, _)) in group.keys.iter().zip(&group.policies) {
+            if *tag == "conc" {
+                let args: [&[u8]; 2] = [lease.as_bytes(), now.as_bytes()];
+                if let Err(e) = conn.invoke_script(&RELEASE, &[key], &args).await {
+                    tracing::debug!(error = %e, "giving back the lease of a cancelled check failed");
+                }
+            }
+        }
+    });
+}
+
 async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
     // A check whose caller is gone (a cancelled request) is not sent: nothing would be told of
     // its decision, and an admission, or a concurrency lease, would be counted for nobody.
@@ -436,7 +462,9 @@ async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
     match run_within(conn, &groups, left).await {
         Ok(results) => {
             for (job, result) in jobs.into_iter().zip(results) {
-                let _ = job.reply.send(result);
+                if let Err(unsent) = job.reply.send(result) {
+                    give_back_lease(conn, job.group, unsent);
+                }
             }
         }
         Err(e) => {

@@ -50,7 +50,7 @@ const RELEASE_SRC: &str = concat!(
 
 /// The check script, as sent with `EVALSHA`.
 pub static CHECK_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(CHECK_SRC));
-static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_SRC));
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_SRC));
 static UNDO: LazyLock<Script> = LazyLock::new(|| Script::new(UNDO_SRC));
 
 /// The keys and arguments of one call of [`CHECK_SCRIPT`].

@@ -1,0 +1,52 @@
+//! Callers that give up: a check whose caller is cancelled while it is in flight must not keep
+//! what it was granted for nobody.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use floodgate_core::{Check, CheckOptions, Limiter, Policy};
+use floodgate_redis::ConnectionKind;
+use support::{limiter, run, server};
+
+/// A concurrency lease granted to a caller that was cancelled while Redis was paused is given
+/// back when Redis answers, instead of holding the only slot for the lease's 30 s.
+#[test]
+fn fault_a_lease_granted_to_a_cancelled_caller_is_given_back() {
+    let server = Arc::new(server());
+    run(Duration::from_secs(30), async {
+        let limiter = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let p = Policy::concurrency(1, Duration::from_secs(30)).expect("valid");
+        // Warm up: the script is loaded (a cancelled call that met NOSCRIPT would prove nothing).
+        let other = [Check::new(b"other", &p)];
+        let warm = limiter
+            .check(&other, CheckOptions::default())
+            .await
+            .expect("up");
+        let id = warm.lease.expect("a lease");
+        limiter.release(&other, id).await.expect("release");
+
+        server.pause().expect("pause");
+        let gave_up =
+            tokio::time::timeout(Duration::from_millis(50), limiter.check_one(b"slot", &p, 1))
+                .await;
+        assert!(gave_up.is_err(), "the paused server answered: {gave_up:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        server.resume().expect("resume");
+
+        // The cancelled check ran when Redis resumed; its lease comes back at once.
+        let started = tokio::time::Instant::now();
+        loop {
+            let d = limiter.check_one(b"slot", &p, 1).await.expect("up");
+            if d.allowed {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "the slot is still held by the cancelled caller's lease"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
