@@ -302,7 +302,17 @@ impl RedisLimiter {
                 // once, instead of living in the future of `send` as well.
                 let permit = match tokio::time::timeout_at(deadline, jobs.reserve()).await {
                     Ok(Ok(permit)) => permit,
-                    Ok(Err(_)) => return Err(batcher_gone()),
+                    Ok(Err(_)) => {
+                        // The batching task is gone (the runtime it ran on was shut down):
+                        // check unbatched rather than fail every check from now on.
+                        if !BATCHER_GONE_WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                            tracing::warn!(
+                                "floodgate's batching task has stopped (was the tokio runtime it \
+                                 started on shut down?); checks go unbatched"
+                            );
+                        }
+                        return self.run_unbatched(&group).await;
+                    }
                     Err(_) => {
                         return Err(Error::Timeout {
                             after: timeout,
@@ -328,13 +338,16 @@ impl RedisLimiter {
                     }),
                 }
             }
-            None => {
-                // Boxed for the same reason as the cross-slot path: a script call's future is
-                // large, and the batched path (the default) does not need it here.
-                let mut results = Box::pin(batch::run(&self.inner.conn, &[&group])).await?;
-                results.pop().unwrap_or_else(|| Err(batcher_gone()))
-            }
+            None => self.run_unbatched(&group).await,
         }
+    }
+
+    /// One call of the check script for `group` alone.
+    async fn run_unbatched(&self, group: &Group) -> Result<Checked, Error> {
+        // Boxed for the same reason as the cross-slot path: a script call's future is large,
+        // and the batched path (the default) does not need it here.
+        let mut results = Box::pin(batch::run(&self.inner.conn, &[group])).await?;
+        results.pop().unwrap_or_else(|| Err(batcher_gone()))
     }
 
     /// A check whose keys live in several cluster slots: each slot's part is checked
@@ -461,6 +474,10 @@ impl RedisLimiter {
         }))
     }
 }
+
+/// Whether the batching task's end has been logged (once per process).
+static BATCHER_GONE_WARNED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
 
 fn batcher_gone() -> Error {
     Error::Config("the batching task has stopped (was its tokio runtime shut down?)".into())

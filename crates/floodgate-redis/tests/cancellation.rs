@@ -50,3 +50,34 @@ fn fault_a_lease_granted_to_a_cancelled_caller_is_given_back() {
         }
     });
 }
+
+/// A limiter outlives the runtime it was first used on (say a `static` shared by several
+/// `#[tokio::test]`s): its batching task died with that runtime, and checks keep working on the
+/// next one.
+#[test]
+fn a_limiter_keeps_working_after_its_first_runtime_is_gone() {
+    let server = server();
+    let p = Policy::per_second(1_000).expect("valid");
+    let limiter = run(Duration::from_secs(10), async {
+        let limiter = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        assert!(limiter.check_one(b"k", &p, 1).await.expect("first").allowed);
+        limiter
+    });
+    // `run`'s runtime is gone, and the batching task with it.
+    run(Duration::from_secs(10), async {
+        let started = tokio::time::Instant::now();
+        loop {
+            match limiter.check_one(b"k", &p, 1).await {
+                Ok(d) => {
+                    assert!(d.allowed);
+                    break;
+                }
+                Err(e) => assert!(
+                    started.elapsed() < Duration::from_secs(3),
+                    "still failing on the second runtime: {e}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
