@@ -353,6 +353,35 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Runs the warm-up and the measured phase of `tasks` (which count only while `phase` is
+/// `MEASURE`), then collects their tallies: the tally, the measured time, and whether Ctrl-C
+/// cut it short.
+async fn measure(
+    args: &BenchArgs,
+    phase: &AtomicU8,
+    tasks: Vec<tokio::task::JoinHandle<Tally>>,
+) -> (Tally, Duration, bool) {
+    let mut interrupted = wait(args.warmup).await;
+    phase.store(MEASURE, Ordering::Relaxed);
+    let start = Instant::now();
+    if !interrupted {
+        interrupted = wait(args.duration).await;
+    }
+    phase.store(STOP, Ordering::Relaxed);
+    let elapsed = start.elapsed();
+    let mut tally = Tally::default();
+    for task in tasks {
+        match task.await {
+            Ok(t) => tally.merge(t),
+            Err(e) => {
+                tally.errors += 1;
+                tally.first_error.get_or_insert_with(|| e.to_string());
+            }
+        }
+    }
+    (tally, elapsed, interrupted)
+}
+
 /// Waits `d`, or until Ctrl-C; true if interrupted.
 async fn wait(d: Duration) -> bool {
     tokio::select! {
@@ -462,24 +491,7 @@ async fn run_floodgate(args: &BenchArgs, shared: &Arc<Shared>) -> (Row, bool) {
             tokio::spawn(async move { floodgate_task(&shared, seed).await })
         })
         .collect();
-    let mut interrupted = wait(args.warmup).await;
-    shared.phase.store(MEASURE, Ordering::Relaxed);
-    let start = Instant::now();
-    if !interrupted {
-        interrupted = wait(args.duration).await;
-    }
-    shared.phase.store(STOP, Ordering::Relaxed);
-    let elapsed = start.elapsed();
-    let mut tally = Tally::default();
-    for task in tasks {
-        match task.await {
-            Ok(t) => tally.merge(t),
-            Err(e) => {
-                tally.errors += 1;
-                tally.first_error.get_or_insert_with(|| e.to_string());
-            }
-        }
-    }
+    let (tally, elapsed, interrupted) = measure(args, &shared.phase, tasks).await;
     let ops = tally.allowed + tally.denied;
     let row = Row {
         name: "floodgate check".to_owned(),
@@ -812,24 +824,7 @@ async fn run_pipelined(
             })
         })
         .collect();
-    let mut interrupted = wait(args.warmup).await;
-    phase.store(MEASURE, Ordering::Relaxed);
-    let start = Instant::now();
-    if !interrupted {
-        interrupted = wait(args.duration).await;
-    }
-    phase.store(STOP, Ordering::Relaxed);
-    let elapsed = start.elapsed();
-    let mut tally = Tally::default();
-    for task in tasks {
-        match task.await {
-            Ok(t) => tally.merge(t),
-            Err(e) => {
-                tally.errors += 1;
-                tally.first_error.get_or_insert_with(|| e.to_string());
-            }
-        }
-    }
+    let (tally, elapsed, interrupted) = measure(args, &phase, tasks).await;
     let ops = tally.allowed + tally.denied;
     let row = Row {
         name: format!("{name} x{depth}"),

@@ -1,57 +1,27 @@
 //! The deny cache: hammered denied keys cost the store (almost) nothing, and the cache never
 //! admits what the store would deny.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use floodgate_core::{
-    Check, CheckOptions, DenyCache, LeaseId, Limiter, MemoryError, MemoryLimiter, Policy, Verdict,
-};
+use common::Store;
+use floodgate_core::{Check, CheckOptions, DenyCache, Limiter, Policy};
 
-/// A limiter that counts the calls that reach it.
-#[derive(Clone)]
-struct Counting {
-    inner: MemoryLimiter,
-    calls: Arc<AtomicU64>,
-}
+/// A store round trip: concurrent callers pile up as they would.
+const ROUND_TRIP: Duration = Duration::from_micros(300);
 
-impl Limiter for Counting {
-    type Error = MemoryError;
-
-    async fn check(
-        &self,
-        checks: &[Check<'_>],
-        opts: CheckOptions,
-    ) -> Result<Verdict, MemoryError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        // A store round trip takes time: let concurrent callers pile up as they would.
-        tokio::time::sleep(Duration::from_micros(300)).await;
-        self.inner.check(checks, opts).await
-    }
-
-    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
-        self.inner.release(checks, lease).await
-    }
-
-    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
-        self.inner.reset(key, policy).await
-    }
-}
-
-fn counting() -> (Counting, Arc<AtomicU64>) {
-    let calls = Arc::new(AtomicU64::new(0));
-    (
-        Counting {
-            inner: MemoryLimiter::new(),
-            calls: Arc::clone(&calls),
-        },
-        calls,
-    )
+/// A store counting its calls, and the counter.
+fn counting() -> (Store, Arc<AtomicU64>) {
+    let store = Store::with_delay(ROUND_TRIP);
+    let calls = Arc::clone(&store.calls);
+    (store, calls)
 }
 
 /// 64 tasks hammer one key for `run`; returns (store calls, admitted).
-async fn hammer(limiter: DenyCache<Counting>, policy: Policy, run: Duration) -> (u64, u64) {
+async fn hammer(limiter: DenyCache<Store>, policy: Policy, run: Duration) -> (u64, u64) {
     let policy = Arc::new(policy);
     let admitted = Arc::new(AtomicU64::new(0));
     let stop = Instant::now() + run;
@@ -209,47 +179,15 @@ async fn concurrency_and_injected_time_bypass_the_cache() {
     assert_eq!(calls.load(Ordering::Relaxed), 3);
 }
 
-/// A limiter whose store calls take as long as `delay_ms` says.
-#[derive(Clone)]
-struct Slow {
-    inner: MemoryLimiter,
-    delay_ms: Arc<AtomicU64>,
-}
-
-impl Limiter for Slow {
-    type Error = MemoryError;
-
-    async fn check(
-        &self,
-        checks: &[Check<'_>],
-        opts: CheckOptions,
-    ) -> Result<Verdict, MemoryError> {
-        let delay = self.delay_ms.load(Ordering::Relaxed);
-        tokio::time::sleep(Duration::from_millis(delay)).await;
-        self.inner.check(checks, opts).await
-    }
-
-    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
-        self.inner.release(checks, lease).await
-    }
-
-    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
-        self.inner.reset(key, policy).await
-    }
-}
-
 /// When a denial runs out, one caller probes the store and the others wait for it. If that
 /// caller is cancelled (a dropped request, a timeout), the next caller must not wait for an
 /// answer that will never come.
 #[tokio::test]
 async fn a_cancelled_probe_does_not_hold_up_the_next_caller() {
-    let delay_ms = Arc::new(AtomicU64::new(0));
-    let cache = DenyCache::new(Slow {
-        inner: MemoryLimiter::new(),
-        delay_ms: Arc::clone(&delay_ms),
-    });
+    let store = Store::new();
+    let cache = DenyCache::new(store.clone());
     let p = Arc::new(Policy::per(1, Duration::from_millis(200)).expect("valid"));
-    let check = |cache: DenyCache<Slow>, p: Arc<Policy>| async move {
+    let check = |cache: DenyCache<Store>, p: Arc<Policy>| async move {
         cache
             .check(&[Check::new(b"k", &p)], CheckOptions::default())
             .await
@@ -259,13 +197,13 @@ async fn a_cancelled_probe_does_not_hold_up_the_next_caller() {
     assert!(!check(cache.clone(), Arc::clone(&p)).await.allowed());
     // The denial runs out; the next caller probes, and the store hangs.
     tokio::time::sleep(Duration::from_millis(250)).await;
-    delay_ms.store(5_000, Ordering::Relaxed);
+    store.set_delay(Duration::from_secs(5));
     let probe = tokio::spawn(check(cache.clone(), Arc::clone(&p)));
     tokio::time::sleep(Duration::from_millis(50)).await;
     probe.abort();
     assert!(probe.await.is_err_and(|e| e.is_cancelled()));
     // The store answers again; the next caller asks it at once.
-    delay_ms.store(0, Ordering::Relaxed);
+    store.set_delay(Duration::ZERO);
     let started = Instant::now();
     let next = check(cache.clone(), Arc::clone(&p)).await;
     assert!(next.allowed());

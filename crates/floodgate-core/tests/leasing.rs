@@ -1,55 +1,17 @@
 //! Leasing: a hot key costs the store one call per lease, and no more is admitted than the
 //! store granted.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use floodgate_core::{
-    Check, CheckOptions, LeaseId, Leasing, LeasingConfig, Limiter, MemoryError, MemoryLimiter,
-    Policy, SystemClock, Verdict,
-};
-
-/// A store that counts calls and the units it granted.
-#[derive(Clone)]
-struct Store {
-    inner: MemoryLimiter,
-    calls: Arc<AtomicU64>,
-    granted: Arc<AtomicU64>,
-}
-
-impl Limiter for Store {
-    type Error = MemoryError;
-
-    async fn check(
-        &self,
-        checks: &[Check<'_>],
-        opts: CheckOptions,
-    ) -> Result<Verdict, MemoryError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        let v = self.inner.check(checks, opts).await?;
-        if v.allowed() {
-            self.granted
-                .fetch_add(checks.iter().map(|c| c.cost).sum(), Ordering::Relaxed);
-        }
-        Ok(v)
-    }
-
-    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
-        self.inner.release(checks, lease).await
-    }
-
-    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
-        self.inner.reset(key, policy).await
-    }
-}
+use common::Store;
+use floodgate_core::{Check, CheckOptions, Leasing, LeasingConfig, Limiter, Policy, SystemClock};
 
 fn store() -> Store {
-    Store {
-        inner: MemoryLimiter::new(),
-        calls: Arc::new(AtomicU64::new(0)),
-        granted: Arc::new(AtomicU64::new(0)),
-    }
+    Store::new()
 }
 
 /// `replicas` leasing limiters over one store, 16 tasks each hammering one key for `run`.

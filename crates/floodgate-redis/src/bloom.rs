@@ -53,6 +53,7 @@ macro_rules! bloom_script {
     ($file:literal) => {
         LazyLock::new(|| {
             Script::new(concat!(
+                include_str!("lua/errors.lua"),
                 include_str!("lua/bloom_prelude.lua"),
                 include_str!($file)
             ))

@@ -40,6 +40,7 @@ use redis::{
 use tokio::sync::OnceCell;
 
 use crate::error::describe_value;
+use crate::keys::key_slot;
 use crate::{ConnectionKind, Error, RedisConfig};
 
 /// Reconnection backoff of the multiplexed connection: short enough that a
@@ -942,31 +943,6 @@ fn parse_time(value: &Value) -> Option<u64> {
     number(secs)?
         .checked_mul(1_000_000)?
         .checked_add(number(micros)?)
-}
-
-/// The cluster slot of a key (CRC16/XMODEM of its hash tag, mod 16384).
-fn key_slot(key: &[u8]) -> u16 {
-    let tagged = key
-        .iter()
-        .position(|&b| b == b'{')
-        .and_then(|open| {
-            let rest = &key[open + 1..];
-            let close = rest.iter().position(|&b| b == b'}')?;
-            (close > 0).then(|| &rest[..close])
-        })
-        .unwrap_or(key);
-    let mut crc: u16 = 0;
-    for &byte in tagged {
-        crc ^= u16::from(byte) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc % 16384
 }
 
 /// A call let through by a breaker, until its outcome is recorded; dropped without one, it

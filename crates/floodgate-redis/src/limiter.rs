@@ -16,34 +16,33 @@ use crate::batch::{self, BatchConfig, Checked, Job};
 use crate::keys::{key_slot, state_key};
 use crate::{ConnectionKind, Error, RedisConfig, RedisConn};
 
-/// The check script: the prelude, every algorithm, then the batch driver.
-pub(crate) const CHECK_SRC: &str = concat!(
-    include_str!("lua/prelude.lua"),
-    include_str!("lua/gcra.lua"),
-    include_str!("lua/shaper.lua"),
-    include_str!("lua/leaky_bucket.lua"),
-    include_str!("lua/token_bucket.lua"),
-    include_str!("lua/fixed_window.lua"),
-    include_str!("lua/sliding_window.lua"),
-    include_str!("lua/sliding_log.lua"),
-    include_str!("lua/concurrency.lua"),
-    include_str!("lua/check.lua"),
-);
+/// A script with every algorithm defined before `$main`: the errors and the prelude, then one
+/// file per algorithm, then the script's own body.
+macro_rules! with_algorithms {
+    ($main:literal) => {
+        concat!(
+            include_str!("lua/errors.lua"),
+            include_str!("lua/prelude.lua"),
+            include_str!("lua/gcra.lua"),
+            include_str!("lua/shaper.lua"),
+            include_str!("lua/leaky_bucket.lua"),
+            include_str!("lua/token_bucket.lua"),
+            include_str!("lua/fixed_window.lua"),
+            include_str!("lua/sliding_window.lua"),
+            include_str!("lua/sliding_log.lua"),
+            include_str!("lua/concurrency.lua"),
+            include_str!($main),
+        )
+    };
+}
 
-const UNDO_SRC: &str = concat!(
-    include_str!("lua/prelude.lua"),
-    include_str!("lua/gcra.lua"),
-    include_str!("lua/shaper.lua"),
-    include_str!("lua/leaky_bucket.lua"),
-    include_str!("lua/token_bucket.lua"),
-    include_str!("lua/fixed_window.lua"),
-    include_str!("lua/sliding_window.lua"),
-    include_str!("lua/sliding_log.lua"),
-    include_str!("lua/concurrency.lua"),
-    include_str!("lua/undo.lua"),
-);
+/// The check script: the prelude, every algorithm, then the batch driver.
+pub(crate) const CHECK_SRC: &str = with_algorithms!("lua/check.lua");
+
+const UNDO_SRC: &str = with_algorithms!("lua/undo.lua");
 
 const RELEASE_SRC: &str = concat!(
+    include_str!("lua/errors.lua"),
     include_str!("lua/prelude.lua"),
     include_str!("lua/release.lua")
 );

@@ -12,7 +12,7 @@ end
 if bad[1] == 1 then
   return bad
 end
-local kind = call(0, 'TYPE', KEYS[1])
+local kind = read(0, 'TYPE', KEYS[1])
 kind = kind.ok or kind
 if kind ~= 'none' then
   fail('FLOODGATE_CORRUPT', 0, 'a ' .. kind .. ' is there without a Bloom filter config')

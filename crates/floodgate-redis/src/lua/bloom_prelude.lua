@@ -11,24 +11,8 @@
 local FIELDS = { 'scheme', 'n', 'p', 'm', 'k', 'parts', 'part' }
 local FIRST_DATA = 9
 
-local function fail(code, idx, detail)
-  error({ err = code .. ' ' .. idx .. (detail and (' ' .. detail) or '') })
-end
-
--- A command on KEYS[idx + 1]; a key of another type is a typed error naming the key.
-local function call(idx, ...)
-  local r = redis.pcall(...)
-  if type(r) == 'table' and r.err then
-    if string.find(r.err, 'WRONGTYPE', 1, true) then
-      fail('FLOODGATE_WRONGTYPE', idx)
-    end
-    error(r)
-  end
-  return r
-end
-
 local function stored_config()
-  return call(1, 'HMGET', KEYS[2], unpack(FIELDS))
+  return read(1, 'HMGET', KEYS[2], unpack(FIELDS))
 end
 
 -- nil when the stored config equals ARGV[1..7], else the reply to return: {1, stored...} or
@@ -63,7 +47,7 @@ local function check()
   if bad then
     return bad
   end
-  local len = call(0, 'STRLEN', KEYS[1])
+  local len = read(0, 'STRLEN', KEYS[1])
   if len ~= tonumber(ARGV[8]) then
     fail('FLOODGATE_CORRUPT', 0, 'bitmap is ' .. len .. ' bytes, expected ' .. ARGV[8])
   end

@@ -24,28 +24,12 @@ local function ceil_div(a, b)
   return math.floor((a + b - 1) / b)
 end
 
-local function fail(code, idx, detail)
-  error({ err = code .. ' ' .. idx .. (detail and (' ' .. detail) or '') })
-end
-
 local function shown(v)
   v = tostring(v)
   if #v > 40 then
     v = string.sub(v, 1, 40) .. '...'
   end
   return string.format('%q', v)
-end
-
--- A command that reads a key; a key of another type is a typed error naming the key.
-local function read(idx, ...)
-  local r = redis.pcall(...)
-  if type(r) == 'table' and r.err then
-    if string.find(r.err, 'WRONGTYPE', 1, true) then
-      fail('FLOODGATE_WRONGTYPE', idx)
-    end
-    error(r)
-  end
-  return r
 end
 
 -- A non-negative integer field of a stored state, or a typed error naming the key.

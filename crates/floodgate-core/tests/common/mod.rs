@@ -1,0 +1,76 @@
+//! Shared by the tests of limiter wrappers (deny cache, leasing): an instrumented store.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use floodgate_core::{
+    Check, CheckOptions, LeaseId, Limiter, MemoryError, MemoryLimiter, Policy, Verdict,
+};
+
+/// A memory store that counts the calls that reach it and the units it granted, and takes as
+/// long per call as its delay says (a store round trip, or a store that hangs).
+#[derive(Clone)]
+pub struct Store {
+    pub inner: MemoryLimiter,
+    pub calls: Arc<AtomicU64>,
+    pub granted: Arc<AtomicU64>,
+    delay_us: Arc<AtomicU64>,
+}
+
+impl Store {
+    /// A store that answers at once.
+    pub fn new() -> Self {
+        Store {
+            inner: MemoryLimiter::new(),
+            calls: Arc::new(AtomicU64::new(0)),
+            granted: Arc::new(AtomicU64::new(0)),
+            delay_us: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// A store whose calls take `delay`.
+    pub fn with_delay(delay: Duration) -> Self {
+        let store = Store::new();
+        store.set_delay(delay);
+        store
+    }
+
+    /// From now on, calls take `delay` (also for the clones of this store).
+    pub fn set_delay(&self, delay: Duration) {
+        let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.delay_us.store(us, Ordering::Relaxed);
+    }
+}
+
+impl Limiter for Store {
+    type Error = MemoryError;
+
+    async fn check(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<Verdict, MemoryError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let delay = self.delay_us.load(Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_micros(delay)).await;
+        }
+        let verdict = self.inner.check(checks, opts).await?;
+        if verdict.allowed() {
+            self.granted
+                .fetch_add(checks.iter().map(|c| c.cost).sum(), Ordering::Relaxed);
+        }
+        Ok(verdict)
+    }
+
+    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
+        self.inner.release(checks, lease).await
+    }
+
+    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
+        self.inner.reset(key, policy).await
+    }
+}
