@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use floodgate_core::{Check, CheckOptions, Limiter, Policy};
 use floodgate_redis::keys::key_slot;
-use floodgate_redis::{BatchConfig, CHECK_SCRIPT, RedisLimiter};
+use floodgate_redis::{BatchConfig, RedisLimiter};
 use futures_util::{StreamExt, stream};
 use redis::aio::ConnectionLike;
 use redis::{ConnectionAddr, Value};
@@ -33,7 +33,7 @@ counts, errors, and latency quantiles (p50, p90, p99, p99.9, max).
 
 Baselines (unless --no-baselines), measured in the same run against the same server, each for
 --duration, say how close floodgate gets to what the server can do:
-  EVALSHA, pipelined   floodgate's own check script (CHECK_SCRIPT) with the keys and arguments
+  EVALSHA, pipelined   floodgate's own check script (the one its batches use) with the keys and arguments
                        floodgate sends for one decision (script_call), --pipeline deep, on
                        ceil(concurrency / pipeline) connections: as many calls in flight as
                        floodgate has; no client logic between calls
@@ -559,6 +559,7 @@ async fn floodgate_task(shared: &Shared, seed: u64) -> Tally {
 #[derive(Debug, Clone)]
 struct Template {
     sha: String,
+    script: &'static redis::Script,
     /// Everything after the keys.
     args: Vec<Vec<u8>>,
 }
@@ -927,7 +928,8 @@ async fn script_calls(
             .map_err(|e| e.to_string())?;
         if template.is_none() {
             template = Some(Template {
-                sha: CHECK_SCRIPT.get_hash().to_owned(),
+                sha: call.script.get_hash().to_owned(),
+                script: call.script,
                 args: call.args,
             });
         }
@@ -946,7 +948,7 @@ async fn script_calls(
     for client in clients {
         let load = async {
             let mut conn = client.get_multiplexed_async_connection().await?;
-            CHECK_SCRIPT.load_async(&mut conn).await
+            template.script.load_async(&mut conn).await
         };
         match tokio::time::timeout(args.redis.connect_timeout + args.redis.timeout, load).await {
             Ok(Ok(_)) => {}

@@ -18,7 +18,7 @@ use redis::Value;
 use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use crate::limiter::{CHECK_SCRIPT, Group, RELEASE, decode_group};
+use crate::limiter::{Group, RELEASE, check_script_for, decode_group};
 use crate::{ConnectionKind, Error, RedisConn, display_key};
 use floodgate_core::Verdict;
 
@@ -95,6 +95,14 @@ impl EncodedArgs {
         self.ends.push(self.buf.len());
     }
 
+    /// Appends `bytes` to the last argument.
+    fn extend_last(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+        if let Some(end) = self.ends.last_mut() {
+            *end = self.buf.len();
+        }
+    }
+
     fn push_u64(&mut self, v: u64) {
         self.push_bytes(itoa::Buffer::new().format(v).as_bytes());
     }
@@ -117,7 +125,8 @@ impl EncodedArgs {
 /// The check script's arguments for `groups` (see `lua/check.lua`): the injected time (or
 /// nothing), the policy table (each distinct policy once: its tag and four parameters), then
 /// per group its key count, max wait, lease, dry-run flag, and per check the policy's
-/// position in the table (from 1) and the cost.
+/// position in the table (from 1) and the cost; or, for a plain group (one check of cost 1,
+/// no wait, no lease, counted: most checks), only the policy's position, negated.
 pub(crate) fn encode(groups: &[&Group]) -> EncodedArgs {
     let mut policies: SmallVec<[(&'static str, [i64; 4]); 4]> = SmallVec::new();
     let mut index: SmallVec<[u64; 16]> = SmallVec::new();
@@ -151,6 +160,13 @@ pub(crate) fn encode(groups: &[&Group]) -> EncodedArgs {
     out.push_u64(groups.len() as u64);
     let mut index = index.into_iter();
     for g in groups {
+        if g.is_plain() {
+            // The short form: one argument, the policy's position, negated.
+            let i = index.next().unwrap_or(0);
+            out.push_bytes(b"-");
+            out.extend_last(itoa::Buffer::new().format(i).as_bytes());
+            continue;
+        }
         out.push_u64(g.keys.len() as u64);
         out.push_u64(g.max_wait);
         out.push_u64(g.lease);
@@ -190,7 +206,7 @@ pub(crate) async fn run_within(
     let args = encode(groups);
     let arg_refs: SmallVec<[&[u8]; 32]> = args.iter().collect();
     let reply = conn
-        .invoke_script_within(&CHECK_SCRIPT, &keys, &arg_refs, timeout)
+        .invoke_script_within(check_script_for(groups), &keys, &arg_refs, timeout)
         .await?;
     decode(&reply, groups)
 }

@@ -39,6 +39,50 @@ macro_rules! with_algorithms {
 /// The check script: the prelude, every algorithm, then the batch driver.
 pub(crate) const CHECK_SRC: &str = with_algorithms!("lua/check.lua");
 
+/// The check script with only the named algorithm files: a script defines its algorithms on
+/// every call, and a batch of one algorithm (the usual case) need not pay for the others.
+macro_rules! check_with {
+    ($($alg:literal),+) => {
+        concat!(
+            include_str!("lua/errors.lua"),
+            include_str!("lua/prelude.lua"),
+            $(include_str!($alg),)+
+            include_str!("lua/check.lua"),
+        )
+    };
+}
+
+/// One check script per algorithm, by tag (the shaper keeps its state as GCRA does).
+static ALGORITHM_CHECKS: LazyLock<[(&str, Script); 8]> = LazyLock::new(|| {
+    [
+        ("gcra", check_with!("lua/gcra.lua")),
+        ("shp", check_with!("lua/gcra.lua", "lua/shaper.lua")),
+        ("lb", check_with!("lua/leaky_bucket.lua")),
+        ("tb", check_with!("lua/token_bucket.lua")),
+        ("fw", check_with!("lua/fixed_window.lua")),
+        ("sw", check_with!("lua/sliding_window.lua")),
+        ("log", check_with!("lua/sliding_log.lua")),
+        ("conc", check_with!("lua/concurrency.lua")),
+    ]
+    .map(|(tag, src)| (tag, Script::new(src)))
+});
+
+/// The script for `groups`: the one of their algorithm when they share one, else
+/// [`CHECK_SCRIPT`]. Both decide alike; the smaller one is cheaper per call.
+pub(crate) fn check_script_for(groups: &[&Group]) -> &'static Script {
+    let mut tags = groups.iter().flat_map(|g| g.policies.iter().map(|p| p.0));
+    let Some(first) = tags.next() else {
+        return &CHECK_SCRIPT;
+    };
+    if tags.any(|t| t != first) {
+        return &CHECK_SCRIPT;
+    }
+    ALGORITHM_CHECKS
+        .iter()
+        .find(|(tag, _)| *tag == first)
+        .map_or(&CHECK_SCRIPT, |(_, script)| script)
+}
+
 const UNDO_SRC: &str = with_algorithms!("lua/undo.lua");
 
 const RELEASE_SRC: &str = concat!(
@@ -52,9 +96,11 @@ pub static CHECK_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(CHECK_S
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_SRC));
 static UNDO: LazyLock<Script> = LazyLock::new(|| Script::new(UNDO_SRC));
 
-/// The keys and arguments of one call of [`CHECK_SCRIPT`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One call of the check script: which script, its keys and arguments.
+#[derive(Clone, Debug)]
 pub struct ScriptArgs {
+    /// The script: [`CHECK_SCRIPT`], or the smaller one of the check's algorithm.
+    pub script: &'static Script,
     /// `KEYS`.
     pub keys: Vec<Vec<u8>>,
     /// `ARGV`.
@@ -119,6 +165,15 @@ impl Group {
     pub(crate) fn slot(&self) -> u16 {
         key_slot(&self.keys[0])
     }
+
+    /// One check of cost 1, no wait, no lease, counted: the script's one-argument form.
+    pub(crate) fn is_plain(&self) -> bool {
+        self.keys.len() == 1
+            && self.costs.first() == Some(&1)
+            && self.max_wait == 0
+            && self.lease == 0
+            && !self.dry_run
+    }
 }
 
 impl RedisLimiter {
@@ -166,7 +221,7 @@ impl RedisLimiter {
         state_key(&self.inner.prefix, policy, key)
     }
 
-    /// The keys and arguments of [`CHECK_SCRIPT`] for one check, as `EVALSHA` sends them (for
+    /// The script, keys and arguments of the check script call for one check, as `EVALSHA` sends them (for
     /// benchmarks that compare against raw `EVALSHA`).
     pub fn script_call(
         &self,
@@ -176,6 +231,7 @@ impl RedisLimiter {
         let group = self.encode(checks, opts)?;
         let args = batch::encode_args(&[&group]);
         Ok(ScriptArgs {
+            script: check_script_for(&[&group]),
             keys: group.keys.into_vec(),
             args,
         })

@@ -4,8 +4,12 @@
 -- KEYS: one state key per check, group after group (on a cluster, all in one slot).
 -- ARGV: now (us, or '' for the server's TIME),
 --       P, then P policies of 5 values: algorithm tag and four parameters,
---       G, then G groups: n, max wait (us), lease id, dry run (1: decide, never count), then
---       n checks of 2 values: policy number (1-based) and cost.
+--       G, then G groups, each in one of two forms:
+--         -i: one check of policy number i (1-based), cost 1, no wait, no lease, counted (the
+--             common case, one argument);
+--         n > 0, max wait (us), lease id, dry run (1: decide, never count), then n checks of
+--             2 values: policy number and cost.
+--       Parsing happens twice (validate everything, then run) without tables per group.
 -- Reply: the time used, then per group either 1 followed by 6 integers per check
 --        {allowed, limit, remaining, retry_after_us (-1: none), reset_after_us, wait_us},
 --        or 0 followed by the group's error (a corrupted or wrong-type key).
@@ -49,22 +53,32 @@ if ng == nil then
 end
 a = a + 1
 
--- Parse and validate every argument before anything runs: groups as parallel arrays.
-local g_n, g_wait, g_lease, g_dry, g_arg, g_key = {}, {}, {}, {}, {}, {}
+-- Validate every argument before anything runs.
+local first = a
 local k = 1
 for g = 1, ng do
-  local n, max_wait, lease, dry = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3]
-  if n == nil or n < 1 or max_wait == nil or lease == nil or dry == nil then
+  local n = tonumber(ARGV[a])
+  if n == nil or n == 0 or n ~= math.floor(n) then
     malformed('group ' .. g)
   end
-  g_n[g], g_wait[g], g_lease[g], g_dry[g], g_arg[g], g_key[g] = n, max_wait, lease, dry == '1', a + 4, k
-  a = a + 4
-  for i = 1, n do
-    if algs[tonumber(ARGV[a])] == nil or tonumber(ARGV[a + 1]) == nil or KEYS[k] == nil then
-      malformed('group ' .. g .. ' check ' .. i)
+  if n < 0 then
+    if algs[-n] == nil or KEYS[k] == nil then
+      malformed('group ' .. g)
     end
-    a = a + 2
+    a = a + 1
     k = k + 1
+  else
+    if tonumber(ARGV[a + 1]) == nil or ARGV[a + 2] == nil or ARGV[a + 3] == nil then
+      malformed('group ' .. g)
+    end
+    a = a + 4
+    for i = 1, n do
+      if algs[tonumber(ARGV[a])] == nil or tonumber(ARGV[a + 1]) == nil or KEYS[k] == nil then
+        malformed('group ' .. g .. ' check ' .. i)
+      end
+      a = a + 2
+      k = k + 1
+    end
   end
 end
 if k ~= #KEYS + 1 or a ~= #ARGV + 1 then
@@ -73,11 +87,6 @@ end
 
 local reply = { now }
 local r = 1
-
-local function push(al, li, re, ry, rs, wa)
-  reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5], reply[r + 6] = al, li, re, ry, rs, wa
-  r = r + 6
-end
 
 local function fail_group(res)
   -- Redis hands pcall our error tables as their message.
@@ -88,20 +97,52 @@ local function fail_group(res)
   r = r + 2
 end
 
+-- One check, its own group: load, decide, count when allowed. Algorithms may provide `fast`,
+-- the same in one function without a state table.
+local function single(alg, p, k, cost, max_wait, lease, dry)
+  local key = KEYS[k]
+  if alg.fast and not dry then
+    return alg.fast(0, key, p, now, cost, max_wait, lease)
+  end
+  local st = alg.load(0, key, p, now)
+  local al, li, re, ry, rs, wa = alg.decide(st, p, now, cost, max_wait)
+  if al == 1 then
+    if dry then
+      al, li, re, ry, rs, wa = alg.decide(st, p, now, 0, max_wait)
+      wa = 0
+    elseif cost > 0 then
+      alg.commit(st, p, now, cost, lease)
+      alg.save(key, st, p, now)
+    end
+  else
+    wa = 0
+  end
+  return al, li, re, ry, rs, wa
+end
+
+local function run_single(ok, al, li, re, ry, rs, wa)
+  if ok then
+    reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5], reply[r + 6], reply[r + 7] =
+      1, al, li, re, ry, rs, wa
+    r = r + 7
+  else
+    fail_group(al)
+  end
+end
+
 -- A group of several checks: all-or-nothing.
-local function run_group(g)
+local function run_group(b, k0, n, max_wait, lease, dry)
   local checks = {}
-  local b = g_arg[g]
-  for i = 1, g_n[g] do
+  for i = 1, n do
     local pi = tonumber(ARGV[b])
-    local c = { alg = algs[pi], p = params[pi], cost = tonumber(ARGV[b + 1]), key = KEYS[g_key[g] + i - 1] }
+    local c = { alg = algs[pi], p = params[pi], cost = tonumber(ARGV[b + 1]), key = KEYS[k0 + i - 1] }
     c.st = c.alg.load(i - 1, c.key, c.p, now)
     checks[i] = c
     b = b + 2
   end
-  local all = not g_dry[g]
+  local all = not dry
   for _, c in ipairs(checks) do
-    c.out = { c.alg.decide(c.st, c.p, now, c.cost, g_wait[g]) }
+    c.out = { c.alg.decide(c.st, c.p, now, c.cost, max_wait) }
     if c.out[1] == 0 then
       all = false
     end
@@ -110,12 +151,12 @@ local function run_group(g)
   for _, c in ipairs(checks) do
     if all then
       if c.cost > 0 then
-        c.alg.commit(c.st, c.p, now, c.cost, g_lease[g])
+        c.alg.commit(c.st, c.p, now, c.cost, lease)
         c.alg.save(c.key, c.st, c.p, now)
       end
     elseif c.out[1] == 1 then
       -- Nothing is counted: report this policy's state as it stands.
-      c.out = { c.alg.decide(c.st, c.p, now, 0, g_wait[g]) }
+      c.out = { c.alg.decide(c.st, c.p, now, 0, max_wait) }
     end
     if not all then
       c.out[6] = 0
@@ -125,42 +166,34 @@ local function run_group(g)
   return out
 end
 
-for g = 1, ng do
-  if g_n[g] == 1 then
-    local b = g_arg[g]
-    local pi = tonumber(ARGV[b])
-    local alg, p, cost, key = algs[pi], params[pi], tonumber(ARGV[b + 1]), KEYS[g_key[g]]
-    local ok, st = pcall(alg.load, 0, key, p, now)
-    if not ok then
-      fail_group(st)
+a, k = first, 1
+for _ = 1, ng do
+  local n = tonumber(ARGV[a])
+  if n < 0 then
+    run_single(pcall(single, algs[-n], params[-n], k, 1, 0, '0', false))
+    a = a + 1
+    k = k + 1
+  else
+    local max_wait, lease, dry = tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3] == '1'
+    if n == 1 then
+      local pi = tonumber(ARGV[a + 4])
+      run_single(pcall(single, algs[pi], params[pi], k, tonumber(ARGV[a + 5]), max_wait, lease, dry))
     else
-      local al, li, re, ry, rs, wa = alg.decide(st, p, now, cost, g_wait[g])
-      if al == 1 then
-        if g_dry[g] then
-          al, li, re, ry, rs, wa = alg.decide(st, p, now, 0, g_wait[g])
-          wa = 0
-        elseif cost > 0 then
-          alg.commit(st, p, now, cost, g_lease[g])
-          alg.save(key, st, p, now)
+      local ok, res = pcall(run_group, a + 4, k, n, max_wait, lease, dry)
+      if ok then
+        reply[r + 1] = 1
+        r = r + 1
+        for _, o in ipairs(res) do
+          reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5], reply[r + 6] =
+            o[1], o[2], o[3], o[4], o[5], o[6]
+          r = r + 6
         end
       else
-        wa = 0
+        fail_group(res)
       end
-      reply[r + 1] = 1
-      r = r + 1
-      push(al, li, re, ry, rs, wa)
     end
-  else
-    local ok, res = pcall(run_group, g)
-    if ok then
-      reply[r + 1] = 1
-      r = r + 1
-      for _, o in ipairs(res) do
-        push(o[1], o[2], o[3], o[4], o[5], o[6])
-      end
-    else
-      fail_group(res)
-    end
+    a = a + 4 + 2 * n
+    k = k + n
   end
 end
 return reply

@@ -35,6 +35,29 @@ ALG.gcra = {
     end
   end,
 
+  -- load, decide, commit and save in one, without a state table: the path of most checks.
+  fast = function(idx, key, p, now, cost)
+    local emission, tolerance = p[1], p[2]
+    local tat = int_field(idx, 'tat', read(idx, 'GET', key), 0)
+    if tat < now then
+      tat = now
+    end
+    local inc = emission * cost
+    local allowed, ttl, retry = 0, tat - now, -1
+    if inc <= MAX_SPAN then
+      local new_tat = tat + inc
+      if new_tat <= now + tolerance then
+        allowed, ttl = 1, new_tat - now
+        if cost > 0 then
+          redis.call('SET', key, fmt(new_tat), 'PX', fmt(ceil_div(ttl, 1000) + TTL_SLACK))
+        end
+      elseif inc <= tolerance then
+        retry = new_tat - tolerance - now
+      end
+    end
+    return allowed, p[3], floor_div(math.max(0, tolerance - ttl), emission), retry, ttl, 0
+  end,
+
   -- Gives back `cost` units taken at `now` (a check across cluster slots that failed later).
   undo = function(idx, key, p, now, cost)
     local st = ALG.gcra.load(idx, key)
