@@ -10,18 +10,7 @@ use std::time::{Duration, Instant};
 
 use floodgate_core::{Check, CheckOptions, DenyCache, Limiter, Policy};
 use floodgate_redis::ConnectionKind;
-use support::{limiter, run, server};
-
-/// `EVALSHA` calls the server has executed.
-fn evalsha_calls(server: &floodgate_testkit::RedisServer) -> u64 {
-    let reply = server.cmd(&["INFO", "commandstats"]).expect("INFO");
-    let info = String::from_utf8_lossy(reply.as_bytes().expect("bulk reply")).into_owned();
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
-}
+use support::{command_calls, limiter, run, server};
 
 #[test]
 fn sixty_four_tasks_on_a_denied_key_cost_about_one_call_per_retry_period() {
@@ -36,7 +25,7 @@ fn sixty_four_tasks_on_a_denied_key_cost_about_one_call_per_retry_period() {
             .await
             .expect("check");
         assert!(first.allowed());
-        let before = evalsha_calls(&server);
+        let before = command_calls(&server, "evalsha");
         let started = Instant::now();
         let run_for = Duration::from_secs(5);
         let admitted = Arc::new(AtomicU64::new(0));
@@ -67,7 +56,7 @@ fn sixty_four_tasks_on_a_denied_key_cost_about_one_call_per_retry_period() {
         for t in tasks {
             t.await.expect("task");
         }
-        let calls = evalsha_calls(&server) - before;
+        let calls = command_calls(&server, "evalsha") - before;
         let periods = run_for.as_millis() as u64 / 500;
         let admitted = admitted.load(Ordering::Relaxed);
         let checks = checks.load(Ordering::Relaxed);

@@ -97,6 +97,18 @@ local function fail_group(res)
   r = r + 2
 end
 
+-- Writes what the algorithms' `fast` paths deferred: before a path that reads Redis itself,
+-- and at the end; outside `pcall`, so a failed write fails the whole call, never one group
+-- while the others' counts are lost.
+local function flush()
+  for i = 1, np do
+    local f = algs[i].flush
+    if f then
+      f(now)
+    end
+  end
+end
+
 -- One check, its own group: load, decide, count when allowed. Algorithms may provide `fast`,
 -- the same in one function without a state table.
 local function single(alg, p, k, cost, max_wait, lease, dry)
@@ -170,15 +182,23 @@ a, k = first, 1
 for _ = 1, ng do
   local n = tonumber(ARGV[a])
   if n < 0 then
-    run_single(pcall(single, algs[-n], params[-n], k, 1, 0, '0', false))
+    local alg = algs[-n]
+    if not alg.fast then
+      flush()
+    end
+    run_single(pcall(single, alg, params[-n], k, 1, 0, '0', false))
     a = a + 1
     k = k + 1
   else
     local max_wait, lease, dry = tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3] == '1'
     if n == 1 then
       local pi = tonumber(ARGV[a + 4])
+      if dry or not algs[pi].fast then
+        flush()
+      end
       run_single(pcall(single, algs[pi], params[pi], k, tonumber(ARGV[a + 5]), max_wait, lease, dry))
     else
+      flush()
       local ok, res = pcall(run_group, a + 4, k, n, max_wait, lease, dry)
       if ok then
         reply[r + 1] = 1
@@ -196,4 +216,5 @@ for _ = 1, ng do
     k = k + n
   end
 end
+flush()
 return reply

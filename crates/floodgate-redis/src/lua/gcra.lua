@@ -1,6 +1,10 @@
 -- GCRA: redis-cell's CL.THROTTLE. State: the theoretical arrival time, as a string.
 -- Params: emission interval, tolerance (emission * (max_burst + 1)), limit.
 
+-- The states `fast` read during this call (key -> tat) or changed (key -> -tat: a tat is
+-- never negative, and a changed one is positive), and the changed keys in order.
+local gcra_seen, gcra_changed = {}, {}
+
 ALG.gcra = {
   load = function(idx, key)
     return { tat = int_field(idx, 'tat', read(idx, 'GET', key), 0) }
@@ -36,9 +40,21 @@ ALG.gcra = {
   end,
 
   -- load, decide, commit and save in one, without a state table: the path of most checks.
+  -- Within one call it keeps what it read (key -> tat) and wrote (key -> -tat) and writes each
+  -- changed key once, in `flush`: a batch of many checks of one hot key reads and writes it
+  -- once.
   fast = function(idx, key, p, now, cost)
     local emission, tolerance = p[1], p[2]
-    local tat = int_field(idx, 'tat', read(idx, 'GET', key), 0)
+    local seen = gcra_seen[key]
+    local tat
+    if seen == nil then
+      tat = int_field(idx, 'tat', read(idx, 'GET', key), 0)
+      gcra_seen[key] = tat
+    elseif seen < 0 then
+      tat = -seen
+    else
+      tat = seen
+    end
     if tat < now then
       tat = now
     end
@@ -49,13 +65,28 @@ ALG.gcra = {
       if new_tat <= now + tolerance then
         allowed, ttl = 1, new_tat - now
         if cost > 0 then
-          redis.call('SET', key, fmt(new_tat), 'PX', fmt(ceil_div(ttl, 1000) + TTL_SLACK))
+          if seen == nil or seen >= 0 then
+            gcra_changed[#gcra_changed + 1] = key
+          end
+          gcra_seen[key] = -new_tat
         end
       elseif inc <= tolerance then
         retry = new_tat - tolerance - now
       end
     end
     return allowed, p[3], floor_div(math.max(0, tolerance - ttl), emission), retry, ttl, 0
+  end,
+
+  -- Writes what `fast` changed, and forgets what it read (other paths may write it next).
+  flush = function(now)
+    for i = 1, #gcra_changed do
+      local key = gcra_changed[i]
+      local tat = -gcra_seen[key]
+      redis.call('SET', key, fmt(tat), 'PX', fmt(ceil_div(tat - now, 1000) + TTL_SLACK))
+    end
+    if next(gcra_seen) ~= nil then
+      gcra_seen, gcra_changed = {}, {}
+    end
   end,
 
   -- Gives back `cost` units taken at `now` (a check across cluster slots that failed later).

@@ -23,3 +23,16 @@ pub async fn cluster_limiter(cluster: &RedisCluster) -> RedisLimiter {
         .timeout(Duration::from_secs(2));
     RedisLimiter::connect(&config).await.expect("connect")
 }
+
+/// How many times the server has executed `command` (lower case, as `INFO commandstats` names
+/// it: "evalsha", "get", "set").
+pub fn command_calls(server: &floodgate_testkit::RedisServer, command: &str) -> u64 {
+    let reply = server.cmd(&["INFO", "commandstats"]).expect("INFO");
+    let info = String::from_utf8_lossy(reply.as_bytes().expect("bulk reply")).into_owned();
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}

@@ -1,0 +1,124 @@
+//! Batching against a real Redis: checks issued together go out as few script calls, a hot
+//! key is read and written once per call however many of the batch's checks it has, and the
+//! decisions are exactly those of the checks made one by one.
+
+mod support;
+
+use std::time::Duration;
+
+use floodgate_core::{Check, CheckOptions, Limiter, Policy};
+use floodgate_redis::ConnectionKind;
+use futures_util::future::join_all;
+use support::{command_calls, limiter, run, server};
+
+const HOUR: Duration = Duration::from_secs(3_600);
+
+/// 300 checks of one key issued at once: exactly the burst of 50 is admitted, the state is
+/// written (the next check is denied, the key has a TTL), and Redis ran far fewer `GET`s and
+/// `SET`s than there were checks, at most one of each per script call.
+#[test]
+fn checks_of_one_hot_key_in_a_batch_read_and_write_it_once_per_call() {
+    let server = server();
+    run(Duration::from_secs(30), async {
+        let limiter = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let policy = Policy::gcra(49, 1, HOUR).expect("valid");
+        // Load the script first, so that every call below runs it.
+        limiter
+            .check_one(b"warm-up", &policy, 1)
+            .await
+            .expect("warm-up");
+        let (calls0, gets0, sets0) = (
+            command_calls(&server, "evalsha"),
+            command_calls(&server, "get"),
+            command_calls(&server, "set"),
+        );
+        let checks = (0..300).map(|_| limiter.check_one(b"hot", &policy, 1));
+        let decisions = join_all(checks).await;
+        let admitted = decisions
+            .iter()
+            .map(|d| d.as_ref().expect("decided"))
+            .filter(|d| d.allowed)
+            .count();
+        assert_eq!(admitted, 50, "the burst is 50");
+        let calls = command_calls(&server, "evalsha") - calls0;
+        let gets = command_calls(&server, "get") - gets0;
+        let sets = command_calls(&server, "set") - sets0;
+        assert!(
+            calls < 100,
+            "300 concurrent checks took {calls} script calls"
+        );
+        assert!(gets <= calls, "{gets} GETs in {calls} calls");
+        assert!(sets <= calls, "{sets} SETs in {calls} calls");
+
+        let after = limiter
+            .check_one(b"hot", &policy, 1)
+            .await
+            .expect("decided");
+        assert!(!after.allowed, "the 50 admitted were not written");
+        let key = limiter.state_key(&policy, b"hot");
+        let ttl = server.cmd(&[b"PTTL".as_slice(), &key]).expect("PTTL");
+        assert!(
+            matches!(ttl, floodgate_testkit::Resp::Int(ms) if ms > 0),
+            "no TTL: {ttl:?}"
+        );
+    });
+}
+
+/// A batch mixing one-check groups, two-policy groups and dry runs of the same key: the
+/// two-policy groups and the one-check groups count against the same budget of 50, whichever
+/// order the batch runs them in, and nothing is admitted beyond it.
+#[test]
+fn a_batch_mixing_single_checks_and_groups_of_one_key_admits_exactly_the_budget() {
+    let server = server();
+    run(Duration::from_secs(30), async {
+        let limiter = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let tight = Policy::gcra(49, 1, HOUR)
+            .and_then(|p| p.named("tight"))
+            .expect("valid");
+        let loose = Policy::gcra(99_999, 1, HOUR)
+            .and_then(|p| p.named("loose"))
+            .expect("valid");
+        let fixed = Policy::fixed_window(1_000_000, HOUR).expect("valid");
+        limiter
+            .check_one(b"warm-up", &tight, 1)
+            .await
+            .expect("warm-up");
+        // Interleaved, so that groups run between single checks of the same key in a batch.
+        let single = [Check::new(b"hot", &tight)];
+        let pair = [Check::new(b"hot", &tight), Check::new(b"hot", &loose)];
+        // Another algorithm in the same batch: the batch runs the script with every algorithm.
+        let mixed = [Check::new(b"hot", &tight), Check::new(b"hot", &fixed)];
+        let opts = CheckOptions::default();
+        let all = join_all((0..300).map(|i| match i % 4 {
+            0 => limiter.check(&pair, opts),
+            1 => limiter.check(&mixed, opts),
+            _ => limiter.check(&single, opts),
+        }))
+        .await;
+        let admitted = all
+            .iter()
+            .map(|v| v.as_ref().expect("decided"))
+            .filter(|v| v.allowed())
+            .count();
+        assert_eq!(admitted, 50, "tight's budget is 50");
+        // The loose and fixed policies counted only the admitted groups.
+        let loose_left = limiter
+            .check(&[Check::new(b"hot", &loose).cost(0)], opts)
+            .await
+            .expect("peek");
+        let fixed_left = limiter
+            .check(&[Check::new(b"hot", &fixed).cost(0)], opts)
+            .await
+            .expect("peek");
+        let counted = (100_000 - loose_left.decisions[0].remaining)
+            + (1_000_000 - fixed_left.decisions[0].remaining);
+        let groups_admitted = all
+            .iter()
+            .step_by(4)
+            .chain(all.iter().skip(1).step_by(4))
+            .flatten()
+            .filter(|v| v.allowed())
+            .count();
+        assert_eq!(counted, groups_admitted as u64);
+    });
+}
