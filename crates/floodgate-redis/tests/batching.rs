@@ -6,8 +6,8 @@ mod support;
 
 use std::time::Duration;
 
-use floodgate_core::{Check, CheckOptions, Limiter, Policy};
-use floodgate_redis::ConnectionKind;
+use floodgate_core::{Check, CheckOptions, Limiter, MemoryLimiter, Policy, Timestamp};
+use floodgate_redis::{BatchConfig, ConnectionKind, RedisConfig, RedisConn, RedisLimiter};
 use futures_util::future::join_all;
 use support::{command_calls, limiter, run, server};
 
@@ -120,5 +120,79 @@ fn a_batch_mixing_single_checks_and_groups_of_one_key_admits_exactly_the_budget(
             .filter(|v| v.allowed())
             .count();
         assert_eq!(counted, groups_admitted as u64);
+    });
+}
+
+/// Random checks issued at once (so that the batches hold many checks of the same keys: plain
+/// ones, peeks of cost 0, costs above 1, two-policy groups, another algorithm) decide exactly
+/// as the same checks made one by one, in the same order, by the in-memory limiter at the same
+/// instant. Without the flush of GCRA's remembered state before the other paths, or with a
+/// stale read of it, the decisions differ.
+#[test]
+fn a_concurrent_batch_decides_as_the_same_checks_one_by_one() {
+    let server = server();
+    run(Duration::from_secs(60), async {
+        // One call in flight at a time: calls in flight together are sent by separate tasks,
+        // in no set order (as concurrent callers' checks have none). One at a time keeps the
+        // order the checks were issued in.
+        let config = RedisConfig::new(&server.url()).expect("valid URL");
+        let conn = RedisConn::connect(&config).await.expect("connect");
+        let batching = BatchConfig {
+            max_in_flight: 1,
+            ..BatchConfig::default()
+        };
+        let limiter = RedisLimiter::with_batching(conn, "floodgate", batching);
+        let p = |r: Result<Policy, floodgate_core::PolicyError>, name: &str| {
+            r.and_then(|p| p.named(name)).expect("valid")
+        };
+        let policies = [
+            p(Policy::gcra(4, 1, HOUR), "a"),
+            p(Policy::gcra(9, 10, Duration::from_secs(1)), "b"),
+            p(Policy::token_bucket(6, 1, HOUR), "c"),
+        ];
+        let at = Timestamp::from_micros(1_709_214_330_000_000);
+        for seed in 0..20u64 {
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let memory = MemoryLimiter::new();
+            // (key, policies, cost) per check; the keys differ per seed.
+            let plan: Vec<(Vec<u8>, Vec<usize>, u64)> = (0..200)
+                .map(|_| {
+                    let key = format!("s{seed}-k{}", rng.u8(0..3)).into_bytes();
+                    let chosen = match rng.u8(0..10) {
+                        0..=5 => vec![0],
+                        6 => vec![1],
+                        7 => vec![0, 1],
+                        8 => vec![0, 2],
+                        _ => vec![2],
+                    };
+                    let cost = [0, 1, 1, 1, 2, 5][rng.usize(0..6)];
+                    (key, chosen, cost)
+                })
+                .collect();
+            let checks: Vec<Vec<Check<'_>>> = plan
+                .iter()
+                .map(|(key, chosen, cost)| {
+                    chosen
+                        .iter()
+                        .map(|&i| Check::new(key, &policies[i]).cost(*cost))
+                        .collect()
+                })
+                .collect();
+            let opts = CheckOptions::at(at);
+            // Unconstrained: tokio's cooperative budget would make some checks yield before
+            // they queue, and queue after later ones.
+            let batched =
+                tokio::task::unconstrained(join_all(checks.iter().map(|c| limiter.check(c, opts))))
+                    .await;
+            for (i, (c, got)) in checks.iter().zip(&batched).enumerate() {
+                let got = got.as_ref().expect("decided");
+                let want = memory.check_sync(c, opts).expect("decided");
+                assert_eq!(
+                    got.decisions, want.decisions,
+                    "seed {seed}, check {i} of {:?}: Redis (batched) against memory",
+                    plan[i]
+                );
+            }
+        }
     });
 }
