@@ -15,7 +15,9 @@
 --        or 0 followed by the group's error (a corrupted or wrong-type key).
 -- A group reads and validates every state before it writes anything, so a failing group
 -- changes nothing, and the other groups of the batch are unaffected. Groups of one check,
--- the common case in a batch, take a path that allocates nothing per check.
+-- the common case in a batch, take a path without a state table per check; GCRA's remembers
+-- the keys it read and wrote within the call, so a key checked many times in one batch is
+-- read and written once (`flush`).
 
 local now
 if ARGV[1] ~= '' then
