@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use floodgate_core::{Check, CheckOptions, Limiter, Policy};
+use floodgate_core::{Check, CheckOptions, Kind, Limiter, Policy};
 use floodgate_redis::keys::key_slot;
 use floodgate_redis::{BatchConfig, RedisLimiter};
 use futures_util::{StreamExt, stream};
@@ -41,8 +41,13 @@ Baselines (unless --no-baselines), measured in the same run against the same ser
   redis-benchmark      when the binary is on PATH (not on a cluster, TLS, or a server with a
                        password: it would need the password on its command line): its INCR and
                        EVALSHA figures with -P <pipeline> -c <concurrency> -r <keys>
+  redis-cell           when the server has the redis-cell module (CL.THROTTLE) and the policy is
+                       one GCRA whose rate is a whole number per second (or one per whole
+                       seconds): CL.THROTTLE with the same burst and rate, pipelined as above and
+                       with redis-benchmark; the native module is the peer floodgate's Lua
+                       path is measured against (scripts/build-redis-cell builds it)
 Each baseline row shows floodgate's decisions/s divided by its own rate. Pipelined rows'
-latencies are per pipeline. INCR keys are deleted at the end.
+latencies are per pipeline. INCR and CL.THROTTLE keys are deleted at the end.
 
 The policy: --algorithm (default gcra) or --policy, as in `check`. Policy flags that are not
 given take defaults of about 10 per second: gcra --max-burst 9 --count 10 --period 1s;
@@ -59,7 +64,8 @@ Examples:
   floodgate bench --algorithm sliding_log --limit 100 --window 1m --no-baselines
 
 Keys are <prefix>:<algorithm>:<policy>:{bench-000000000042} (they expire like every floodgate
-key) and <prefix>:bench-incr:{bench-000000000042} for the INCR baselines (deleted at the end).
+key), <prefix>:bench-incr:{bench-000000000042} for the INCR baselines and
+<prefix>:bench-cell:{bench-000000000042} for the redis-cell ones (deleted at the end).
 Ctrl-C stops the run and prints what was measured so far.
 
 Exit status: 0 when the benchmark ran, 1 when Redis could not be reached or no decision at all
@@ -174,7 +180,7 @@ struct Row {
     /// What ran.
     name: String,
     /// A stable identifier: floodgate, evalsha_pipelined, incr_pipelined,
-    /// redis_benchmark_incr, redis_benchmark_evalsha.
+    /// redis_benchmark_incr, redis_benchmark_evalsha, cell_pipelined, redis_benchmark_cell.
     id: &'static str,
     /// Commands (or decisions) completed while measured.
     ops: u64,
@@ -574,6 +580,11 @@ enum Workload {
     },
     /// `INCR key`.
     Incr { keys: Vec<Vec<u8>> },
+    /// `CL.THROTTLE key max_burst count period 1`.
+    Throttle {
+        keys: Vec<Vec<u8>>,
+        params: CellParams,
+    },
 }
 
 impl Workload {
@@ -591,6 +602,14 @@ impl Workload {
             }
             Workload::Incr { keys } => {
                 pipe.cmd("INCR").arg(keys[i].as_slice());
+            }
+            Workload::Throttle { keys, params } => {
+                pipe.cmd("CL.THROTTLE")
+                    .arg(keys[i].as_slice())
+                    .arg(params.max_burst)
+                    .arg(params.count)
+                    .arg(params.period_s)
+                    .arg(1);
             }
         }
     }
@@ -762,10 +781,21 @@ async fn run_baselines(
         rows.append(&mut more);
         interrupted = stop;
     }
-    let cleanup = tokio::time::timeout(
-        Duration::from_secs(30),
-        delete_keys(&args.redis, cluster, &incr_keys, &picker),
-    );
+    // (d) The native redis-cell module, when the server has it.
+    let cell_keys: Vec<Vec<u8>> = shared
+        .keys
+        .iter()
+        .map(|k| baseline_key(&args.redis.prefix, "bench-cell", k))
+        .collect();
+    if !interrupted {
+        let (mut more, stop) = cell_baselines(args, shared, cluster, &cell_keys, &picker).await;
+        rows.append(&mut more);
+        interrupted = stop;
+    }
+    let cleanup = tokio::time::timeout(Duration::from_secs(30), async {
+        delete_keys(&args.redis, cluster, &incr_keys, &picker).await?;
+        delete_keys(&args.redis, cluster, &cell_keys, &picker).await
+    });
     let cleaned = match cleanup.await {
         Ok(r) => r,
         Err(_) => Err("timed out after 30s".to_owned()),
@@ -781,10 +811,138 @@ async fn run_baselines(
 
 /// The INCR baseline's key for a user key: same hash tag (slot) as floodgate's keys.
 fn incr_key(prefix: &str, user_key: &[u8]) -> Vec<u8> {
-    let mut k = format!("{prefix}:bench-incr:{{").into_bytes();
+    baseline_key(prefix, "bench-incr", user_key)
+}
+
+/// A baseline's key `<prefix>:<what>:{<user key>}`: same hash tag (slot) as floodgate's keys.
+fn baseline_key(prefix: &str, what: &str, user_key: &[u8]) -> Vec<u8> {
+    let mut k = format!("{prefix}:{what}:{{").into_bytes();
     k.extend_from_slice(user_key);
     k.push(b'}');
     k
+}
+
+/// `CL.THROTTLE`'s arguments for the same limit as floodgate's policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CellParams {
+    max_burst: u64,
+    count: u64,
+    period_s: u64,
+}
+
+impl CellParams {
+    /// The policy as redis-cell's arguments, or why it has none: one GCRA policy, whose rate
+    /// is a whole number per second or one per whole number of seconds (redis-cell's period is
+    /// whole seconds).
+    fn of(policies: &[Policy]) -> Result<Self, String> {
+        let [policy] = policies else {
+            return Err("redis-cell checks one policy at a time".into());
+        };
+        let Kind::Gcra(g) = policy.kind() else {
+            return Err(format!(
+                "redis-cell implements GCRA only, not {}",
+                policy.algorithm().as_str()
+            ));
+        };
+        let emission = g.emission_us();
+        let max_burst = g.limit().saturating_sub(1);
+        if emission > 0 && 1_000_000 % emission == 0 {
+            Ok(CellParams {
+                max_burst,
+                count: 1_000_000 / emission,
+                period_s: 1,
+            })
+        } else if emission % 1_000_000 == 0 {
+            Ok(CellParams {
+                max_burst,
+                count: 1,
+                period_s: emission / 1_000_000,
+            })
+        } else {
+            Err(format!(
+                "one request per {emission} us is not a rate redis-cell can take (whole seconds)"
+            ))
+        }
+    }
+}
+
+/// The redis-cell rows: `CL.THROTTLE` pipelined in-process and through redis-benchmark, when
+/// the server has the module and the policy maps onto it; else one row saying why not.
+async fn cell_baselines(
+    args: &BenchArgs,
+    shared: &Shared,
+    cluster: bool,
+    keys: &[Vec<u8>],
+    picker: &Arc<Picker>,
+) -> (Vec<Row>, bool) {
+    let name = "CL.THROTTLE, pipelined";
+    let id = "cell_pipelined";
+    let params = match CellParams::of(&shared.policies) {
+        Ok(p) => p,
+        Err(why) => return (vec![Row::skipped(name, id, why)], false),
+    };
+    match shared.limiter.conn().has_redis_cell().await {
+        Ok(true) => {}
+        Ok(false) => {
+            let why = "the server has no redis-cell module (CL.THROTTLE; scripts/build-redis-cell)";
+            return (vec![Row::skipped(name, id, why)], false);
+        }
+        Err(e) => {
+            let why = format!("cannot ask the server for CL.THROTTLE: {e}");
+            return (vec![Row::skipped(name, id, why)], false);
+        }
+    }
+    progress(args, &format!("baseline: {name} x{}...", args.pipeline));
+    let workload = Workload::Throttle {
+        keys: keys.to_vec(),
+        params,
+    };
+    let (row, stop) = run_pipelined(args, cluster, workload, picker, name, id).await;
+    let rate = row.ops_per_sec;
+    let mut rows = vec![row];
+    if stop {
+        return (rows, true);
+    }
+    let bench_name = format!("redis-benchmark CL.THROTTLE -P {}", args.pipeline);
+    let bench_id = "redis_benchmark_cell";
+    let Some(binary) = find_redis_benchmark() else {
+        rows.push(Row::skipped(
+            &bench_name,
+            bench_id,
+            "redis-benchmark is not on PATH",
+        ));
+        return (rows, false);
+    };
+    let target = match benchmark_target(&args.redis, cluster) {
+        Ok(t) => t,
+        Err(why) => {
+            rows.push(Row::skipped(&bench_name, bench_id, why));
+            return (rows, false);
+        }
+    };
+    progress(args, &format!("baseline: {bench_name}..."));
+    let key = baseline_key(&args.redis.prefix, "bench-cell", b"bench-__rand_int__");
+    let command = vec![
+        "CL.THROTTLE".to_owned(),
+        String::from_utf8_lossy(&key).into_owned(),
+        params.max_burst.to_string(),
+        params.count.to_string(),
+        params.period_s.to_string(),
+        "1".to_owned(),
+    ];
+    let requests = ((rate.max(100_000.0) * args.duration.as_secs_f64()) as u64).max(1_000);
+    let (row, stop) = run_redis_benchmark(
+        args,
+        &binary,
+        (&target.0, target.1, target.2),
+        requests,
+        command,
+        &bench_name,
+        bench_id,
+    )
+    .await;
+    rows.push(row);
+    (rows, stop)
 }
 
 /// A pipelined baseline: ceil(concurrency / pipeline) connections, one task each, sending
@@ -1269,7 +1427,7 @@ fn table(r: &Report) -> String {
     let _ = writeln!(out);
     let _ = writeln!(
         out,
-        "{:<30} {:>12} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8} {:>11}",
+        "{:<34} {:>12} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8} {:>11}",
         "",
         "ops/s",
         "allowed",
@@ -1287,13 +1445,13 @@ fn table(r: &Report) -> String {
     let mut notes = Vec::new();
     for row in std::iter::once(&r.floodgate).chain(&r.baselines) {
         if let Some(why) = &row.skipped {
-            let _ = writeln!(out, "{:<30} skipped: {why}", row.name);
+            let _ = writeln!(out, "{:<34} skipped: {why}", row.name);
             continue;
         }
         let l = row.latency_ms.as_ref();
         let _ = writeln!(
             out,
-            "{:<30} {:>12.0} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8} {:>11}",
+            "{:<34} {:>12.0} {:>10} {:>10} {:>7} {:>8} {:>8} {:>8} {:>8} {:>8} {:>11}",
             row.name,
             row.ops_per_sec,
             count(row.allowed),
@@ -1330,6 +1488,11 @@ fn table(r: &Report) -> String {
                 "redis_benchmark_evalsha",
             ),
             ("floodgate/redis-benchmark incr", "redis_benchmark_incr"),
+            ("floodgate/redis-cell", "cell_pipelined"),
+            (
+                "floodgate/redis-benchmark redis-cell",
+                "redis_benchmark_cell",
+            ),
         ] {
             if let Some(x) = ratio(id) {
                 parts.push(format!("{label} = {x:.2}"));
@@ -1349,6 +1512,39 @@ fn table(r: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn cell_params_take_the_same_burst_and_rate_or_say_why_not() {
+        let p = |r: Result<Policy, floodgate_core::PolicyError>| r.expect("valid");
+        let of = |policies: &[Policy]| CellParams::of(policies);
+        assert_eq!(
+            of(&[p(Policy::gcra(9, 10, Duration::from_secs(1)))]),
+            Ok(CellParams {
+                max_burst: 9,
+                count: 10,
+                period_s: 1
+            })
+        );
+        // redis-cell's README example: 15 burst, 30 per 60 s is one per 2 s.
+        assert_eq!(
+            of(&[p(Policy::gcra(15, 30, Duration::from_secs(60)))]),
+            Ok(CellParams {
+                max_burst: 15,
+                count: 1,
+                period_s: 2
+            })
+        );
+        let why = of(&[p(Policy::gcra(4, 3, Duration::from_secs(7)))]).expect_err("not whole");
+        assert!(why.contains("whole seconds"), "{why}");
+        let why = of(&[p(Policy::sliding_log(10, Duration::from_secs(1)))]).expect_err("log");
+        assert!(why.contains("GCRA only"), "{why}");
+        let two = [
+            p(Policy::per_second(10)),
+            p(Policy::per(100, Duration::from_secs(60))),
+        ];
+        assert!(of(&two).is_err());
+    }
 
     #[test]
     fn redis_benchmark_output_parses() {

@@ -66,6 +66,10 @@ fn bench_prints_a_table_with_baselines() {
     assert!(table.contains("floodgate/incr = "), "{table}");
     // redis-benchmark's rows: measured when it is installed, else said to be skipped.
     assert!(table.contains("redis-benchmark INCR -P 16"), "{table}");
+    assert!(
+        table.contains("CL.THROTTLE, pipelined") && table.contains("no redis-cell module"),
+        "{table}"
+    );
     assert_eq!(
         incr_keys_left(&server),
         0,
@@ -117,15 +121,20 @@ fn bench_json_parses_with_every_row() {
             "evalsha_pipelined",
             "incr_pipelined",
             "redis_benchmark_incr",
-            "redis_benchmark_evalsha"
+            "redis_benchmark_evalsha",
+            "cell_pipelined"
         ]
     );
+    // The test servers have no redis-cell module: the native baseline says so.
+    let cell = &baselines[4];
+    let why = cell["skipped"].as_str().expect("skipped");
+    assert!(why.contains("no redis-cell module"), "{cell}");
     for b in &baselines[..2] {
         assert!(b["ops_per_sec"].as_f64().expect("a rate") > 0.0, "{b}");
         assert_eq!(b["errors"], 0, "{b}");
         assert!(b["floodgate_ratio"].as_f64().expect("a ratio") > 0.0, "{b}");
     }
-    for b in &baselines[2..] {
+    for b in &baselines[2..4] {
         // Either measured or skipped with a reason (redis-benchmark not installed).
         let measured = b["ops_per_sec"].as_f64().unwrap_or_default() > 0.0;
         assert!(measured || b["skipped"].is_string(), "{b}");
