@@ -787,14 +787,21 @@ async fn run_baselines(
         .iter()
         .map(|k| baseline_key(&args.redis.prefix, "bench-cell", k))
         .collect();
+    let mut cell_ran = false;
     if !interrupted {
         let (mut more, stop) = cell_baselines(args, shared, cluster, &cell_keys, &picker).await;
+        cell_ran = more.iter().any(|r| r.skipped.is_none());
         rows.append(&mut more);
         interrupted = stop;
     }
     let cleanup = tokio::time::timeout(Duration::from_secs(30), async {
-        delete_keys(&args.redis, cluster, &incr_keys, &picker).await?;
-        delete_keys(&args.redis, cluster, &cell_keys, &picker).await
+        let incr = delete_keys(&args.redis, cluster, &incr_keys, &picker).await;
+        let cell = if cell_ran {
+            delete_keys(&args.redis, cluster, &cell_keys, &picker).await
+        } else {
+            Ok(())
+        };
+        incr.and(cell)
     });
     let cleaned = match cleanup.await {
         Ok(r) => r,
@@ -831,9 +838,9 @@ struct CellParams {
 }
 
 impl CellParams {
-    /// The policy as redis-cell's arguments, or why it has none: one GCRA policy, whose rate
-    /// is a whole number per second or one per whole number of seconds (redis-cell's period is
-    /// whole seconds).
+    /// The policy as redis-cell's arguments, or why it has none: one GCRA policy, its rate
+    /// written as `count` per `period_s` whole seconds (the shortest such period, at most a
+    /// day).
     fn of(policies: &[Policy]) -> Result<Self, String> {
         let [policy] = policies else {
             return Err("redis-cell checks one policy at a time".into());
@@ -844,26 +851,25 @@ impl CellParams {
                 policy.algorithm().as_str()
             ));
         };
-        let emission = g.emission_us();
-        let max_burst = g.limit().saturating_sub(1);
-        if emission > 0 && 1_000_000 % emission == 0 {
-            Ok(CellParams {
-                max_burst,
-                count: 1_000_000 / emission,
-                period_s: 1,
-            })
-        } else if emission % 1_000_000 == 0 {
-            Ok(CellParams {
-                max_burst,
-                count: 1,
-                period_s: emission / 1_000_000,
-            })
-        } else {
-            Err(format!(
-                "one request per {emission} us is not a rate redis-cell can take (whole seconds)"
-            ))
+        let emission = g.emission_us().max(1);
+        // period_s * 10^6 must be a multiple of the emission interval.
+        let period_s = emission / gcd(emission, 1_000_000);
+        if period_s > 86_400 {
+            return Err(format!(
+                "one request per {emission} us is no whole number per whole seconds up to a day \
+                 (redis-cell's period is whole seconds)"
+            ));
         }
+        Ok(CellParams {
+            max_burst: g.limit().saturating_sub(1),
+            count: period_s * 1_000_000 / emission,
+            period_s,
+        })
     }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// The redis-cell rows: `CL.THROTTLE` pipelined in-process and through redis-benchmark, when
@@ -1533,6 +1539,15 @@ mod tests {
                 max_burst: 15,
                 count: 1,
                 period_s: 2
+            })
+        );
+        // 10 per 3 s: one per 300 ms.
+        assert_eq!(
+            of(&[p(Policy::gcra(4, 10, Duration::from_secs(3)))]),
+            Ok(CellParams {
+                max_burst: 4,
+                count: 10,
+                period_s: 3
             })
         );
         let why = of(&[p(Policy::gcra(4, 3, Duration::from_secs(7)))]).expect_err("not whole");

@@ -490,3 +490,44 @@ async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use smallvec::smallvec;
+
+    fn group(cost: u64, max_wait: u64) -> Group {
+        Group {
+            keys: smallvec![b"k".to_vec()],
+            policies: smallvec![("gcra", [100, 1_000, 10, 0])],
+            costs: smallvec![cost],
+            max_wait,
+            lease: 0,
+            now: None,
+            dry_run: false,
+        }
+    }
+
+    fn args(groups: &[&Group]) -> Vec<String> {
+        encode(groups)
+            .iter()
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn plain_checks_are_one_argument_others_the_long_form() {
+        let (plain, costly, waiting) = (group(1, 0), group(3, 0), group(1, 500));
+        assert_eq!(
+            args(&[&plain, &costly, &waiting, &plain]),
+            [
+                "", "1", "gcra", "100", "1000", "10", "0",  // the policy table
+                "4",  // groups
+                "-1", // plain
+                "1", "0", "0", "0", "1", "3", // cost 3
+                "1", "500", "0", "0", "1", "1", // a max wait
+                "-1",
+            ]
+        );
+    }
+}

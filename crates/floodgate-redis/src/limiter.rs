@@ -107,6 +107,17 @@ pub struct ScriptArgs {
     pub args: Vec<Vec<u8>>,
 }
 
+/// Equal when they call the same script (by its SHA1) with the same keys and arguments.
+impl PartialEq for ScriptArgs {
+    fn eq(&self, other: &Self) -> bool {
+        self.script.get_hash() == other.script.get_hash()
+            && self.keys == other.keys
+            && self.args == other.args
+    }
+}
+
+impl Eq for ScriptArgs {}
+
 /// Fields of one decision in the script's reply.
 const FIELDS: usize = 6;
 
@@ -624,5 +635,61 @@ impl Limiter for RedisLimiter {
         let mut cmd = redis::cmd("DEL");
         cmd.arg(self.state_key(policy, key));
         self.inner.conn.query::<i64>(cmd).await.map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group(tags: &[&'static str]) -> Group {
+        Group {
+            keys: tags.iter().map(|t| t.as_bytes().to_vec()).collect(),
+            policies: tags.iter().map(|t| (*t, [1, 1, 1, 0])).collect(),
+            costs: tags.iter().map(|_| 1).collect(),
+            max_wait: 0,
+            lease: 0,
+            now: None,
+            dry_run: false,
+        }
+    }
+
+    #[test]
+    fn a_batch_of_one_algorithm_runs_that_algorithm_s_script() {
+        let hash = |groups: &[&Group]| check_script_for(groups).get_hash().to_owned();
+        let full = CHECK_SCRIPT.get_hash().to_owned();
+        let (a, b) = (group(&["gcra"]), group(&["gcra", "gcra"]));
+        let gcra = hash(&[&a, &b]);
+        assert_ne!(gcra, full);
+        // Every algorithm has its own script, each different from the others and the full one.
+        let mut seen = vec![full.clone()];
+        for tag in ["gcra", "shp", "lb", "tb", "fw", "sw", "log", "conc"] {
+            let h = hash(&[&group(&[tag])]);
+            assert!(!seen.contains(&h), "{tag} shares a script");
+            seen.push(h);
+        }
+        // Mixed algorithms, or none known: the script with every algorithm.
+        assert_eq!(hash(&[&a, &group(&["tb"])]), full);
+        assert_eq!(hash(&[&group(&["gcra", "fw"])]), full);
+        assert_eq!(hash(&[&group(&["nope"])]), full);
+        assert_eq!(hash(&[]), full);
+    }
+
+    #[test]
+    fn only_plain_checks_take_the_short_form() {
+        assert!(group(&["gcra"]).is_plain());
+        assert!(!group(&["gcra", "gcra"]).is_plain());
+        let mut g = group(&["gcra"]);
+        g.costs[0] = 2;
+        assert!(!g.is_plain());
+        let mut g = group(&["gcra"]);
+        g.max_wait = 1;
+        assert!(!g.is_plain());
+        let mut g = group(&["conc"]);
+        g.lease = 7;
+        assert!(!g.is_plain());
+        let mut g = group(&["gcra"]);
+        g.dry_run = true;
+        assert!(!g.is_plain());
     }
 }
