@@ -42,10 +42,10 @@ Baselines (unless --no-baselines), measured in the same run against the same ser
                        password: it would need the password on its command line): its INCR and
                        EVALSHA figures with -P <pipeline> -c <concurrency> -r <keys>
   redis-cell           when the server has the redis-cell module (CL.THROTTLE) and the policy is
-                       one GCRA whose rate is a whole number per second (or one per whole
-                       seconds): CL.THROTTLE with the same burst and rate, pipelined as above and
-                       with redis-benchmark; the native module is the peer floodgate's Lua
-                       path is measured against (scripts/build-redis-cell builds it)
+                       one GCRA whose rate is a whole number per whole seconds (up to a day):
+                       CL.THROTTLE with the same burst and rate, pipelined as above and with
+                       redis-benchmark; the native module is the peer floodgate's Lua path is
+                       measured against (scripts/build-redis-cell builds it)
 Each baseline row shows floodgate's decisions/s divided by its own rate. Pipelined rows'
 latencies are per pipeline. INCR and CL.THROTTLE keys are deleted at the end.
 
@@ -564,7 +564,6 @@ async fn floodgate_task(shared: &Shared, seed: u64) -> Tally {
 /// floodgate's check call as sent on the wire, to replay it.
 #[derive(Debug, Clone)]
 struct Template {
-    sha: String,
     script: &'static redis::Script,
     /// Everything after the keys.
     args: Vec<Vec<u8>>,
@@ -592,7 +591,10 @@ impl Workload {
         match self {
             Workload::Evalsha { template, keys } => {
                 let keys = &keys[i];
-                let cmd = pipe.cmd("EVALSHA").arg(&template.sha).arg(keys.len());
+                let cmd = pipe
+                    .cmd("EVALSHA")
+                    .arg(template.script.get_hash())
+                    .arg(keys.len());
                 for k in keys {
                     cmd.arg(k.as_slice());
                 }
@@ -782,25 +784,15 @@ async fn run_baselines(
         interrupted = stop;
     }
     // (d) The native redis-cell module, when the server has it.
-    let cell_keys: Vec<Vec<u8>> = shared
-        .keys
-        .iter()
-        .map(|k| baseline_key(&args.redis.prefix, "bench-cell", k))
-        .collect();
-    let mut cell_ran = false;
+    let mut cell_keys = Vec::new();
     if !interrupted {
-        let (mut more, stop) = cell_baselines(args, shared, cluster, &cell_keys, &picker).await;
-        cell_ran = more.iter().any(|r| r.skipped.is_none());
+        let (mut more, stop) = cell_baselines(args, shared, cluster, &mut cell_keys, &picker).await;
         rows.append(&mut more);
         interrupted = stop;
     }
     let cleanup = tokio::time::timeout(Duration::from_secs(30), async {
         let incr = delete_keys(&args.redis, cluster, &incr_keys, &picker).await;
-        let cell = if cell_ran {
-            delete_keys(&args.redis, cluster, &cell_keys, &picker).await
-        } else {
-            Ok(())
-        };
+        let cell = delete_keys(&args.redis, cluster, &cell_keys, &picker).await;
         incr.and(cell)
     });
     let cleaned = match cleanup.await {
@@ -873,12 +865,13 @@ fn gcd(a: u64, b: u64) -> u64 {
 }
 
 /// The redis-cell rows: `CL.THROTTLE` pipelined in-process and through redis-benchmark, when
-/// the server has the module and the policy maps onto it; else one row saying why not.
+/// the server has the module and the policy maps onto it; else one row saying why not. `keys`
+/// gets the keys it used, to delete.
 async fn cell_baselines(
     args: &BenchArgs,
     shared: &Shared,
     cluster: bool,
-    keys: &[Vec<u8>],
+    keys: &mut Vec<Vec<u8>>,
     picker: &Arc<Picker>,
 ) -> (Vec<Row>, bool) {
     let name = "CL.THROTTLE, pipelined";
@@ -899,8 +892,13 @@ async fn cell_baselines(
         }
     }
     progress(args, &format!("baseline: {name} x{}...", args.pipeline));
+    *keys = shared
+        .keys
+        .iter()
+        .map(|k| baseline_key(&args.redis.prefix, "bench-cell", k))
+        .collect();
     let workload = Workload::Throttle {
-        keys: keys.to_vec(),
+        keys: keys.clone(),
         params,
     };
     let (row, stop) = run_pipelined(args, cluster, workload, picker, name, id).await;
@@ -911,16 +909,8 @@ async fn cell_baselines(
     }
     let bench_name = format!("redis-benchmark CL.THROTTLE -P {}", args.pipeline);
     let bench_id = "redis_benchmark_cell";
-    let Some(binary) = find_redis_benchmark() else {
-        rows.push(Row::skipped(
-            &bench_name,
-            bench_id,
-            "redis-benchmark is not on PATH",
-        ));
-        return (rows, false);
-    };
-    let target = match benchmark_target(&args.redis, cluster) {
-        Ok(t) => t,
+    let (binary, target) = match redis_benchmark_setup(args, cluster) {
+        Ok(found) => found,
         Err(why) => {
             rows.push(Row::skipped(&bench_name, bench_id, why));
             return (rows, false);
@@ -936,12 +926,11 @@ async fn cell_baselines(
         params.period_s.to_string(),
         "1".to_owned(),
     ];
-    let requests = ((rate.max(100_000.0) * args.duration.as_secs_f64()) as u64).max(1_000);
     let (row, stop) = run_redis_benchmark(
         args,
         &binary,
         (&target.0, target.1, target.2),
-        requests,
+        benchmark_requests(args, Some(rate)),
         command,
         &bench_name,
         bench_id,
@@ -1092,7 +1081,6 @@ async fn script_calls(
             .map_err(|e| e.to_string())?;
         if template.is_none() {
             template = Some(Template {
-                sha: call.script.get_hash().to_owned(),
                 script: call.script,
                 args: call.args,
             });
@@ -1169,20 +1157,13 @@ async fn redis_benchmark(
             Row::skipped(&evalsha_name, "redis_benchmark_evalsha", why),
         ]
     };
-    let Some(binary) = find_redis_benchmark() else {
-        return (skip_both("redis-benchmark is not on PATH".into()), false);
-    };
-    let (host, port, db) = match benchmark_target(&args.redis, cluster) {
-        Ok(t) => t,
+    let (binary, (host, port, db)) = match redis_benchmark_setup(args, cluster) {
+        Ok(found) => found,
         Err(why) => return (skip_both(why), false),
     };
     let rand_key = |key: Vec<u8>| String::from_utf8_lossy(&key).into_owned();
     let prefix = &args.redis.prefix;
-    // Enough requests for about --duration at the rate the same row reached in-process.
-    let requests = |rate: Option<f64>| -> u64 {
-        let rate = rate.unwrap_or(100_000.0);
-        ((rate * args.duration.as_secs_f64()) as u64).max(1_000)
-    };
+    let requests = |rate: Option<f64>| benchmark_requests(args, rate);
     let mut rows = Vec::new();
     progress(args, &format!("baseline: {incr_name}..."));
     let incr_cmd = vec![
@@ -1213,7 +1194,7 @@ async fn redis_benchmark(
             progress(args, &format!("baseline: {evalsha_name}..."));
             let mut cmd = vec![
                 "EVALSHA".to_owned(),
-                t.sha.clone(),
+                t.script.get_hash().to_owned(),
                 shared.policies.len().to_string(),
             ];
             for p in &shared.policies {
@@ -1241,6 +1222,22 @@ async fn redis_benchmark(
         }
     }
     (rows, false)
+}
+
+/// redis-benchmark's binary and where it can reach the server, or why it cannot run.
+fn redis_benchmark_setup(
+    args: &BenchArgs,
+    cluster: bool,
+) -> Result<(PathBuf, (String, u16, i64)), String> {
+    let binary = find_redis_benchmark().ok_or("redis-benchmark is not on PATH")?;
+    Ok((binary, benchmark_target(&args.redis, cluster)?))
+}
+
+/// Enough requests for about --duration at `rate`, the rate the same command reached
+/// in-process (100k/s when unknown).
+fn benchmark_requests(args: &BenchArgs, rate: Option<f64>) -> u64 {
+    let rate = rate.unwrap_or(100_000.0);
+    ((rate * args.duration.as_secs_f64()) as u64).max(1_000)
 }
 
 /// Runs redis-benchmark once (`-q`, the command given), within 3 x --duration + 10 s.
@@ -1377,6 +1374,9 @@ async fn delete_keys(
     keys: &[Vec<u8>],
     picker: &Picker,
 ) -> Result<(), String> {
+    if keys.is_empty() {
+        return Ok(());
+    }
     let groups: Vec<Vec<&[u8]>> = match &picker.slots {
         Some((_, by_slot)) => by_slot
             .iter()

@@ -111,13 +111,9 @@ local function flush()
   end
 end
 
--- One check, its own group: load, decide, count when allowed. Algorithms may provide `fast`,
--- the same in one function without a state table.
+-- One check, its own group, on the generic path: load, decide, count when allowed.
 local function single(alg, p, k, cost, max_wait, lease, dry)
   local key = KEYS[k]
-  if alg.fast and not dry then
-    return alg.fast(0, key, p, now, cost, max_wait, lease)
-  end
   local st = alg.load(0, key, p, now)
   local al, li, re, ry, rs, wa = alg.decide(st, p, now, cost, max_wait)
   if al == 1 then
@@ -141,6 +137,17 @@ local function run_single(ok, al, li, re, ry, rs, wa)
     r = r + 7
   else
     fail_group(al)
+  end
+end
+
+-- One check, its own group: the algorithm's `fast` path when it has one (the same decision in
+-- one function, without a state table), else the generic path after a flush.
+local function one(alg, p, k, cost, max_wait, lease, dry)
+  if alg.fast and not dry then
+    run_single(pcall(alg.fast, 0, KEYS[k], p, now, cost))
+  else
+    flush()
+    run_single(pcall(single, alg, p, k, cost, max_wait, lease, dry))
   end
 end
 
@@ -184,21 +191,14 @@ a, k = first, 1
 for _ = 1, ng do
   local n = tonumber(ARGV[a])
   if n < 0 then
-    local alg = algs[-n]
-    if not alg.fast then
-      flush()
-    end
-    run_single(pcall(single, alg, params[-n], k, 1, 0, '0', false))
+    one(algs[-n], params[-n], k, 1, 0, '0', false)
     a = a + 1
     k = k + 1
   else
     local max_wait, lease, dry = tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3] == '1'
     if n == 1 then
       local pi = tonumber(ARGV[a + 4])
-      if dry or not algs[pi].fast then
-        flush()
-      end
-      run_single(pcall(single, algs[pi], params[pi], k, tonumber(ARGV[a + 5]), max_wait, lease, dry))
+      one(algs[pi], params[pi], k, tonumber(ARGV[a + 5]), max_wait, lease, dry)
     else
       flush()
       local ok, res = pcall(run_group, a + 4, k, n, max_wait, lease, dry)

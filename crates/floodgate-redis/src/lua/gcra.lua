@@ -5,26 +5,38 @@
 -- never negative, and a changed one is positive), and the changed keys in order.
 local gcra_seen, gcra_changed = {}, {}
 
+-- One decision on the state `tat`: the six outcome values, then the new tat when allowed.
+local function gcra_step(tat, p, now, cost)
+  local emission, tolerance, limit = p[1], p[2], p[3]
+  tat = math.max(tat, now)
+  local inc = emission * cost
+  local allowed, ttl, retry, new_tat = false, tat - now, nil, nil
+  if inc <= MAX_SPAN then
+    local after = tat + inc
+    if after <= now + tolerance then
+      allowed, ttl, new_tat = true, after - now, after
+    elseif inc <= tolerance then
+      retry = after - tolerance - now
+    end
+  end
+  -- `outcome`, written out: this is every check's path.
+  local remaining = math.floor(math.max(0, tolerance - ttl) / emission)
+  return allowed and 1 or 0, limit, remaining, retry or -1, ttl, 0, new_tat
+end
+
+-- Stores `tat` (later than `now`) with the TTL it matters for.
+local function gcra_write(key, tat, now)
+  redis.call('SET', key, fmt(tat), 'PX', fmt(ceil_div(tat - now, 1000) + TTL_SLACK))
+end
+
 ALG.gcra = {
   load = function(idx, key)
     return { tat = int_field(idx, 'tat', read(idx, 'GET', key), 0) }
   end,
 
   decide = function(st, p, now, cost)
-    local emission, tolerance, limit = p[1], p[2], p[3]
-    local tat = math.max(st.tat, now)
-    local inc = emission * cost
-    local allowed, ttl, retry = false, tat - now, nil
-    if inc <= MAX_SPAN then
-      local new_tat = tat + inc
-      if new_tat <= now + tolerance then
-        allowed, ttl = true, new_tat - now
-      elseif inc <= tolerance then
-        retry = new_tat - tolerance - now
-      end
-    end
-    local remaining = floor_div(math.max(0, tolerance - ttl), emission)
-    return outcome(allowed, limit, remaining, retry, ttl)
+    local al, li, re, ry, rs, wa = gcra_step(st.tat, p, now, cost)
+    return al, li, re, ry, rs, wa
   end,
 
   commit = function(st, p, now, cost)
@@ -33,7 +45,7 @@ ALG.gcra = {
 
   save = function(key, st, p, now)
     if st.tat > now then
-      redis.call('SET', key, fmt(st.tat), 'PX', fmt(ceil_div(st.tat - now, 1000) + TTL_SLACK))
+      gcra_write(key, st.tat, now)
     else
       redis.call('DEL', key)
     end
@@ -44,7 +56,6 @@ ALG.gcra = {
   -- changed key once, in `flush`: a batch of many checks of one hot key reads and writes it
   -- once.
   fast = function(idx, key, p, now, cost)
-    local emission, tolerance = p[1], p[2]
     local seen = gcra_seen[key]
     local tat
     if seen == nil then
@@ -55,34 +66,21 @@ ALG.gcra = {
     else
       tat = seen
     end
-    if tat < now then
-      tat = now
-    end
-    local inc = emission * cost
-    local allowed, ttl, retry = 0, tat - now, -1
-    if inc <= MAX_SPAN then
-      local new_tat = tat + inc
-      if new_tat <= now + tolerance then
-        allowed, ttl = 1, new_tat - now
-        if cost > 0 then
-          if seen == nil or seen >= 0 then
-            gcra_changed[#gcra_changed + 1] = key
-          end
-          gcra_seen[key] = -new_tat
-        end
-      elseif inc <= tolerance then
-        retry = new_tat - tolerance - now
+    local al, li, re, ry, rs, wa, new_tat = gcra_step(tat, p, now, cost)
+    if new_tat and cost > 0 then
+      if seen == nil or seen >= 0 then
+        gcra_changed[#gcra_changed + 1] = key
       end
+      gcra_seen[key] = -new_tat
     end
-    return allowed, p[3], floor_div(math.max(0, tolerance - ttl), emission), retry, ttl, 0
+    return al, li, re, ry, rs, wa
   end,
 
   -- Writes what `fast` changed, and forgets what it read (other paths may write it next).
   flush = function(now)
     for i = 1, #gcra_changed do
       local key = gcra_changed[i]
-      local tat = -gcra_seen[key]
-      redis.call('SET', key, fmt(tat), 'PX', fmt(ceil_div(tat - now, 1000) + TTL_SLACK))
+      gcra_write(key, -gcra_seen[key], now)
     end
     if next(gcra_seen) ~= nil then
       gcra_seen, gcra_changed = {}, {}
