@@ -27,6 +27,7 @@ pub struct Decision {
 impl Decision {
     /// Builds a decision from microsecond quantities, rounding durations up to milliseconds
     /// (how every backend turns its arithmetic into a decision).
+    #[inline]
     pub fn from_micros(
         allowed: bool,
         limit: u64,

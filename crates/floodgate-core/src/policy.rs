@@ -164,10 +164,16 @@ pub enum State {
     Concurrency(concurrency::State),
 }
 
-/// Runs `$body` with `$alg` bound to the algorithm and `$st` to the matching state, resetting
-/// a state of another algorithm to fresh first.
+/// Runs `$body` with `$alg` bound to the algorithm and `$st` to the matching state. The callers
+/// of the first form have made the state match first (`matching`).
 macro_rules! dispatch {
     ($kind:expr, $state:expr, |$alg:ident, $st:ident| $body:expr) => {
+        dispatch!($kind, $state, |$alg, $st| $body, _ => {
+            unreachable!("state matched to its algorithm by `matching`")
+        })
+    };
+    // `$other` runs for a state of another algorithm.
+    ($kind:expr, $state:expr, |$alg:ident, $st:ident| $body:expr, _ => $other:expr) => {
         match ($kind, $state) {
             (Kind::FixedWindow($alg), State::FixedWindow($st)) => $body,
             (Kind::SlidingLog($alg), State::SlidingLog($st)) => $body,
@@ -177,7 +183,7 @@ macro_rules! dispatch {
             (Kind::Gcra($alg), State::Gcra($st)) => $body,
             (Kind::Shaper($alg), State::Shaper($st)) => $body,
             (Kind::Concurrency($alg), State::Concurrency($st)) => $body,
-            _ => unreachable!("state matched to its algorithm by `matching`"),
+            _ => $other,
         }
     };
 }
@@ -255,6 +261,26 @@ impl Kind {
         dispatch!(self, state, |a, s| a.check(s, ctx))
     }
 
+    /// [`Kind::check`] and, when allowed, [`Kind::expires_at`] of the new state, in one
+    /// dispatch (the in-memory hot path). The expiry is 0 when denied.
+    #[inline]
+    pub(crate) fn check_expiring(
+        &self,
+        state: &mut State,
+        ctx: &Ctx,
+        expires_at: &mut u64,
+    ) -> Outcome {
+        dispatch!(self, &mut *state, |a, s| check_expiring(a, s, ctx, expires_at), _ => {
+            *state = self.fresh();
+            self.check_expiring_fresh(state, ctx, expires_at)
+        })
+    }
+
+    #[cold]
+    fn check_expiring_fresh(&self, state: &mut State, ctx: &Ctx, expires_at: &mut u64) -> Outcome {
+        dispatch!(self, state, |a, s| check_expiring(a, s, ctx, expires_at))
+    }
+
     /// See [`Algorithm::expires_at`].
     pub fn expires_at(&self, state: &State) -> u64 {
         if !self.matches(state) {
@@ -301,6 +327,22 @@ impl Kind {
         };
         Some(Duration::from_micros(us))
     }
+}
+
+/// One algorithm's check and, when allowed, the new state's expiry: small and monomorphic, so
+/// that the dispatch around it stays small too.
+#[inline(never)]
+fn check_expiring<A: Algorithm>(
+    alg: &A,
+    state: &mut A::State,
+    ctx: &Ctx,
+    expires_at: &mut u64,
+) -> Outcome {
+    let out = alg.check(state, ctx);
+    if out.decision.allowed {
+        *expires_at = alg.expires_at(state);
+    }
+    out
 }
 
 /// A named, validated rate-limiting policy.

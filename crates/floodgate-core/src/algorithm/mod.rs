@@ -64,6 +64,7 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    #[inline]
     pub(crate) fn new(
         allowed: bool,
         limit: u64,
@@ -113,6 +114,7 @@ pub trait Algorithm {
 }
 
 /// `a * b`, or `None` when it would exceed [`MAX_SPAN_US`] (never admissible).
+#[inline]
 pub(crate) fn mul_span(a: u64, b: u64) -> Option<u64> {
     a.checked_mul(b).filter(|v| *v <= MAX_SPAN_US)
 }

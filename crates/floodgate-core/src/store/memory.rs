@@ -181,18 +181,22 @@ impl<C: Clock> MemoryLimiter<C> {
         let hash = map.hash(ident, key);
         let mut shard = map.lock(map.shard_of(hash));
         if let Some(slot) = shard.find_mut(hash, ident, key) {
-            let out = kind.check(&mut slot.value, ctx);
+            let mut expires_at = 0;
+            let out = kind.check_expiring(&mut slot.value, ctx, &mut expires_at);
             if out.decision.allowed {
-                slot.set_expires_at(kind.expires_at(&slot.value));
+                slot.set_expires_at(expires_at);
                 let at = slot.expires_at();
                 shard.note_expiry(at);
             }
+            // Unlock before moving the outcome: the unlock drains the stores that built it, so
+            // the move does not stall on store forwarding inside the critical section.
+            drop(shard);
             return Ok(out);
         }
         let mut state = kind.fresh();
-        let out = kind.check(&mut state, ctx);
+        let mut expires_at = 0;
+        let out = kind.check_expiring(&mut state, ctx, &mut expires_at);
         if out.decision.allowed && ctx.cost > 0 {
-            let expires_at = kind.expires_at(&state);
             map.insert(
                 &mut shard,
                 NewSlot {
@@ -419,6 +423,7 @@ impl<C: Clock> MemoryLimiter<C> {
 }
 
 /// A fresh lease id for concurrency policies (0 for others: no lease).
+#[inline]
 fn lease_for(kind: &Kind) -> u64 {
     if matches!(kind, Kind::Concurrency(_)) {
         fastrand::u64(1..)
