@@ -163,6 +163,84 @@ fn expired_state_is_dropped_before_live_state() {
     assert!(limiter.check_key(b"newcomer", &policy, 1).allowed);
 }
 
+/// GCRA states of short keys live in a compact table, the others in slots: every key keeps its
+/// own state on either side of the boundary, under any path (check, all-or-nothing, state,
+/// reset).
+#[test]
+fn gcra_keys_on_both_sides_of_the_compact_boundary_keep_their_own_state() {
+    let limiter = MemoryLimiter::builder().clock(clock()).build();
+    let p = Policy::per_hour(1).expect("valid");
+    let q = Policy::per_hour(1)
+        .and_then(|q| q.named("other"))
+        .expect("valid");
+    let mut keys: Vec<Vec<u8>> = Vec::new();
+    for len in 0..=16usize {
+        keys.push(vec![b'k'; len]);
+        keys.push(vec![0; len]);
+        // The same bytes with one more zero at the end: a different key.
+        let mut longer = vec![b'k'; len];
+        longer.push(0);
+        keys.push(longer);
+    }
+    keys.sort();
+    keys.dedup();
+    for key in &keys {
+        assert!(limiter.check_key(key, &p, 1).allowed, "{key:?}");
+        assert!(limiter.state(key, &p).is_some(), "{key:?}");
+    }
+    for key in &keys {
+        assert!(!limiter.check_key(key, &p, 1).allowed, "{key:?}");
+        // Another policy on the same key has its own state.
+        assert!(limiter.check_key(key, &q, 1).allowed, "{key:?}");
+    }
+    assert_eq!(limiter.stats().keys, 2 * keys.len());
+    // All-or-nothing over both tables: the 11-byte key is exhausted, so the 12-byte key's fresh
+    // state is not counted.
+    let (short, long) = (vec![b'k'; 11], vec![b'x'; 12]);
+    let denied = limiter
+        .check_sync(
+            &[Check::new(&long, &p), Check::new(&short, &p)],
+            CheckOptions::default(),
+        )
+        .expect("check");
+    assert!(!denied.allowed());
+    assert!(limiter.state(&long, &p).is_none());
+    // Reset on both sides.
+    limiter.reset_sync(&short, &p);
+    limiter.reset_sync(&[b'k'; 12], &p);
+    assert!(limiter.check_key(&short, &p, 1).allowed);
+    assert!(limiter.check_key(&[b'k'; 12], &p, 1).allowed);
+    assert!(!limiter.check_key(&[b'k'; 13], &p, 1).allowed);
+}
+
+#[test]
+fn short_and_long_keys_share_one_bound() {
+    let clock = clock();
+    let limiter = MemoryLimiter::builder()
+        .clock(clock.clone())
+        .max_keys(1_000)
+        .on_full(OnFull::Reject)
+        .build();
+    let p = Policy::per_second(1).expect("valid");
+    let admitted = (0..4_000u32)
+        .filter(|i| {
+            let key = if i % 2 == 0 {
+                i.to_be_bytes().to_vec()
+            } else {
+                format!("a-longer-key-{i}").into_bytes()
+            };
+            limiter.check_key(&key, &p, 1).allowed
+        })
+        .count();
+    let stats = limiter.stats();
+    assert!(stats.keys <= 1_000 && stats.keys == admitted, "{stats:?}");
+    assert_eq!(stats.refused as usize, 4_000 - admitted);
+    // Both tables expire and are swept.
+    clock.advance(Duration::from_secs(1));
+    limiter.purge_expired();
+    assert_eq!(limiter.stats().keys, 0);
+}
+
 #[test]
 fn a_check_of_the_same_policy_twice_for_one_key_is_refused() {
     let limiter = MemoryLimiter::new();

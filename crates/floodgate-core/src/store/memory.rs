@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use super::sharded::{NewSlot, OnFull, Shard, ShardedMap, StoreStats};
+use super::sharded::{NewSlot, OnFull, Shard, ShardedMap, StoreStats, pack};
 use super::{Check, CheckOptions, Limiter};
-use crate::algorithm::{Ctx, Outcome};
+use crate::algorithm::gcra::{self, Gcra};
+use crate::algorithm::{Algorithm, Ctx, Outcome};
 use crate::clock::{Clock, SystemClock, duration_micros};
 use crate::error::MemoryError;
 use crate::policy::{Kind, State};
@@ -178,7 +179,12 @@ impl<C: Clock> MemoryLimiter<C> {
         let map = &self.inner.map;
         let kind = policy.kind();
         let ident = policy.ident();
-        let hash = map.hash(ident, key);
+        let hash = match locate(map, policy, key) {
+            Loc::Slot { hash } => hash,
+            Loc::Compact { hash, key, gcra } => {
+                return self.check_compact(hash, key, gcra, ctx);
+            }
+        };
         let mut shard = map.lock(map.shard_of(hash));
         if let Some(slot) = shard.find_mut(hash, ident, key) {
             let mut expires_at = 0;
@@ -208,6 +214,35 @@ impl<C: Clock> MemoryLimiter<C> {
                 },
                 ctx.now,
             )?;
+        }
+        Ok(out)
+    }
+
+    /// [`MemoryLimiter::check_single`] of a GCRA state in the compact table.
+    #[inline]
+    fn check_compact(
+        &self,
+        hash: u64,
+        key: [u64; 2],
+        gcra: &Gcra,
+        ctx: &Ctx,
+    ) -> Result<Outcome, MemoryError> {
+        let map = &self.inner.map;
+        let mut shard = map.lock(map.shard_of(hash));
+        if let Some(entry) = shard.find_compact_mut(hash, key) {
+            let mut state = gcra::State { tat: entry.tat };
+            let out = gcra.check(&mut state, ctx);
+            if out.decision.allowed {
+                entry.tat = state.tat;
+                shard.note_expiry(state.tat);
+            }
+            drop(shard);
+            return Ok(out);
+        }
+        let mut state = gcra.fresh();
+        let out = gcra.check(&mut state, ctx);
+        if out.decision.allowed && ctx.cost > 0 {
+            map.insert_compact(&mut shard, hash, key, state.tat, ctx.now)?;
         }
         Ok(out)
     }
@@ -253,11 +288,11 @@ impl<C: Clock> MemoryLimiter<C> {
             return Err(MemoryError::InvalidCheck("no policies to check".into()));
         }
         let map = &self.inner.map;
-        let located: SmallVec<[(u64, usize); 4]> = checks
+        let located: SmallVec<[(Loc<'_>, usize); 4]> = checks
             .iter()
             .map(|c| {
-                let hash = map.hash(c.policy.ident(), c.key);
-                (hash, map.shard_of(hash))
+                let loc = locate(map, c.policy, c.key);
+                (loc, map.shard_of(loc.hash()))
             })
             .collect();
         for (i, a) in checks.iter().enumerate() {
@@ -281,16 +316,12 @@ impl<C: Clock> MemoryLimiter<C> {
         let outcomes: SmallVec<[Outcome; 4]> = checks
             .iter()
             .zip(&located)
-            .map(|(c, &(hash, shard))| {
+            .map(|(c, &(loc, shard))| {
                 let ctx = Ctx {
                     cost: c.cost,
                     ..base
                 };
-                let g: &Shard<State> = &guards[guard_of(shard)];
-                match g.find(hash, c.policy.ident(), c.key) {
-                    Some(slot) => c.policy.kind().decide(&slot.value, &ctx),
-                    None => c.policy.kind().decide(&c.policy.kind().fresh(), &ctx),
-                }
+                decide_at(&guards[guard_of(shard)], c, loc, &ctx)
             })
             .collect();
         let allowed = outcomes.iter().all(|o| o.decision.allowed);
@@ -300,16 +331,11 @@ impl<C: Clock> MemoryLimiter<C> {
                 .iter()
                 .zip(&located)
                 .zip(&outcomes)
-                .map(|((c, &(hash, shard)), out)| {
+                .map(|((c, &(loc, shard)), out)| {
                     if !out.decision.allowed {
                         return out.decision;
                     }
-                    let g: &Shard<State> = &guards[guard_of(shard)];
-                    let kind = c.policy.kind();
-                    match g.find(hash, c.policy.ident(), c.key) {
-                        Some(slot) => kind.decide(&slot.value, &base).decision,
-                        None => kind.decide(&kind.fresh(), &base).decision,
-                    }
+                    decide_at(&guards[guard_of(shard)], c, loc, &base).decision
                 })
                 .collect();
             return Ok(Verdict {
@@ -323,23 +349,36 @@ impl<C: Clock> MemoryLimiter<C> {
             let new = checks
                 .iter()
                 .zip(&located)
-                .filter(|(c, (hash, s))| {
-                    *s == shard
-                        && c.cost > 0
-                        && guards[gi].find(*hash, c.policy.ident(), c.key).is_none()
-                })
+                .filter(|(c, (loc, s))| *s == shard && c.cost > 0 && !holds(&guards[gi], c, *loc))
                 .count();
             if new > 0 {
                 map.ensure_room(&mut guards[gi], new, now)?;
             }
         }
-        for (c, &(hash, shard)) in checks.iter().zip(&located) {
+        for (c, &(loc, shard)) in checks.iter().zip(&located) {
             let ctx = Ctx {
                 cost: c.cost,
                 ..base
             };
             let kind = c.policy.kind();
             let g = &mut guards[guard_of(shard)];
+            let hash = match loc {
+                Loc::Slot { hash } => hash,
+                Loc::Compact { hash, key, gcra } => {
+                    if let Some(entry) = g.find_compact_mut(hash, key) {
+                        let mut state = gcra::State { tat: entry.tat };
+                        gcra.commit(&mut state, &ctx);
+                        entry.tat = state.tat;
+                        g.note_expiry(state.tat);
+                    } else if c.cost > 0 {
+                        let mut state = gcra.fresh();
+                        gcra.commit(&mut state, &ctx);
+                        // Room was made above: this cannot fail.
+                        map.insert_compact(g, hash, key, state.tat, now)?;
+                    }
+                    continue;
+                }
+            };
             if let Some(slot) = g.find_mut(hash, c.policy.ident(), c.key) {
                 kind.commit(&mut slot.value, &ctx);
                 slot.set_expires_at(kind.expires_at(&slot.value));
@@ -407,18 +446,89 @@ impl<C: Clock> MemoryLimiter<C> {
     /// Forgets `policy`'s state for `key`.
     pub fn reset_sync(&self, key: &[u8], policy: &Policy) {
         let map = &self.inner.map;
-        let hash = map.hash(policy.ident(), key);
-        map.lock(map.shard_of(hash))
-            .remove(hash, policy.ident(), key);
+        let loc = locate(map, policy, key);
+        let mut shard = map.lock(map.shard_of(loc.hash()));
+        match loc {
+            Loc::Slot { hash } => drop(shard.remove(hash, policy.ident(), key)),
+            Loc::Compact { hash, key, .. } => drop(shard.remove_compact(hash, key)),
+        }
     }
 
     /// The state held for `policy` and `key`, if any (for inspection and tests).
     pub fn state(&self, key: &[u8], policy: &Policy) -> Option<State> {
         let map = &self.inner.map;
-        let hash = map.hash(policy.ident(), key);
-        map.lock(map.shard_of(hash))
-            .find(hash, policy.ident(), key)
-            .map(|s| s.value.clone())
+        let loc = locate(map, policy, key);
+        let shard = map.lock(map.shard_of(loc.hash()));
+        match loc {
+            Loc::Slot { hash } => shard
+                .find(hash, policy.ident(), key)
+                .map(|s| s.value.clone()),
+            Loc::Compact { hash, key, .. } => shard
+                .find_compact(hash, key)
+                .map(|c| State::Gcra(gcra::State { tat: c.tat })),
+        }
+    }
+}
+
+/// Where the state of a policy for a key lives in the store.
+#[derive(Clone, Copy)]
+enum Loc<'p> {
+    /// In a 64-byte slot.
+    Slot { hash: u64 },
+    /// In the compact table: GCRA with a key of up to 11 bytes (client addresses, ids), the
+    /// commonest state, in 24 bytes.
+    Compact {
+        hash: u64,
+        key: [u64; 2],
+        gcra: &'p Gcra,
+    },
+}
+
+impl Loc<'_> {
+    fn hash(&self) -> u64 {
+        match *self {
+            Loc::Slot { hash } | Loc::Compact { hash, .. } => hash,
+        }
+    }
+}
+
+/// Where `policy`'s state for `key` lives: the same answer every time, for every path.
+#[inline]
+fn locate<'p>(map: &ShardedMap<State>, policy: &'p Policy, key: &[u8]) -> Loc<'p> {
+    if let Kind::Gcra(gcra) = policy.kind()
+        && let Some(key) = pack(policy.ident(), key)
+    {
+        return Loc::Compact {
+            hash: map.hash_packed(key),
+            key,
+            gcra,
+        };
+    }
+    Loc::Slot {
+        hash: map.hash(policy.ident(), key),
+    }
+}
+
+/// What `c` would get from the state at `loc` (fresh when there is none), changing nothing.
+fn decide_at(g: &Shard<State>, c: &Check<'_>, loc: Loc<'_>, ctx: &Ctx) -> Outcome {
+    let kind = c.policy.kind();
+    match loc {
+        Loc::Slot { hash } => match g.find(hash, c.policy.ident(), c.key) {
+            Some(slot) => kind.decide(&slot.value, ctx),
+            None => kind.decide(&kind.fresh(), ctx),
+        },
+        Loc::Compact { hash, key, gcra } => {
+            let tat = g.find_compact(hash, key).map_or(0, |e| e.tat);
+            gcra.decide(&gcra::State { tat }, ctx)
+        }
+    }
+}
+
+/// Whether the shard holds a state for `c` at `loc`.
+fn holds(g: &Shard<State>, c: &Check<'_>, loc: Loc<'_>) -> bool {
+    match loc {
+        Loc::Slot { hash } => g.find(hash, c.policy.ident(), c.key).is_some(),
+        Loc::Compact { hash, key, .. } => g.find_compact(hash, key).is_some(),
     }
 }
 

@@ -6,6 +6,11 @@
 //! bound, and when live values alone fill it, it either evicts those that expire soonest or
 //! refuses new keys ([`OnFull`]). So a flood of unique keys costs bounded memory and amortised
 //! constant time per insert.
+//!
+//! A shard holds two tables under one lock: 64-byte [`Slot`]s for any value, and 24-byte
+//! [`Compact`] entries for the commonest state of all, a GCRA timestamp under a key of up to
+//! 11 bytes (an IPv4 or IPv6 /64 address, a numeric id). At 100k keys the tables take 3.1 MB
+//! instead of 8.4 MB, which decides whether lookups hit the cache (`benches/memory_check.rs`).
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -82,8 +87,56 @@ fn secs_up(us: u64) -> u32 {
     u32::try_from(us.div_ceil(1_000_000)).unwrap_or(u32::MAX)
 }
 
+/// Keys up to this long fit a [`Compact`] entry, beside the policy's identity and the length.
+pub(crate) const COMPACT_KEY: usize = 11;
+
+/// A GCRA state in 24 bytes: the policy's identity, the key's length and the key packed into
+/// two words (see [`pack`]), and the theoretical arrival time, which is also when the state
+/// stops mattering.
+pub(crate) struct Compact {
+    key: [u64; 2],
+    pub(crate) tat: u64,
+}
+
+/// `(ident, key)` as two words, for keys up to [`COMPACT_KEY`] bytes: the key's first eight
+/// bytes, then the identity, the length and the key's other bytes. The length makes it
+/// one-to-one (`b"a"` and `b"a\0"` differ).
+#[inline]
+pub(crate) fn pack(ident: u32, key: &[u8]) -> Option<[u64; 2]> {
+    let len = key.len();
+    if len > COMPACT_KEY {
+        return None;
+    }
+    let (head, tail) = key.split_at(len.min(8));
+    let top = u64::from(ident) | (len as u64) << 32 | load(tail) << 40;
+    Some([load(head), top])
+}
+
+/// Up to eight bytes as a little-endian word, zero-padded, without a `memcpy` call: two
+/// overlapping fixed-size reads cover every length (the overlap ORs a byte with itself).
+#[inline]
+fn load(b: &[u8]) -> u64 {
+    fn le<const N: usize>(b: &[u8]) -> u64 {
+        let mut w = [0u8; 8];
+        w[..N].copy_from_slice(&b[..N]);
+        u64::from_le_bytes(w)
+    }
+    let n = b.len();
+    match n {
+        0 => 0,
+        1..=3 => {
+            u64::from(b[0])
+                | u64::from(b[n / 2]) << (8 * (n / 2))
+                | u64::from(b[n - 1]) << (8 * (n - 1))
+        }
+        4..=7 => le::<4>(b) | le::<4>(&b[n - 4..]) << (8 * (n - 4)),
+        _ => le::<8>(b),
+    }
+}
+
 pub(crate) struct Shard<V> {
     table: HashTable<Slot<V>>,
+    compact: HashTable<Compact>,
     /// No value expires before this: sweeping earlier frees nothing.
     next_expiry: u64,
 }
@@ -118,6 +171,7 @@ impl<V> ShardedMap<V> {
             .map(|_| {
                 Padded(Mutex::new(Shard {
                     table: HashTable::new(),
+                    compact: HashTable::new(),
                     next_expiry: 0,
                 }))
             })
@@ -137,6 +191,12 @@ impl<V> ShardedMap<V> {
     #[inline]
     pub(crate) fn hash(&self, ident: u32, key: &[u8]) -> u64 {
         self.hasher.hash_one((ident, key))
+    }
+
+    /// The hash of a packed key (see [`pack`]).
+    #[inline]
+    pub(crate) fn hash_packed(&self, key: [u64; 2]) -> u64 {
+        self.hasher.hash_one(key)
     }
 
     /// The shard of a hash: bits the table itself does not use for probing.
@@ -160,9 +220,7 @@ impl<V> ShardedMap<V> {
     }
 
     pub(crate) fn stats(&self) -> StoreStats {
-        let keys = (0..self.shards.len())
-            .map(|i| self.lock(i).table.len())
-            .sum();
+        let keys = (0..self.shards.len()).map(|i| self.lock(i).len()).sum();
         StoreStats {
             keys,
             expired: self.expired.load(Ordering::Relaxed),
@@ -204,6 +262,23 @@ impl<V> ShardedMap<V> {
         Ok(entry.into_mut())
     }
 
+    /// Inserts a new compact entry into a locked shard, making room first.
+    pub(crate) fn insert_compact(
+        &self,
+        shard: &mut Shard<V>,
+        hash: u64,
+        key: [u64; 2],
+        tat: u64,
+        now: u64,
+    ) -> Result<(), MemoryError> {
+        self.ensure_room(shard, 1, now)?;
+        shard
+            .compact
+            .insert_unique(hash, Compact { key, tat }, |c| self.hash_packed(c.key));
+        shard.next_expiry = shard.next_expiry.min(tat);
+        Ok(())
+    }
+
     /// Makes room for `n` new keys in a locked shard: sweeps expired keys, then evicts or
     /// refuses as configured.
     pub(crate) fn ensure_room(
@@ -212,13 +287,13 @@ impl<V> ShardedMap<V> {
         n: usize,
         now: u64,
     ) -> Result<(), MemoryError> {
-        if shard.table.len() + n <= self.cap {
+        if shard.len() + n <= self.cap {
             return Ok(());
         }
         if now >= shard.next_expiry {
             let freed = shard.sweep(now);
             self.expired.fetch_add(freed as u64, Ordering::Relaxed);
-            if shard.table.len() + n <= self.cap {
+            if shard.len() + n <= self.cap {
                 return Ok(());
             }
         }
@@ -230,7 +305,7 @@ impl<V> ShardedMap<V> {
                 })
             }
             OnFull::EvictSoonest => {
-                let over = shard.table.len() + n - self.cap;
+                let over = shard.len() + n - self.cap;
                 let evicted = shard.evict_soonest((self.cap / 8).max(over));
                 self.evicted.fetch_add(evicted as u64, Ordering::Relaxed);
                 Ok(())
@@ -249,6 +324,28 @@ pub(crate) struct NewSlot<'a, V> {
 }
 
 impl<V> Shard<V> {
+    /// Keys held, in both tables.
+    fn len(&self) -> usize {
+        self.table.len() + self.compact.len()
+    }
+
+    #[inline]
+    pub(crate) fn find_compact(&self, hash: u64, key: [u64; 2]) -> Option<&Compact> {
+        self.compact.find(hash, |c| c.key == key)
+    }
+
+    #[inline]
+    pub(crate) fn find_compact_mut(&mut self, hash: u64, key: [u64; 2]) -> Option<&mut Compact> {
+        self.compact.find_mut(hash, |c| c.key == key)
+    }
+
+    pub(crate) fn remove_compact(&mut self, hash: u64, key: [u64; 2]) -> Option<u64> {
+        self.compact
+            .find_entry(hash, |c| c.key == key)
+            .ok()
+            .map(|e| e.remove().0.tat)
+    }
+
     #[inline]
     pub(crate) fn find(&self, hash: u64, ident: u32, key: &[u8]) -> Option<&Slot<V>> {
         self.table
@@ -276,9 +373,9 @@ impl<V> Shard<V> {
         }
     }
 
-    /// Drops expired slots; returns how many.
+    /// Drops expired slots and entries; returns how many.
     fn sweep(&mut self, now: u64) -> usize {
-        let before = self.table.len();
+        let before = self.len();
         let mut next = u64::MAX;
         self.table.retain(|s| {
             let keep = s.expires_at() > now;
@@ -287,36 +384,48 @@ impl<V> Shard<V> {
             }
             keep
         });
+        self.compact.retain(|c| {
+            let keep = c.tat > now;
+            if keep {
+                next = next.min(c.tat);
+            }
+            keep
+        });
         self.next_expiry = next;
-        before - self.table.len()
+        before - self.len()
     }
 
     /// Evicts about `n` live slots, those that expire soonest; returns how many.
     fn evict_soonest(&mut self, n: usize) -> usize {
-        let mut expiries: Vec<u64> = self.table.iter().map(Slot::expires_at).collect();
+        let mut expiries: Vec<u64> = self
+            .table
+            .iter()
+            .map(Slot::expires_at)
+            .chain(self.compact.iter().map(|c| c.tat))
+            .collect();
         if expiries.is_empty() {
             return 0;
         }
         let n = n.min(expiries.len());
         let (_, threshold, _) = expiries.select_nth_unstable(n - 1);
         let threshold = *threshold;
-        let before = self.table.len();
+        let before = self.len();
         let mut budget = n;
-        self.table.retain(|s| {
-            if budget > 0 && s.expires_at() <= threshold {
-                budget -= 1;
-                false
-            } else {
-                true
-            }
-        });
+        let mut evict = |expires_at: u64| {
+            let gone = budget > 0 && expires_at <= threshold;
+            budget -= usize::from(gone);
+            !gone
+        };
+        self.table.retain(|s| evict(s.expires_at()));
+        self.compact.retain(|c| evict(c.tat));
         self.next_expiry = self
             .table
             .iter()
             .map(Slot::expires_at)
+            .chain(self.compact.iter().map(|c| c.tat))
             .min()
             .unwrap_or(u64::MAX);
-        before - self.table.len()
+        before - self.len()
     }
 }
 
@@ -348,6 +457,47 @@ mod tests {
             now,
         )
         .map(|_| ())
+    }
+
+    /// The plain packing `pack` must equal: identity, length, key bytes, zero-padded.
+    fn reference(ident: u32, key: &[u8]) -> [u64; 2] {
+        let mut head = [0u8; 8];
+        let mut top = [0u8; 8];
+        for (i, b) in key.iter().enumerate() {
+            if i < 8 {
+                head[i] = *b;
+            } else {
+                top[5 + i - 8] = *b;
+            }
+        }
+        top[..4].copy_from_slice(&ident.to_le_bytes());
+        top[4] = key.len() as u8;
+        [u64::from_le_bytes(head), u64::from_le_bytes(top)]
+    }
+
+    #[test]
+    fn pack_is_one_to_one_up_to_eleven_bytes_and_refuses_longer_keys() {
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut seen = std::collections::HashMap::new();
+        for len in 0..=COMPACT_KEY {
+            for round in 0..200 {
+                let key: Vec<u8> = match round {
+                    0 => vec![0; len],
+                    1 => vec![0xff; len],
+                    _ => (0..len).map(|_| rng.u8(..)).collect(),
+                };
+                for ident in [1, 2, u32::MAX] {
+                    let packed = pack(ident, &key).expect("short key");
+                    assert_eq!(packed, reference(ident, &key), "{ident} {key:?}");
+                    if let Some(other) = seen.insert(packed, (ident, key.clone())) {
+                        assert_eq!(other, (ident, key.clone()), "two keys, one packing");
+                    }
+                }
+            }
+        }
+        // A trailing zero byte is a different key.
+        assert_ne!(pack(1, b"a"), pack(1, b"a\0"));
+        assert_eq!(pack(1, &[7; COMPACT_KEY + 1]), None);
     }
 
     #[test]
