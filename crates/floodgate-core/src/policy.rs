@@ -262,7 +262,7 @@ impl Kind {
     }
 
     /// [`Kind::check`] and, when allowed, [`Kind::expires_at`] of the new state, in one
-    /// dispatch (the in-memory hot path). The expiry is 0 when denied.
+    /// dispatch (the in-memory hot path). `expires_at` is written only when allowed.
     #[inline]
     pub(crate) fn check_expiring(
         &self,

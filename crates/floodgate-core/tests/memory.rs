@@ -241,6 +241,91 @@ fn short_and_long_keys_share_one_bound() {
     assert_eq!(limiter.stats().keys, 0);
 }
 
+/// A full shard, one of whose keys has expired: an all-or-nothing check of that key and a new
+/// one must make room for both before counting either (the sweep frees the expired key, which
+/// then comes back as new).
+#[test]
+fn a_full_store_refuses_an_all_or_nothing_check_whole_when_an_expired_key_returns() {
+    let clock = clock();
+    let limiter = MemoryLimiter::builder()
+        .clock(clock.clone())
+        .max_keys(16)
+        .shards(1)
+        .on_full(OnFull::Reject)
+        .build();
+    let short = Policy::per_second(1).expect("valid");
+    let long = Policy::per_hour(1).expect("valid");
+    let fill = |i: u32| format!("a-slot-key-{i}").into_bytes();
+    assert!(limiter.check_key(b"soon", &short, 1).allowed);
+    for i in 0..15 {
+        assert!(limiter.check_key(&fill(i), &long, 1).allowed);
+    }
+    assert_eq!(limiter.stats().keys, 16);
+    clock.advance(Duration::from_secs(2));
+    // "soon" (compact table) has expired; "newcomer-key" (slot table) is new.
+    let result = limiter.check_sync(
+        &[
+            Check::new(b"soon", &short),
+            Check::new(b"newcomer-key", &long),
+        ],
+        CheckOptions::default(),
+    );
+    assert!(
+        matches!(result, Err(MemoryError::Full { .. })),
+        "{result:?}"
+    );
+    assert!(limiter.state(b"soon", &short).is_none(), "counted half-way");
+    assert!(limiter.state(b"newcomer-key", &long).is_none());
+    // Alone, the expired key finds room again.
+    assert!(limiter.check_key(b"soon", &short, 1).allowed);
+}
+
+/// Evicting the soonest-expiring keys looks at both tables together.
+#[test]
+fn eviction_takes_the_soonest_keys_from_either_table() {
+    for short_keys_expire_first in [true, false] {
+        let limiter = MemoryLimiter::builder()
+            .clock(clock())
+            .max_keys(16)
+            .shards(1)
+            .build();
+        let soon = Policy::per_second(1).expect("valid");
+        let late = Policy::per_hour(1).expect("valid");
+        let (compact_policy, slot_policy) = if short_keys_expire_first {
+            (&soon, &late)
+        } else {
+            (&late, &soon)
+        };
+        let compact_key = |i: u32| format!("c{i}").into_bytes();
+        let slot_key = |i: u32| format!("a-slot-key-{i}").into_bytes();
+        for i in 0..8 {
+            assert!(
+                limiter
+                    .check_key(&compact_key(i), compact_policy, 1)
+                    .allowed
+            );
+            assert!(limiter.check_key(&slot_key(i), slot_policy, 1).allowed);
+        }
+        assert!(limiter.check_key(b"one-more-key", &late, 1).allowed);
+        let stats = limiter.stats();
+        assert_eq!((stats.keys, stats.evicted), (15, 2), "{stats:?}");
+        let kept = |key: &dyn Fn(u32) -> Vec<u8>, p: &Policy| {
+            (0..8)
+                .filter(|i| limiter.state(&key(*i), p).is_some())
+                .count()
+        };
+        let (compact_kept, slot_kept) = (
+            kept(&compact_key, compact_policy),
+            kept(&slot_key, slot_policy),
+        );
+        if short_keys_expire_first {
+            assert_eq!((compact_kept, slot_kept), (6, 8));
+        } else {
+            assert_eq!((compact_kept, slot_kept), (8, 6));
+        }
+    }
+}
+
 #[test]
 fn a_check_of_the_same_policy_twice_for_one_key_is_refused() {
     let limiter = MemoryLimiter::new();

@@ -349,7 +349,9 @@ impl<C: Clock> MemoryLimiter<C> {
             let new = checks
                 .iter()
                 .zip(&located)
-                .filter(|(c, (loc, s))| *s == shard && c.cost > 0 && !holds(&guards[gi], c, *loc))
+                .filter(|(c, (loc, s))| {
+                    *s == shard && c.cost > 0 && !holds(&guards[gi], c, *loc, now)
+                })
                 .count();
             if new > 0 {
                 map.ensure_room(&mut guards[gi], new, now)?;
@@ -524,11 +526,14 @@ fn decide_at(g: &Shard<State>, c: &Check<'_>, loc: Loc<'_>, ctx: &Ctx) -> Outcom
     }
 }
 
-/// Whether the shard holds a state for `c` at `loc`.
-fn holds(g: &Shard<State>, c: &Check<'_>, loc: Loc<'_>) -> bool {
+/// Whether the shard holds a live state for `c` at `loc`. An expired one counts as absent: making
+/// room may sweep it, and then committing inserts it anew.
+fn holds(g: &Shard<State>, c: &Check<'_>, loc: Loc<'_>, now: u64) -> bool {
     match loc {
-        Loc::Slot { hash } => g.find(hash, c.policy.ident(), c.key).is_some(),
-        Loc::Compact { hash, key, .. } => g.find_compact(hash, key).is_some(),
+        Loc::Slot { hash } => g
+            .find(hash, c.policy.ident(), c.key)
+            .is_some_and(|s| s.expires_at() > now),
+        Loc::Compact { hash, key, .. } => g.find_compact(hash, key).is_some_and(|e| e.tat > now),
     }
 }
 

@@ -1,5 +1,5 @@
-//! A sharded, bounded map from `(identity, key bytes)` to expiring values: the memory behind
-//! every in-memory store.
+//! A sharded, bounded map from `(identity, key bytes)` to expiring values, with a compact side
+//! table for GCRA states of short keys: the memory behind every in-memory store.
 //!
 //! Each value knows when it stops mattering (`expires_at`); past that it can be dropped without
 //! changing any decision. A shard sweeps expired values when it reaches its share of the key
@@ -9,8 +9,9 @@
 //!
 //! A shard holds two tables under one lock: 64-byte [`Slot`]s for any value, and 24-byte
 //! [`Compact`] entries for the commonest state of all, a GCRA timestamp under a key of up to
-//! 11 bytes (an IPv4 or IPv6 /64 address, a numeric id). At 100k keys the tables take 3.1 MB
-//! instead of 8.4 MB, which decides whether lookups hit the cache (`benches/memory_check.rs`).
+//! 11 bytes (a numeric id, a short address). The key bound, sweeps and evictions cover both.
+//! Only the memory limiter uses the compact table; elsewhere it stays empty and allocates
+//! nothing. At scale, bytes per key decide whether a lookup hits the cache.
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -365,7 +366,8 @@ impl<V> Shard<V> {
             .map(|e| e.remove().0.value)
     }
 
-    /// Notes that a slot's expiry moved (it may now expire sooner than the shard thought).
+    /// Notes that a slot's or entry's expiry moved (it may now expire sooner than the shard
+    /// thought).
     #[inline]
     pub(crate) fn note_expiry(&mut self, expires_at: u64) {
         if expires_at < self.next_expiry {
@@ -395,7 +397,7 @@ impl<V> Shard<V> {
         before - self.len()
     }
 
-    /// Evicts about `n` live slots, those that expire soonest; returns how many.
+    /// Evicts about `n` live slots and entries, those that expire soonest; returns how many.
     fn evict_soonest(&mut self, n: usize) -> usize {
         let mut expiries: Vec<u64> = self
             .table
