@@ -404,6 +404,88 @@ async fn handlers_see_the_decision() {
     assert_eq!(client.get("/open").await.body, "false");
 }
 
+/// A store that is not the in-memory limiter (so the layer awaits its future), backed by one;
+/// optionally pending once before answering, like a store doing I/O.
+#[derive(Clone)]
+struct RemoteStore {
+    memory: MemoryLimiter,
+    pending_once: bool,
+}
+
+impl Limiter for RemoteStore {
+    type Error = MemoryError;
+
+    async fn check(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<Verdict, MemoryError> {
+        if self.pending_once {
+            tokio::task::yield_now().await;
+        }
+        self.memory.check(checks, opts).await
+    }
+
+    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
+        self.memory.release(checks, lease).await
+    }
+
+    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
+        self.memory.reset(key, policy).await
+    }
+}
+
+/// Whether a store's answer is ready at once (a local lease, the deny cache; decided in `call`)
+/// or comes later (the response future awaits it), handlers see the decision, allowed
+/// responses carry the headers, rejections their retry time, and no more than the limit passes.
+#[tokio::test]
+async fn answers_ready_at_once_or_later_carry_the_decision_and_keep_the_limit() {
+    async fn show(info: RateLimitInfo) -> String {
+        let (policy, decision) = info.strictest().expect("a decision");
+        format!("{} {}", policy.name(), decision.limit)
+    }
+    for (pending_once, leasing) in [(false, false), (false, true), (true, false), (true, true)] {
+        let store = RemoteStore {
+            memory: MemoryLimiter::new(),
+            pending_once,
+        };
+        let builder = RateLimitLayer::builder(store)
+            .rule(Rule::new(policy(100, 60, "remote")).key(GlobalKey))
+            .headers_on_allowed(true);
+        let builder = if leasing {
+            builder.leasing(floodgate_core::LeasingConfig {
+                fraction: 0.1,
+                min_units: 2,
+                hot_after: 2,
+                ..floodgate_core::LeasingConfig::default()
+            })
+        } else {
+            builder
+        };
+        let layer = builder.build().expect("layer");
+        let client = HttpClient::new(serve(Router::new().route("/", get(show)).layer(layer)).await);
+        let mut allowed = 0;
+        for _ in 0..130 {
+            let res = client.get("/").await;
+            if res.status == StatusCode::OK {
+                allowed += 1;
+                assert_eq!(res.body, "remote 100");
+                assert_eq!(sf_list(&res.headers, "ratelimit").len(), 1);
+            } else {
+                assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+                assert!(res.header("retry-after").is_some());
+            }
+        }
+        let case = format!("pending once {pending_once}, leasing {leasing}");
+        if leasing {
+            // Units left in the last lease may go unused.
+            assert!((90..=100).contains(&allowed), "{case}: {allowed} allowed");
+        } else {
+            assert_eq!(allowed, 100, "{case}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_custom_rejection_handler_shapes_the_response() {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
