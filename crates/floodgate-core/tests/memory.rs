@@ -13,6 +13,16 @@ fn clock() -> ManualClock {
     ManualClock::new(Timestamp::from_millis(1_700_000_000_000))
 }
 
+/// A limiter on `clock` that refuses new keys beyond `max_keys`, over `shards` shards.
+fn refusing(clock: &ManualClock, max_keys: usize, shards: usize) -> MemoryLimiter<ManualClock> {
+    MemoryLimiter::builder()
+        .clock(clock.clone())
+        .max_keys(max_keys)
+        .shards(shards)
+        .on_full(OnFull::Reject)
+        .build()
+}
+
 #[test]
 fn threads_racing_on_one_key_admit_exactly_the_limit() {
     let policies = [
@@ -128,11 +138,7 @@ fn a_flood_of_unique_keys_stays_within_the_bound() {
 #[test]
 fn expired_state_is_dropped_before_live_state() {
     let clock = clock();
-    let limiter = MemoryLimiter::builder()
-        .clock(clock.clone())
-        .max_keys(1_000)
-        .on_full(OnFull::Reject)
-        .build();
+    let limiter = refusing(&clock, 1_000, 16);
     let policy = Policy::per_second(1).expect("valid");
     // Keys spread over shards, each holding its share of the bound: some shards fill first.
     let admitted: Vec<u32> = (0..2_000u32)
@@ -216,11 +222,7 @@ fn gcra_keys_on_both_sides_of_the_compact_boundary_keep_their_own_state() {
 #[test]
 fn short_and_long_keys_share_one_bound() {
     let clock = clock();
-    let limiter = MemoryLimiter::builder()
-        .clock(clock.clone())
-        .max_keys(1_000)
-        .on_full(OnFull::Reject)
-        .build();
+    let limiter = refusing(&clock, 1_000, 16);
     let p = Policy::per_second(1).expect("valid");
     let admitted = (0..4_000u32)
         .filter(|i| {
@@ -247,12 +249,7 @@ fn short_and_long_keys_share_one_bound() {
 #[test]
 fn a_full_store_refuses_an_all_or_nothing_check_whole_when_an_expired_key_returns() {
     let clock = clock();
-    let limiter = MemoryLimiter::builder()
-        .clock(clock.clone())
-        .max_keys(16)
-        .shards(1)
-        .on_full(OnFull::Reject)
-        .build();
+    let limiter = refusing(&clock, 16, 1);
     let short = Policy::per_second(1).expect("valid");
     let long = Policy::per_hour(1).expect("valid");
     let fill = |i: u32| format!("a-slot-key-{i}").into_bytes();
