@@ -188,6 +188,17 @@ fn gcra_keys_on_both_sides_of_the_compact_boundary_keep_their_own_state() {
         longer.push(0);
         keys.push(longer);
     }
+    // IPv4 addresses: canonical ones longer than 11 bytes pack as addresses, others as bytes.
+    for ip in [
+        "10.0.0.1",
+        "192.168.100.1",
+        "203.113.100.200",
+        "203.113.100.20",
+        "203.113.100.020",
+        "203.113.100.2000",
+    ] {
+        keys.push(ip.as_bytes().to_vec());
+    }
     keys.sort();
     keys.dedup();
     for key in &keys {

@@ -89,7 +89,11 @@ fn secs_up(us: u64) -> u32 {
 }
 
 /// Keys up to this long fit a [`Compact`] entry, beside the policy's identity and the length.
+/// Longer keys fit when they are IPv4 addresses in canonical dotted decimal (see [`pack`]).
 pub(crate) const COMPACT_KEY: usize = 11;
+
+/// The length byte of a packed IPv4 address: no raw key is that long.
+const IPV4: u64 = 0xff;
 
 /// A GCRA state in 24 bytes: the policy's identity, the key's length and the key packed into
 /// two words (see [`pack`]), and the theoretical arrival time, which is also when the state
@@ -102,15 +106,44 @@ pub(crate) struct Compact {
 /// `(ident, key)` as two words, for keys up to [`COMPACT_KEY`] bytes: the key's first eight
 /// bytes, then the identity, the length and the key's other bytes. The length makes it
 /// one-to-one (`b"a"` and `b"a\0"` differ).
+///
+/// A longer key that is an IPv4 address in canonical dotted decimal (the layer's per-IP key,
+/// such as `203.113.100.200`) packs as its four bytes, with a length byte no raw key has:
+/// canonical text and address match one to one, so the packing stays one-to-one.
 #[inline]
 pub(crate) fn pack(ident: u32, key: &[u8]) -> Option<[u64; 2]> {
     let len = key.len();
     if len > COMPACT_KEY {
-        return None;
+        let ip = canonical_ipv4(key)?;
+        return Some([u64::from(ip), u64::from(ident) | IPV4 << 32]);
     }
     let (head, tail) = key.split_at(len.min(8));
     let top = u64::from(ident) | (len as u64) << 32 | load(tail) << 40;
     Some([load(head), top])
+}
+
+/// The address of `a.b.c.d` in canonical form: four decimal numbers up to 255, with no sign,
+/// no leading zero and no other character. Anything else is `None`.
+fn canonical_ipv4(text: &[u8]) -> Option<u32> {
+    if text.len() > 15 {
+        return None;
+    }
+    let mut parts = text.split(|b| *b == b'.');
+    let mut ip = 0u32;
+    for _ in 0..4 {
+        let part = parts.next()?;
+        let canonical = match part {
+            [] => false,
+            [b'0', _, ..] => false,
+            _ => part.len() <= 3 && part.iter().all(u8::is_ascii_digit),
+        };
+        if !canonical {
+            return None;
+        }
+        let n = part.iter().fold(0u32, |n, d| n * 10 + u32::from(d - b'0'));
+        ip = ip << 8 | u32::from(u8::try_from(n).ok()?);
+    }
+    parts.next().is_none().then_some(ip)
 }
 
 /// Up to eight bytes as a little-endian word, zero-padded, without a `memcpy` call: two
@@ -500,6 +533,57 @@ mod tests {
         // A trailing zero byte is a different key.
         assert_ne!(pack(1, b"a"), pack(1, b"a\0"));
         assert_eq!(pack(1, &[7; COMPACT_KEY + 1]), None);
+    }
+
+    #[test]
+    fn long_ipv4_keys_pack_one_to_one_and_other_long_keys_do_not_pack() {
+        let mut rng = fastrand::Rng::with_seed(11);
+        let mut seen = std::collections::HashMap::new();
+        for _ in 0..20_000 {
+            let ip = std::net::Ipv4Addr::from(rng.u32(..));
+            let text = ip.to_string();
+            // The parser reads every canonical address back.
+            assert_eq!(
+                canonical_ipv4(text.as_bytes()),
+                Some(u32::from(ip)),
+                "{text}"
+            );
+            let packed = pack(9, text.as_bytes());
+            if text.len() > COMPACT_KEY {
+                assert_eq!(packed, Some([u64::from(u32::from(ip)), 9 | IPV4 << 32]));
+            } else {
+                assert_eq!(packed, Some(reference(9, text.as_bytes())));
+            }
+            if let Some(other) = seen.insert(packed, text.clone()) {
+                assert_eq!(other, text, "two keys, one packing");
+            }
+        }
+        // Whatever parses is the canonical text of its address: no two texts share a packing.
+        for _ in 0..200_000 {
+            let len = rng.usize(7..=16);
+            let text: Vec<u8> = (0..len)
+                .map(|_| *rng.choice(b"0123456789.").unwrap_or(&b'.'))
+                .collect();
+            if let Some(ip) = canonical_ipv4(&text) {
+                assert_eq!(
+                    std::net::Ipv4Addr::from(ip).to_string().as_bytes(),
+                    &text[..]
+                );
+            }
+        }
+        for text in [
+            "100.100.100.010",
+            "100.100.100.256",
+            "100.100.100.1.1",
+            "100.100.100100",
+            "100.100..100.10",
+            "+100.100.100.10",
+            "100.100.100.10 ",
+            "1000.100.100.10",
+            "a-longer-key-12",
+        ] {
+            assert_eq!(pack(1, text.as_bytes()), None, "{text}");
+        }
     }
 
     #[test]
