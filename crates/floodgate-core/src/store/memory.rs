@@ -477,8 +477,8 @@ impl<C: Clock> MemoryLimiter<C> {
 enum Loc<'p> {
     /// In a 64-byte slot.
     Slot { hash: u64 },
-    /// In the compact table: GCRA with a key of up to 11 bytes (client addresses, ids), the
-    /// commonest state, in 24 bytes.
+    /// In the compact table: GCRA with a key of up to 11 bytes or a dotted-decimal IPv4
+    /// address (see `sharded::pack`), the commonest state, in 24 bytes.
     Compact {
         hash: u64,
         key: [u64; 2],

@@ -9,7 +9,8 @@
 //!
 //! A shard holds two tables under one lock: 64-byte [`Slot`]s for any value, and 24-byte
 //! [`Compact`] entries for the commonest state of all, a GCRA timestamp under a key of up to
-//! 11 bytes (a numeric id, a short address). The key bound, sweeps and evictions cover both.
+//! 11 bytes (a numeric id) or an IPv4 address in dotted decimal (the layer's per-IP key). The
+//! key bound, sweeps and evictions cover both.
 //! Only the memory limiter uses the compact table; elsewhere it stays empty and allocates
 //! nothing. At scale, bytes per key decide whether a lookup hits the cache.
 
