@@ -1,12 +1,4 @@
 //! Automatic batching: checks issued concurrently are grouped into one script call.
-//!
-//! A single task owns the batching. It takes every check waiting in its queue (up to
-//! [`BatchConfig::max_batch`]) and sends them as one `EVALSHA` of the check script, in which
-//! each check remains its own all-or-nothing group. Up to [`BatchConfig::max_in_flight`] such
-//! calls are pipelined on the connection. While a call is in flight, checks queue and go
-//! together in the next call (optionally waiting up to [`BatchConfig::window`] for more; zero by
-//! default); when nothing is in flight, a check goes out at once, so batching adds no latency to
-//! an idle limiter. On a cluster, a batch is split per slot.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -22,7 +14,15 @@ use crate::limiter::{Group, RELEASE, check_script_for, decode_group};
 use crate::{ConnectionKind, Error, RedisConn, display_key};
 use floodgate_core::Verdict;
 
-/// How checks are batched (see the [module docs](self)).
+/// How checks are batched.
+///
+/// A single task owns the batching. It takes every check waiting in its queue (up to
+/// [`BatchConfig::max_batch`]) and sends them as one `EVALSHA` of the check script, in which
+/// each check remains its own all-or-nothing group. Up to [`BatchConfig::max_in_flight`] such
+/// calls are pipelined on the connection. While a call is in flight, checks queue and go
+/// together in the next call (optionally waiting up to [`BatchConfig::window`] for more; zero by
+/// default); when nothing is in flight, a check goes out at once, so batching adds no latency to
+/// an idle limiter. On a cluster, a batch is split per slot.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BatchConfig {
     /// Whether to batch at all.

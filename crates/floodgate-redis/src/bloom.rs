@@ -1,34 +1,4 @@
 //! [`RedisBloom`]: a Bloom filter in Redis bitmaps, on one node or split over a cluster.
-//!
-//! ```no_run
-//! use floodgate_core::bloom::{BloomFilter, BloomParams};
-//! use floodgate_redis::{RedisBloom, RedisConfig, RedisConn};
-//!
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! let conn = RedisConn::connect(&RedisConfig::new("redis://127.0.0.1:6379")?).await?;
-//! let opted_out = RedisBloom::new(conn, "sms-optout", BloomParams::new(1_000_000, 0.01)?)?;
-//! opted_out.try_init().await?; // Ok(false) if it exists already with these parameters
-//! opted_out.add(b"+8613800000000").await?;
-//! let maybe = opted_out.contains_many(&[b"+8613800000000", b"+8613900000000"]).await?;
-//! assert_eq!(maybe, [true, false]); // a `true` is then confirmed against the exact list
-//! # Ok(()) }
-//! ```
-//!
-//! # Storage
-//!
-//! Part `i` of filter `name` is two keys in one cluster slot:
-//!
-//! - `<prefix>:bloom:<name>:{<name>#<i>}`: the bitmap, a string of exactly
-//!   `⌈part_bits / 8⌉` bytes, allocated zeroed by `try_init` (bit `j` is `GETBIT key j`);
-//! - `<prefix>:bloom:<name>:{<name>#<i>}:cfg`: a hash of the parameters (`scheme`, `n`, `p`,
-//!   `m`, `k`, `parts`, `part`).
-//!
-//! Every operation on a part is one script that first compares the stored parameters with the
-//! handle's, then reads or writes the bits (`SETBIT`, `GETBIT` stopping at an item's first 0
-//! bit, `BITCOUNT`), atomically. The client computes the bit offsets (see
-//! [`floodgate_core::bloom`] for the scheme). A batch is grouped by part, split into calls of
-//! at most [`RedisBloom::max_items_per_call`] items, and sent as one pipeline per node (nodes
-//! concurrently). Keys have no TTL: a filter lives until [`BloomFilter::delete`].
 
 use std::fmt;
 use std::ops::Range;
@@ -70,7 +40,37 @@ static DELETE: LazyLock<Script> = bloom_script!("lua/bloom_delete.lua");
 /// A handle on a Bloom filter stored in Redis: a name, parameters and a connection. Cloning is
 /// cheap; clones share everything.
 ///
-/// See the [module docs](self) for the storage and [`BloomFilter`] for the operations.
+/// The operations are [`BloomFilter`]'s.
+///
+/// ```no_run
+/// use floodgate_core::bloom::{BloomFilter, BloomParams};
+/// use floodgate_redis::{RedisBloom, RedisConfig, RedisConn};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let conn = RedisConn::connect(&RedisConfig::new("redis://127.0.0.1:6379")?).await?;
+/// let opted_out = RedisBloom::new(conn, "sms-optout", BloomParams::new(1_000_000, 0.01)?)?;
+/// opted_out.try_init().await?; // Ok(false) if it exists already with these parameters
+/// opted_out.add(b"+8613800000000").await?;
+/// let maybe = opted_out.contains_many(&[b"+8613800000000", b"+8613900000000"]).await?;
+/// assert_eq!(maybe, [true, false]); // a `true` is then confirmed against the exact list
+/// # Ok(()) }
+/// ```
+///
+/// # Storage
+///
+/// Part `i` of filter `name` is two keys in one cluster slot:
+///
+/// - `<prefix>:bloom:<name>:{<name>#<i>}`: the bitmap, a string of exactly
+///   `⌈part_bits / 8⌉` bytes, allocated zeroed by `try_init` (bit `j` is `GETBIT key j`);
+/// - `<prefix>:bloom:<name>:{<name>#<i>}:cfg`: a hash of the parameters (`scheme`, `n`, `p`,
+///   `m`, `k`, `parts`, `part`).
+///
+/// Every operation on a part is one script that first compares the stored parameters with the
+/// handle's, then reads or writes the bits (`SETBIT`, `GETBIT` stopping at an item's first 0
+/// bit, `BITCOUNT`), atomically. The client computes the bit offsets (see
+/// [`floodgate_core::bloom`] for the scheme). A batch is grouped by part, split into calls of
+/// at most [`RedisBloom::max_items_per_call`] items, and sent as one pipeline per node (nodes
+/// concurrently). Keys have no TTL: a filter lives until [`BloomFilter::delete`].
 #[derive(Clone)]
 pub struct RedisBloom {
     conn: RedisConn,

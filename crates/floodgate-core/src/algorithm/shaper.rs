@@ -4,7 +4,7 @@
 //! A request that arrives early *reserves* the next free slot on that schedule and waits for
 //! it, as Guava's `RateLimiter.acquire()` and nginx's `limit_req ... delay` do, provided the
 //! wait is no longer than the caller's `max_wait`; otherwise it is denied and reserves nothing.
-//! With `max_wait = 0` this is [`Gcra`](super::gcra::Gcra) with `max_burst = burst - 1`.
+//! With `max_wait = 0` this is [`super::gcra::Gcra`] with `max_burst = burst - 1`.
 
 use std::time::Duration;
 

@@ -1,18 +1,4 @@
 //! [`DenyCache`]: answers checks that are certain to be denied without asking the store.
-//!
-//! Once a check is denied with a retry time, the same check (same policies, keys and costs) is
-//! denied locally until that time: an attacker hammering one key costs the shared store almost
-//! nothing. When an allowed check spends a key's last unit and the algorithm tells exactly when
-//! the next unit comes (GCRA, the funnel, the greedy token bucket, fixed windows), that time is
-//! cached as a denial too, so a key held at its limit costs one store call per admitted request.
-//!
-//! When a cached denial runs out, one caller probes the store while the others of the same
-//! check wait for its answer instead of all asking at once.
-//!
-//! A local denial can only be wrong in one direction: another replica cannot make a key's retry
-//! time earlier, so the cache never admits what the store would deny. It can deny a little
-//! longer than needed if the store's state is reset (an operator's `reset`); concurrency
-//! policies, whose leases may be released early, are never cached.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash, Hasher};
@@ -66,7 +52,21 @@ struct Shared<C> {
     coalesced: AtomicU64,
 }
 
-/// A [`Limiter`] in front of another that remembers denials (see the [module docs](self)).
+/// A [`Limiter`] in front of another that remembers denials.
+///
+/// Once a check is denied with a retry time, the same check (same policies, keys and costs) is
+/// denied locally until that time: an attacker hammering one key costs the shared store almost
+/// nothing. When an allowed check spends a key's last unit and the algorithm tells exactly when
+/// the next unit comes (GCRA, the funnel, the greedy token bucket, fixed windows), that time is
+/// cached as a denial too, so a key held at its limit costs one store call per admitted request.
+///
+/// When a cached denial runs out, one caller probes the store while the others of the same
+/// check wait for its answer instead of all asking at once.
+///
+/// A local denial can only be wrong in one direction: another replica cannot make a key's retry
+/// time earlier, so the cache never admits what the store would deny. It can deny a little
+/// longer than needed if the store's state is reset (an operator's `reset`); concurrency
+/// policies, whose leases may be released early, are never cached.
 pub struct DenyCache<L, C = SystemClock> {
     inner: L,
     shared: Arc<Shared<C>>,

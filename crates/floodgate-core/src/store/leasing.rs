@@ -1,28 +1,5 @@
 //! [`Leasing`]: very hot keys spend a local slice of their budget instead of asking the store
 //! each time.
-//!
-//! When one key sees many checks in a short time, this replica takes a *lease*: it checks the
-//! store once with a cost of `n` units (a small fraction of the policy's limit) and then admits
-//! up to `n` requests locally, without a round trip, until the units run out or the lease ends.
-//!
-//! # Bounds
-//!
-//! Leasing trades a little precision for much less traffic to the shared store:
-//!
-//! - **Never more than the store granted.** Units are taken from the store before they are
-//!   spent, so across all replicas no more units are admitted than the policy's state allows in
-//!   total.
-//! - **Over a single window, at most `replicas × n` over the limit.** Units taken just before a
-//!   window of the policy (its period, its calendar day, ...) may be spent just inside it: any
-//!   window can admit up to `n` extra units per replica (per lease taken before it started).
-//! - **At most `replicas × n` under-used per lease period.** Units left when a lease ends are not
-//!   spent (they are not given back to the store either); with `n` at 1% of the limit, a
-//!   replica strands at most 1% of the limit per lease period.
-//!
-//! Leases only apply to checks of cost ≥ 1 against algorithms whose cost simply adds up (GCRA,
-//! funnel, token bucket, fixed and sliding windows, sliding log), and only when `n` would be at
-//! least [`LeasingConfig::min_units`]: a limit of 20 per minute is never leased. Concurrency
-//! limits and shapers always go to the store, as do checks with an injected time.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -105,7 +82,30 @@ struct Shared<C> {
     wasted: AtomicU64,
 }
 
-/// A [`Limiter`] that leases slices of very hot keys' budgets (see the [module docs](self)).
+/// A [`Limiter`] that leases slices of very hot keys' budgets.
+///
+/// When one key sees many checks in a short time, this replica takes a *lease*: it checks the
+/// store once with a cost of `n` units (a small fraction of the policy's limit) and then admits
+/// up to `n` requests locally, without a round trip, until the units run out or the lease ends.
+///
+/// # Bounds
+///
+/// Leasing trades a little precision for much less traffic to the shared store:
+///
+/// - **Never more than the store granted.** Units are taken from the store before they are
+///   spent, so across all replicas no more units are admitted than the policy's state allows in
+///   total.
+/// - **Over a single window, at most `replicas × n` over the limit.** Units taken just before a
+///   window of the policy (its period, its calendar day, ...) may be spent just inside it: any
+///   window can admit up to `n` extra units per replica (per lease taken before it started).
+/// - **At most `replicas × n` under-used per lease period.** Units left when a lease ends are not
+///   spent (they are not given back to the store either); with `n` at 1% of the limit, a
+///   replica strands at most 1% of the limit per lease period.
+///
+/// Leases only apply to checks of cost ≥ 1 against algorithms whose cost simply adds up (GCRA,
+/// funnel, token bucket, fixed and sliding windows, sliding log), and only when `n` would be at
+/// least [`LeasingConfig::min_units`]: a limit of 20 per minute is never leased. Concurrency
+/// limits and shapers always go to the store, as do checks with an injected time.
 pub struct Leasing<L, C = SystemClock> {
     inner: L,
     shared: Arc<Shared<C>>,
