@@ -2,13 +2,13 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use tower::Service;
 
 use crate::body::ResponseBody;
-use crate::engine::{Allowed, Called, Decided, DynEngine, Job};
+use crate::engine::{Allowed, Called, DynEngine, Job};
 use crate::future::ResponseFuture;
 use crate::key::RequestView;
 
@@ -80,27 +80,10 @@ where
             }
             Called::Reject(response) => ResponseFuture::early(response),
             Called::Deciding => {
-                let mut decide = Arc::clone(&self.engine).decide(job);
-                // A limiter that answers without I/O (a local lease, the deny cache) is ready
-                // at once: then no box and no clone of the inner service. A pending future is
-                // polled again, with the caller's waker, by the response future.
-                let mut cx = Context::from_waker(Waker::noop());
-                match decide.as_mut().poll(&mut cx) {
-                    Poll::Ready(Decided::Allow(allowed)) => {
-                        if let Some(info) = allowed.info {
-                            req.extensions_mut().insert(info);
-                        }
-                        ResponseFuture::call(&mut self.inner, req, allowed.headers, allowed.lease)
-                    }
-                    Poll::Ready(Decided::Reject(response)) => ResponseFuture::early(response),
-                    Poll::Pending => {
-                        // Take the service that was made ready; leave a fresh clone in its
-                        // place.
-                        let clone = self.inner.clone();
-                        let inner = std::mem::replace(&mut self.inner, clone);
-                        ResponseFuture::deciding(decide, req, inner)
-                    }
-                }
+                // Take the service that was made ready; leave a fresh clone in its place.
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::deciding(Arc::clone(&self.engine).decide(job), req, inner)
             }
         }
     }

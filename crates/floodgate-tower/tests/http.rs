@@ -404,12 +404,20 @@ async fn handlers_see_the_decision() {
     assert_eq!(client.get("/open").await.body, "false");
 }
 
-/// A store that is not the in-memory limiter (so the layer awaits its future), backed by one;
-/// optionally pending once before answering, like a store doing I/O.
+/// When a store's answer comes: at once, after one yield, or after another task wakes it (as
+/// a store doing I/O).
+#[derive(Clone, Copy, Debug)]
+enum Answer {
+    AtOnce,
+    AfterYield,
+    AfterWake,
+}
+
+/// A store that is not the in-memory limiter (so the layer awaits its future), backed by one.
 #[derive(Clone)]
 struct RemoteStore {
     memory: MemoryLimiter,
-    pending_once: bool,
+    answer: Answer,
 }
 
 impl Limiter for RemoteStore {
@@ -420,8 +428,14 @@ impl Limiter for RemoteStore {
         checks: &[Check<'_>],
         opts: CheckOptions,
     ) -> Result<Verdict, MemoryError> {
-        if self.pending_once {
-            tokio::task::yield_now().await;
+        match self.answer {
+            Answer::AtOnce => {}
+            Answer::AfterYield => tokio::task::yield_now().await,
+            Answer::AfterWake => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                tokio::spawn(async move { tx.send(()) });
+                let _ = rx.await;
+            }
         }
         self.memory.check(checks, opts).await
     }
@@ -435,53 +449,75 @@ impl Limiter for RemoteStore {
     }
 }
 
-/// Whether a store's answer is ready at once (a local lease, the deny cache; decided in `call`)
-/// or comes later (the response future awaits it), handlers see the decision, allowed
-/// responses carry the headers, rejections their retry time, and no more than the limit passes.
+/// Over a store that is not `MemoryLimiter` (with its deny cache, with and without leasing),
+/// answering at once or later: handlers see the decision, allowed responses carry the headers,
+/// rejections their retry time, no more than the limit passes, and a concurrency lease taken
+/// with the decision is given back when the response ends.
 #[tokio::test]
-async fn answers_ready_at_once_or_later_carry_the_decision_and_keep_the_limit() {
+async fn a_remote_store_answering_at_once_or_later_keeps_the_limit_and_gives_leases_back() {
     async fn show(info: RateLimitInfo) -> String {
         let (policy, decision) = info.strictest().expect("a decision");
         format!("{} {}", policy.name(), decision.limit)
     }
-    for (pending_once, leasing) in [(false, false), (false, true), (true, false), (true, true)] {
-        let store = RemoteStore {
-            memory: MemoryLimiter::new(),
-            pending_once,
-        };
-        let builder = RateLimitLayer::builder(store)
-            .rule(Rule::new(policy(100, 60, "remote")).key(GlobalKey))
-            .headers_on_allowed(true);
-        let builder = if leasing {
-            builder.leasing(floodgate_core::LeasingConfig {
-                fraction: 0.1,
-                min_units: 2,
-                hot_after: 2,
-                ..floodgate_core::LeasingConfig::default()
-            })
-        } else {
-            builder
-        };
-        let layer = builder.build().expect("layer");
-        let client = HttpClient::new(serve(Router::new().route("/", get(show)).layer(layer)).await);
-        let mut allowed = 0;
-        for _ in 0..130 {
-            let res = client.get("/").await;
-            if res.status == StatusCode::OK {
-                allowed += 1;
-                assert_eq!(res.body, "remote 100");
-                assert_eq!(sf_list(&res.headers, "ratelimit").len(), 1);
+    for answer in [Answer::AtOnce, Answer::AfterYield, Answer::AfterWake] {
+        for leasing in [false, true] {
+            let store = RemoteStore {
+                memory: MemoryLimiter::new(),
+                answer,
+            };
+            let builder = RateLimitLayer::builder(store)
+                .rule(Rule::new(policy(100, 60, "remote")).key(GlobalKey))
+                .headers_on_allowed(true);
+            let builder = if leasing {
+                builder.leasing(floodgate_core::LeasingConfig {
+                    fraction: 0.1,
+                    min_units: 2,
+                    hot_after: 2,
+                    ..floodgate_core::LeasingConfig::default()
+                })
             } else {
-                assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
-                assert!(res.header("retry-after").is_some());
+                builder
+            };
+            let layer = builder.build().expect("layer");
+            let client =
+                HttpClient::new(serve(Router::new().route("/", get(show)).layer(layer)).await);
+            let mut allowed = 0;
+            for _ in 0..130 {
+                let res = client.get("/").await;
+                if res.status == StatusCode::OK {
+                    allowed += 1;
+                    assert_eq!(res.body, "remote 100");
+                    assert_eq!(sf_list(&res.headers, "ratelimit").len(), 1);
+                } else {
+                    assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+                    assert!(res.header("retry-after").is_some());
+                }
+            }
+            let case = format!("{answer:?}, leasing {leasing}");
+            if leasing {
+                // Units left in the last lease may go unused.
+                assert!((90..=100).contains(&allowed), "{case}: {allowed} allowed");
+            } else {
+                assert_eq!(allowed, 100, "{case}");
             }
         }
-        let case = format!("pending once {pending_once}, leasing {leasing}");
-        if leasing {
-            // Units left in the last lease may go unused.
-            assert!((90..=100).contains(&allowed), "{case}: {allowed} allowed");
-        } else {
-            assert_eq!(allowed, 100, "{case}");
+        // One request at a time: each lease is back before the next request.
+        let store = RemoteStore {
+            memory: MemoryLimiter::new(),
+            answer,
+        };
+        let one_at_a_time = Policy::concurrency(1, Duration::from_secs(60)).expect("policy");
+        let layer = RateLimitLayer::builder(store)
+            .rule(Rule::new(one_at_a_time).key(GlobalKey))
+            .build()
+            .expect("layer");
+        let client = HttpClient::new(serve(Router::new().route("/", get(ok)).layer(layer)).await);
+        for i in 0..5 {
+            assert_eq!(
+                client.get("/").await.status,
+                StatusCode::OK,
+                "{answer:?} #{i}"
+            );
         }
     }
 }
