@@ -33,8 +33,9 @@ counts, errors, and latency quantiles (p50, p90, p99, p99.9, max).
 
 Baselines (unless --no-baselines), measured in the same run against the same server, each for
 --duration, say how close floodgate gets to what the server can do:
-  EVALSHA, pipelined   floodgate's own check script (the one its batches use) with the keys and arguments
-                       floodgate sends for one decision (script_call), --pipeline deep, on
+  EVALSHA, pipelined   floodgate's own check script (the one its batches use; for plain GCRA
+                       checks, the GCRA batch script) with the keys and arguments floodgate
+                       sends for one decision (script_call), --pipeline deep, on
                        ceil(concurrency / pipeline) connections: as many calls in flight as
                        floodgate has; no client logic between calls
   INCR, pipelined      the cheapest write on the same key space, the same way
@@ -319,7 +320,28 @@ impl Tally {
 
 /// The user key of index `i`: `bench-` and 12 digits, as redis-benchmark's `__rand_int__`.
 fn user_key(i: usize) -> String {
-    format!("bench-{i:012}")
+    String::from_utf8_lossy(write_user_key(i, &mut [0; USER_KEY_MAX])).into_owned()
+}
+
+/// The longest user key: `bench-` and the digits of `usize::MAX`.
+const USER_KEY_MAX: usize = 26;
+
+/// [`user_key`], written into `buf`: the tasks build each key as they go, as a service finds
+/// it in the request it handles, rather than reading it from a table of keys, whose random
+/// reads miss the cache twice per check and cost the client more than the check itself does.
+fn write_user_key(i: usize, buf: &mut [u8; USER_KEY_MAX]) -> &[u8] {
+    buf[..6].copy_from_slice(b"bench-");
+    let mut digits = [b'0'; 20];
+    let mut at = digits.len();
+    let mut n = i;
+    while n > 0 || at > digits.len() - 12 {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
+    let len = digits.len() - at;
+    buf[6..6 + len].copy_from_slice(&digits[at..]);
+    &buf[..6 + len]
 }
 
 /// Runs `floodgate bench`.
@@ -520,21 +542,19 @@ async fn run_floodgate(args: &BenchArgs, shared: &Arc<Shared>) -> (Row, bool) {
 async fn floodgate_task(shared: &Shared, seed: u64) -> Tally {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut tally = Tally::default();
-    let mut checks: Vec<Check<'_>> = Vec::with_capacity(shared.policies.len());
     let n = shared.keys.len();
     loop {
         let phase = shared.phase.load(Ordering::Relaxed);
         if phase == STOP {
             break;
         }
-        let key: &[u8] = &shared.keys[rng.usize(..n)];
-        checks.clear();
-        checks.extend(
-            shared
-                .policies
-                .iter()
-                .map(|p| Check::new(key, p).cost(shared.cost)),
-        );
+        let mut key_buf = [0; USER_KEY_MAX];
+        let key = write_user_key(rng.usize(..n), &mut key_buf);
+        let checks: Vec<Check<'_>> = shared
+            .policies
+            .iter()
+            .map(|p| Check::new(key, p).cost(shared.cost))
+            .collect();
         let started = Instant::now();
         let result = shared.limiter.check(&checks, shared.opts).await;
         let took = started.elapsed();
@@ -1567,6 +1587,15 @@ mod tests {
                    INCR floodgate:bench-incr:{bench-__rand_int__}: 123456.79 requests per second, p50=0.183 msec\n";
         assert_eq!(parse_redis_benchmark(out), Some((123_456.79, Some(0.183))));
         assert_eq!(parse_redis_benchmark("ERR"), None);
+    }
+
+    #[test]
+    fn user_keys_are_bench_and_at_least_twelve_digits() {
+        assert_eq!(user_key(0), "bench-000000000000");
+        assert_eq!(user_key(42), "bench-000000000042");
+        assert_eq!(user_key(999_999_999_999), "bench-999999999999");
+        assert_eq!(user_key(1_000_000_000_000), "bench-1000000000000");
+        assert_eq!(user_key(usize::MAX), format!("bench-{}", usize::MAX));
     }
 
     #[test]

@@ -10,6 +10,7 @@ use redis::Value;
 use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use crate::gcra_batch::GcraBatch;
 use crate::limiter::{Group, RELEASE, check_script_for, decode_group};
 use crate::{ConnectionKind, Error, RedisConn, display_key};
 use floodgate_core::Verdict;
@@ -90,7 +91,15 @@ pub(crate) struct EncodedArgs {
 }
 
 impl EncodedArgs {
-    fn push_bytes(&mut self, bytes: &[u8]) {
+    /// Empty, with room for `bytes` of arguments.
+    pub(crate) fn with_capacity(bytes: usize) -> Self {
+        EncodedArgs {
+            buf: Vec::with_capacity(bytes),
+            ends: SmallVec::new(),
+        }
+    }
+
+    pub(crate) fn push_bytes(&mut self, bytes: &[u8]) {
         self.buf.extend_from_slice(bytes);
         self.ends.push(self.buf.len());
     }
@@ -103,7 +112,7 @@ impl EncodedArgs {
         }
     }
 
-    fn push_u64(&mut self, v: u64) {
+    pub(crate) fn push_u64(&mut self, v: u64) {
         self.push_bytes(itoa::Buffer::new().format(v).as_bytes());
     }
 
@@ -142,10 +151,8 @@ pub(crate) fn encode(groups: &[&Group]) -> EncodedArgs {
             index.push(i as u64 + 1);
         }
     }
-    let mut out = EncodedArgs {
-        buf: Vec::with_capacity(16 + policies.len() * 48 + index.len() * 24 + groups.len() * 32),
-        ends: SmallVec::new(),
-    };
+    let mut out =
+        EncodedArgs::with_capacity(16 + policies.len() * 48 + index.len() * 24 + groups.len() * 32);
     match groups.first().and_then(|g| g.now) {
         Some(t) => out.push_u64(t.as_micros()),
         None => out.push_bytes(b""),
@@ -199,6 +206,9 @@ pub(crate) async fn run_within(
     groups: &[&Group],
     timeout: Duration,
 ) -> Result<Vec<Result<Checked, Error>>, Error> {
+    if let Some(batch) = GcraBatch::of(groups) {
+        return batch.run(conn, groups, timeout).await;
+    }
     let keys: SmallVec<[&[u8]; 8]> = groups
         .iter()
         .flat_map(|g| g.keys.iter().map(Vec::as_slice))
@@ -265,7 +275,7 @@ fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Checked, Error>
 
 /// Maps the error a group raised (`FLOODGATE_CORRUPT <i> <detail>`, `FLOODGATE_WRONGTYPE <i>`,
 /// `WRONGTYPE ...`) to a typed error naming the key.
-fn group_error(message: &str, keys: &[Vec<u8>]) -> Error {
+pub(crate) fn group_error(message: &str, keys: &[Vec<u8>]) -> Error {
     let (code, rest) = message.split_once(' ').unwrap_or((message, ""));
     let key_at = |i: &str| {
         i.parse::<usize>()
@@ -296,7 +306,7 @@ fn group_error(message: &str, keys: &[Vec<u8>]) -> Error {
 }
 
 /// The same error again, for every check of a failed batch.
-fn duplicate(e: &Error) -> Error {
+pub(crate) fn duplicate(e: &Error) -> Error {
     match e {
         Error::Config(m) => Error::Config(m.clone()),
         Error::Connect { addr, source } => Error::Connect {
@@ -505,6 +515,7 @@ mod tests {
             lease: 0,
             now: None,
             dry_run: false,
+            gcra: None,
         }
     }
 

@@ -6,6 +6,7 @@ mod breaker;
 mod config;
 mod conn;
 mod error;
+mod gcra_batch;
 pub mod keys;
 mod limiter;
 

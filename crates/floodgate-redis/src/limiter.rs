@@ -5,6 +5,7 @@ use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
 use floodgate_core::algorithm::fixed_window::Window;
+use floodgate_core::algorithm::gcra::Gcra;
 use floodgate_core::{
     Check, CheckOptions, Decision, Kind, LeaseId, Limiter, Policy, Timestamp, Verdict,
 };
@@ -13,6 +14,7 @@ use smallvec::SmallVec;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::batch::{self, BatchConfig, Checked, Job};
+use crate::gcra_batch::{GCRA_BATCH, GcraBatch};
 use crate::keys::{key_slot, state_key};
 use crate::{ConnectionKind, Error, RedisConfig, RedisConn};
 
@@ -169,6 +171,8 @@ pub(crate) struct Group {
     pub(crate) now: Option<Timestamp>,
     /// Decide without counting anything.
     pub(crate) dry_run: bool,
+    /// The policy, when the group is one check of a GCRA policy.
+    pub(crate) gcra: Option<Gcra>,
 }
 
 impl Group {
@@ -184,6 +188,11 @@ impl Group {
             && self.max_wait == 0
             && self.lease == 0
             && !self.dry_run
+    }
+
+    /// The GCRA policy of a plain check of one (see [`crate::gcra_batch`]).
+    pub(crate) fn plain_gcra(&self) -> Option<Gcra> {
+        self.gcra.filter(|_| self.is_plain())
     }
 }
 
@@ -240,6 +249,13 @@ impl RedisLimiter {
         opts: CheckOptions,
     ) -> Result<ScriptArgs, Error> {
         let group = self.encode(checks, opts)?;
+        if let Some(batch) = GcraBatch::of(&[&group]) {
+            return Ok(ScriptArgs {
+                script: &GCRA_BATCH,
+                keys: batch.keys().iter().map(|k| k.to_vec()).collect(),
+                args: batch.args().iter().map(<[u8]>::to_vec).collect(),
+            });
+        }
         let args = batch::encode_args(&[&group]);
         Ok(ScriptArgs {
             script: check_script_for(&[&group]),
@@ -329,6 +345,13 @@ impl RedisLimiter {
             lease,
             now: opts.now,
             dry_run: false,
+            gcra: match checks {
+                [c] => match c.policy.kind() {
+                    Kind::Gcra(g) => Some(*g),
+                    _ => None,
+                },
+                _ => None,
+            },
         })
     }
 
@@ -651,6 +674,7 @@ mod tests {
             lease: 0,
             now: None,
             dry_run: false,
+            gcra: None,
         }
     }
 

@@ -27,9 +27,10 @@ fn checks_of_one_hot_key_in_a_batch_read_and_write_it_once_per_call() {
             .check_one(b"warm-up", &policy, 1)
             .await
             .expect("warm-up");
+        let reads = || command_calls(&server, "get") + command_calls(&server, "mget");
         let (calls0, gets0, sets0) = (
             command_calls(&server, "evalsha"),
-            command_calls(&server, "get"),
+            reads(),
             command_calls(&server, "set"),
         );
         let checks = (0..300).map(|_| limiter.check_one(b"hot", &policy, 1));
@@ -41,13 +42,13 @@ fn checks_of_one_hot_key_in_a_batch_read_and_write_it_once_per_call() {
             .count();
         assert_eq!(admitted, 50, "the burst is 50");
         let calls = command_calls(&server, "evalsha") - calls0;
-        let gets = command_calls(&server, "get") - gets0;
+        let gets = reads() - gets0;
         let sets = command_calls(&server, "set") - sets0;
         assert!(
             calls < 100,
             "300 concurrent checks took {calls} script calls"
         );
-        assert!(gets <= calls, "{gets} GETs in {calls} calls");
+        assert!(gets <= calls, "{gets} GETs and MGETs in {calls} calls");
         assert!(sets <= calls, "{sets} SETs in {calls} calls");
 
         let after = limiter
@@ -194,5 +195,161 @@ fn a_concurrent_batch_decides_as_the_same_checks_one_by_one() {
                 );
             }
         }
+    });
+}
+
+/// A batch of plain GCRA checks (one policy each, cost 1: the checks most services make) runs
+/// the GCRA batch script: every key read with one `MGET`, no `GET`, each changed key written
+/// once, and the decisions replayed by the client. Over three policies, keys checked once and
+/// many times in a batch, and states left at random times before, it decides exactly as the
+/// in-memory limiter making the same checks one by one, and leaves the same states behind.
+#[test]
+fn plain_gcra_batches_decide_and_store_as_the_checks_one_by_one() {
+    let server = server();
+    run(Duration::from_secs(60), async {
+        let config = RedisConfig::new(&server.url()).expect("valid URL");
+        let conn = RedisConn::connect(&config).await.expect("connect");
+        let batching = BatchConfig {
+            max_in_flight: 1,
+            ..BatchConfig::default()
+        };
+        let limiter = RedisLimiter::with_batching(conn, "floodgate", batching);
+        let p = |r: Result<Policy, floodgate_core::PolicyError>, name: &str| {
+            r.and_then(|p| p.named(name)).expect("valid")
+        };
+        let policies = [
+            p(Policy::gcra(4, 1, Duration::from_secs(10)), "a"),
+            p(Policy::gcra(0, 3, Duration::from_secs(1)), "b"),
+            p(Policy::gcra(19, 7, Duration::from_millis(1_300)), "c"),
+        ];
+        let t0 = 1_709_214_330_000_000u64;
+        // GETs and MGETs of the batches (the peeks below read with GET).
+        let (mut gets, mut mgets, mut batches) = (0, 0, 0);
+        for seed in 0..15u64 {
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let memory = MemoryLimiter::new();
+            let keys: Vec<Vec<u8>> = (0..8)
+                .map(|k| format!("s{seed}-k{k}").into_bytes())
+                .collect();
+            // Rounds of checks, each round issued at once at its own instant, a random time
+            // after the previous one: later rounds find states of every age.
+            let mut at = t0;
+            for round in 0..6 {
+                at += rng.u64(0..3_000_000);
+                let opts = CheckOptions::at(Timestamp::from_micros(at));
+                // Mostly one policy per batch (a single policy's form of the script), some
+                // batches with all three.
+                let spread = if round % 2 == 0 { 3 } else { 1 };
+                let plan: Vec<(usize, usize)> = (0..rng.usize(1..60))
+                    .map(|_| (rng.usize(0..keys.len()), rng.usize(0..spread)))
+                    .collect();
+                let checks: Vec<[Check<'_>; 1]> = plan
+                    .iter()
+                    .map(|&(k, p)| [Check::new(&keys[k], &policies[p])])
+                    .collect();
+                let reads = || {
+                    (
+                        command_calls(&server, "get"),
+                        command_calls(&server, "mget"),
+                    )
+                };
+                let before = reads();
+                let batched = tokio::task::unconstrained(join_all(
+                    checks.iter().map(|c| limiter.check(c, opts)),
+                ))
+                .await;
+                let after = reads();
+                gets += after.0 - before.0;
+                mgets += after.1 - before.1;
+                batches += 1;
+                for (i, (c, got)) in checks.iter().zip(&batched).enumerate() {
+                    let got = got.as_ref().expect("decided");
+                    let want = memory.check_sync(c, opts).expect("decided");
+                    assert_eq!(
+                        got.decisions, want.decisions,
+                        "seed {seed}, round {round}, check {i} ({:?}): Redis against memory",
+                        plan[i]
+                    );
+                }
+                // The states left behind: a peek of every key and policy agrees.
+                for key in &keys {
+                    for policy in &policies {
+                        let peek = [Check::new(key, policy).cost(0)];
+                        let got = limiter.check(&peek, opts).await.expect("peek");
+                        let want = memory.check_sync(&peek, opts).expect("peek");
+                        assert_eq!(got.decisions, want.decisions, "seed {seed}: state left");
+                    }
+                }
+            }
+        }
+        assert_eq!(gets, 0, "plain GCRA checks read with MGET only");
+        assert!(mgets >= batches, "{mgets} MGETs for {batches} batches");
+    });
+}
+
+/// In a batch of plain GCRA checks, a key holding garbage and a key of another type fail
+/// their own checks with typed errors naming them and are left exactly as they were; the
+/// other keys of the batch are decided and counted.
+#[test]
+fn plain_gcra_batches_refuse_bad_keys_and_decide_the_others() {
+    let server = server();
+    run(Duration::from_secs(30), async {
+        let limiter = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let policy = Policy::gcra(2, 1, HOUR).expect("valid");
+        let garbage = limiter.state_key(&policy, b"garbage");
+        let list = limiter.state_key(&policy, b"list");
+        server
+            .cmd(&[b"SET".as_slice(), &garbage, b"12x"])
+            .expect("set");
+        server
+            .cmd(&[b"RPUSH".as_slice(), &list, b"kept"])
+            .expect("rpush");
+        let keys: [&[u8]; 3] = [b"garbage", b"list", b"good"];
+        let checks: Vec<[Check<'_>; 1]> = (0..30)
+            .map(|i| [Check::new(keys[i % 3], &policy)])
+            .collect();
+        let opts = CheckOptions::default();
+        let all =
+            tokio::task::unconstrained(join_all(checks.iter().map(|c| limiter.check(c, opts))))
+                .await;
+        let mut admitted = 0;
+        for (i, result) in all.iter().enumerate() {
+            match (i % 3, result) {
+                (0, Err(e)) => {
+                    assert!(
+                        matches!(e, floodgate_redis::Error::Corrupted { .. }),
+                        "{e:?}"
+                    );
+                    assert!(e.to_string().contains("garbage"), "{e}");
+                }
+                (1, Err(e)) => {
+                    assert!(
+                        matches!(e, floodgate_redis::Error::WrongType { .. }),
+                        "{e:?}"
+                    );
+                    assert!(e.to_string().contains("list"), "{e}");
+                }
+                (2, Ok(v)) => admitted += usize::from(v.allowed()),
+                (_, other) => panic!("check {i}: {other:?}"),
+            }
+        }
+        assert_eq!(admitted, 3, "the good key's burst is 3");
+        let kept = server.cmd(&[b"GET".as_slice(), &garbage]).expect("get");
+        assert_eq!(
+            kept.as_bytes(),
+            Some(&b"12x"[..]),
+            "garbage was overwritten"
+        );
+        let items = server
+            .cmd(&[b"LRANGE".as_slice(), &list, b"0", b"-1"])
+            .expect("lrange");
+        let items: Vec<&[u8]> = match &items {
+            floodgate_testkit::Resp::Array(Some(items)) => items
+                .iter()
+                .filter_map(floodgate_testkit::Resp::as_bytes)
+                .collect(),
+            other => panic!("LRANGE: {other:?}"),
+        };
+        assert_eq!(items, [b"kept"], "the list was changed");
     });
 }

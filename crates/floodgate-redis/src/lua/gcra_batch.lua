@@ -1,0 +1,116 @@
+-- floodgate check, GCRA only: a batch of plain checks (one policy, cost 1, no wait, no lease,
+-- counted), the checks most services make. It decides exactly as check.lua does, for about
+-- half the server's time per check: each key is read with one MGET per 256 keys and written
+-- at most once, no argument per check when every key is checked once by the first policy, and
+-- one reply value per key instead of seven per check.
+--
+-- KEYS: distinct state keys.
+-- ARGV: now (us, or '' for the server's TIME), P, then P pairs of GCRA parameters (emission,
+--       tolerance), then either nothing (each key: one check of policy 1) or one value per key,
+--       n * P + (i - 1): n checks of policy i, in a row.
+-- Reply: the time used, then per key the tat it held before its checks (0: no state), or the
+--        key's error ('FLOODGATE_CORRUPT 0 ...', 'FLOODGATE_WRONGTYPE 0'), in which case
+--        nothing of that key changed. The client replays each key's checks on its tat with
+--        floodgate-core's GCRA, which decides exactly as this script does (integers below
+--        2^53), and so learns every decision without the script sending it.
+
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+  TTL_SLACK = 60000
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local function malformed(where)
+  error({ err = 'FLOODGATE_BADARG 0 malformed arguments at ' .. where })
+end
+
+local np = tonumber(ARGV[2])
+if now == nil or np == nil or np < 1 or np ~= math.floor(np) then
+  malformed('header')
+end
+local emission, tolerance = {}, {}
+for i = 1, np do
+  local e, t = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
+  if e == nil or t == nil or e < 1 or e > MAX_SPAN or t < e or t > MAX_SPAN then
+    malformed('policy ' .. i)
+  end
+  emission[i], tolerance[i] = e, t
+end
+local nk = #KEYS
+local first = 2 + 2 * np
+local per_key = #ARGV > first
+if per_key then
+  if #ARGV ~= first + nk then
+    malformed('the end')
+  end
+  for i = 1, nk do
+    local v = tonumber(ARGV[first + i])
+    if v == nil or v < np or v ~= math.floor(v) then
+      malformed('key ' .. i)
+    end
+  end
+elseif #ARGV ~= first then
+  malformed('the end')
+end
+
+-- Writes `tat` (later than now) to a key MGET found empty, unless the key exists: MGET also
+-- reports a key of another type as empty, and such a key is refused, never overwritten.
+local function create(key, tat, ttl)
+  if not redis.call('SET', key, tat, 'PX', ttl, 'NX') then
+    return 'FLOODGATE_WRONGTYPE 0'
+  end
+  return nil
+end
+
+local reply = { now }
+local e1, until1 = emission[1], now + tolerance[1]
+for c = 1, nk, 256 do
+  local last = math.min(c + 255, nk)
+  local vals = redis.call('MGET', unpack(KEYS, c, last))
+  for i = c, last do
+    local raw = vals[i - c + 1]
+    local tat = 0
+    if raw then
+      tat = tonumber(raw)
+      if tat == nil or tat < 0 or tat ~= math.floor(tat) or tat > 9007199254740991 then
+        reply[i + 1] = 'FLOODGATE_CORRUPT 0 tat is ' .. shown(raw)
+        tat = nil
+      end
+    end
+    if tat then
+      reply[i + 1] = tat
+      local e, upto, n = e1, until1, 1
+      if per_key then
+        local v = tonumber(ARGV[first + i])
+        local p = v % np
+        n = (v - p) / np
+        e, upto = emission[p + 1], now + tolerance[p + 1]
+      end
+      -- GCRA, as gcra_step: admitted when the new tat is within the tolerance.
+      local t = tat
+      for _ = 1, n do
+        local after = (t > now and t or now) + e
+        if after <= upto then
+          t = after
+        end
+      end
+      -- A fresh or expired state always admits the first check, so a changed tat is later
+      -- than now, and a key read empty is always written.
+      if t ~= tat then
+        local ttl = fmt(ceil_div(t - now, 1000) + TTL_SLACK)
+        if raw then
+          redis.call('SET', KEYS[i], fmt(t), 'PX', ttl)
+        else
+          local err = create(KEYS[i], fmt(t), ttl)
+          if err then
+            reply[i + 1] = err
+          end
+        end
+      end
+    end
+  end
+end
+return reply
