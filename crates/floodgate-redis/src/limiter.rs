@@ -388,10 +388,25 @@ impl RedisLimiter {
                 let timeout = self.inner.conn.timeout();
                 let deadline = tokio::time::Instant::now() + timeout;
                 // A place in the queue first, then the job: the job is built once and moved
-                // once, instead of living in the future of `send` as well.
-                let permit = match tokio::time::timeout_at(deadline, jobs.reserve()).await {
+                // once, instead of living in the future of `send` as well. The queue is
+                // almost never full: only then does the check wait for a place, bounded by its
+                // deadline, in a boxed future that leaves the usual path without a timer.
+                let reserved = match jobs.try_reserve() {
+                    Ok(permit) => Ok(Ok(permit)),
+                    Err(mpsc::error::TrySendError::Closed(())) => Ok(Err(())),
+                    Err(mpsc::error::TrySendError::Full(())) => {
+                        Box::pin(async {
+                            match tokio::time::timeout_at(deadline, jobs.reserve()).await {
+                                Ok(reserved) => Ok(reserved.map_err(|_| ())),
+                                Err(elapsed) => Err(elapsed),
+                            }
+                        })
+                        .await
+                    }
+                };
+                let permit = match reserved {
                     Ok(Ok(permit)) => permit,
-                    Ok(Err(_)) => {
+                    Ok(Err(())) => {
                         // The batching task is gone (the runtime it ran on was shut down):
                         // check unbatched rather than fail every check from now on.
                         if !BATCHER_GONE_WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
