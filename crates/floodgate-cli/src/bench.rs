@@ -325,6 +325,9 @@ fn user_key(i: usize) -> String {
     String::from_utf8_lossy(write_user_key(i, &mut [0; USER_KEY_MAX])).into_owned()
 }
 
+/// One call's checks, one per policy.
+type ChecksBuf<'a> = smallvec::SmallVec<[Check<'a>; 4]>;
+
 /// The longest user key: `bench-` and the digits of `usize::MAX`.
 const USER_KEY_MAX: usize = 26;
 
@@ -552,7 +555,8 @@ async fn floodgate_task(shared: &Shared, seed: u64) -> Tally {
         }
         let mut key_buf = [0; USER_KEY_MAX];
         let key = write_user_key(rng.usize(..n), &mut key_buf);
-        let checks: Vec<Check<'_>> = shared
+        // On the stack for up to four policies: the key lives in this iteration only.
+        let checks: ChecksBuf<'_> = shared
             .policies
             .iter()
             .map(|p| Check::new(key, p).cost(shared.cost))

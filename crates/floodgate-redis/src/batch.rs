@@ -19,7 +19,8 @@ use floodgate_core::Verdict;
 ///
 /// A single task owns the batching. It takes every check waiting in its queue (up to
 /// [`BatchConfig::max_batch`]) and sends them as one `EVALSHA` of the check script, in which
-/// each check remains its own all-or-nothing group. Up to [`BatchConfig::max_in_flight`] such
+/// each check remains its own all-or-nothing group (a batch of plain GCRA checks only: of the
+/// GCRA batch script, see [`crate::RedisLimiter`]). Up to [`BatchConfig::max_in_flight`] such
 /// calls are pipelined on the connection. While a call is in flight, checks queue and go
 /// together in the next call (optionally waiting up to [`BatchConfig::window`] for more; zero by
 /// default); when nothing is in flight, a check goes out at once, so batching adds no latency to

@@ -64,6 +64,12 @@ impl<'a> GcraBatch<'a> {
             let key = g.keys.first()?.as_slice();
             let known = seen.as_ref().and_then(|s| s.get(key).copied());
             let k = match known {
+                // Policies of one algorithm and name share a key's state even when their
+                // parameters differ; the script runs all of a key's checks with one policy's,
+                // so such a batch takes the general script.
+                Some(k) if batch.policies[batch.per_key[k as usize].0 as usize] != gcra => {
+                    return None;
+                }
                 Some(k) => {
                     batch.per_key[k as usize].1 += 1;
                     k
@@ -96,7 +102,8 @@ impl<'a> GcraBatch<'a> {
     }
 
     /// The script's arguments: the time, the policies, then, unless every key has one check
-    /// of the first policy, one value per key (`n * P + i`: `n` checks of policy `i`).
+    /// of the first policy, one value per key (`n * P + i`: `n` checks of the policy at
+    /// 0-based position `i`).
     pub(crate) fn args(&self) -> EncodedArgs {
         let mut out =
             EncodedArgs::with_capacity(24 + self.policies.len() * 24 + self.keys.len() * 4);

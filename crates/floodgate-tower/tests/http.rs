@@ -579,10 +579,19 @@ async fn burst(client: &HttpClient, n: usize) -> Vec<StatusCode> {
 
 /// The k-th request (from 0) reached the handler no sooner than `k * step` after `started`:
 /// its turn. A request the scheduler wakes late only arrives later than its turn, so the gap
-/// after it may be short; what is checked is that none arrived before its turn.
+/// after it may be short; what is checked is that none arrived before its turn, and that the
+/// arrivals spread over at least half of their turns (not held and let go together).
 fn assert_spaced(arrivals: &Arrivals, started: Instant, step: Duration) {
     let mut times = arrivals.lock().expect("lock").clone();
     times.sort();
+    if let (Some(first), Some(last)) = (times.first(), times.last()) {
+        let turns = step * u32::try_from(times.len() - 1).expect("few requests");
+        assert!(
+            *last - *first >= turns / 2,
+            "arrivals spread over {:?}, expected about {turns:?}",
+            *last - *first
+        );
+    }
     for (k, at) in times.iter().enumerate() {
         let turn = step * u32::try_from(k).expect("few requests");
         let after = *at - started;
