@@ -19,18 +19,7 @@
 -- the keys it read and wrote within the call, so a key checked many times in one batch is
 -- read and written once (`flush`).
 
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-  TTL_SLACK = 60000
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-
-local function malformed(where)
-  error({ err = 'FLOODGATE_BADARG 0 malformed arguments at ' .. where })
-end
+local now = call_time(ARGV[1])
 
 local a = 2
 local np = tonumber(ARGV[a])

@@ -14,18 +14,7 @@
 --        floodgate-core's GCRA, which decides exactly as this script does (integers below
 --        2^53), and so learns every decision without the script sending it.
 
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-  TTL_SLACK = 60000
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-
-local function malformed(where)
-  error({ err = 'FLOODGATE_BADARG 0 malformed arguments at ' .. where })
-end
+local now = call_time(ARGV[1])
 
 local np = tonumber(ARGV[2])
 if now == nil or np == nil or np < 1 or np ~= math.floor(np) then

@@ -12,6 +12,21 @@ local ALG = {}
 -- no decision, only memory.
 local TTL_SLACK = 0
 
+-- The time of the call: `arg` in microseconds when given (tests and simulations; keys are then
+-- kept TTL_SLACK longer), else the server's TIME.
+local function call_time(arg)
+  if arg ~= '' then
+    TTL_SLACK = 60000
+    return tonumber(arg)
+  end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local function malformed(where)
+  error({ err = 'FLOODGATE_BADARG 0 malformed arguments at ' .. where })
+end
+
 -- An integer below 2^53 as its decimal digits. '%d' goes through a C long, which may be 32
 -- bits (32-bit or Windows builds of Redis), so values of 10^9 and more are written as two
 -- halves below 10^9; integer formatting costs a fraction of '%.0f'.

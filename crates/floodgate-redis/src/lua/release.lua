@@ -1,14 +1,7 @@
 -- floodgate release: drops concurrency lease ARGV[1] from every key in KEYS.
 -- ARGV[2]: now (us, or '' for the server's TIME). Reply: how many keys still held the lease.
 
-local now
-if ARGV[2] ~= '' then
-  now = tonumber(ARGV[2])
-  TTL_SLACK = 60000
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+local now = call_time(ARGV[2])
 local prefix = ARGV[1] .. ':'
 local dropped = 0
 for i, key in ipairs(KEYS) do
