@@ -13,6 +13,25 @@ use support::{command_calls, limiter, run, server};
 
 const HOUR: Duration = Duration::from_secs(3_600);
 
+/// A limiter with one script call in flight at a time: calls in flight together are sent by
+/// separate tasks, in no set order (as concurrent callers' checks have none). One at a time
+/// keeps the order the checks were issued in, so they can be compared with the same checks
+/// made one by one.
+async fn in_order(server: &floodgate_testkit::RedisServer) -> RedisLimiter {
+    let config = RedisConfig::new(&server.url()).expect("valid URL");
+    let conn = RedisConn::connect(&config).await.expect("connect");
+    let batching = BatchConfig {
+        max_in_flight: 1,
+        ..BatchConfig::default()
+    };
+    RedisLimiter::with_batching(conn, "floodgate", batching)
+}
+
+/// A valid policy under `name`.
+fn named(policy: Result<Policy, floodgate_core::PolicyError>, name: &str) -> Policy {
+    policy.and_then(|p| p.named(name)).expect("valid")
+}
+
 /// 300 checks of one key issued at once: exactly the burst of 50 is admitted, the state is
 /// written (the next check is denied, the key has a TTL), and Redis ran far fewer `GET`s and
 /// `SET`s than there were checks, at most one of each per script call.
@@ -133,23 +152,11 @@ fn a_batch_mixing_single_checks_and_groups_of_one_key_admits_exactly_the_budget(
 fn a_concurrent_batch_decides_as_the_same_checks_one_by_one() {
     let server = server();
     run(Duration::from_secs(60), async {
-        // One call in flight at a time: calls in flight together are sent by separate tasks,
-        // in no set order (as concurrent callers' checks have none). One at a time keeps the
-        // order the checks were issued in.
-        let config = RedisConfig::new(&server.url()).expect("valid URL");
-        let conn = RedisConn::connect(&config).await.expect("connect");
-        let batching = BatchConfig {
-            max_in_flight: 1,
-            ..BatchConfig::default()
-        };
-        let limiter = RedisLimiter::with_batching(conn, "floodgate", batching);
-        let p = |r: Result<Policy, floodgate_core::PolicyError>, name: &str| {
-            r.and_then(|p| p.named(name)).expect("valid")
-        };
+        let limiter = in_order(&server).await;
         let policies = [
-            p(Policy::gcra(4, 1, HOUR), "a"),
-            p(Policy::gcra(9, 10, Duration::from_secs(1)), "b"),
-            p(Policy::token_bucket(6, 1, HOUR), "c"),
+            named(Policy::gcra(4, 1, HOUR), "a"),
+            named(Policy::gcra(9, 10, Duration::from_secs(1)), "b"),
+            named(Policy::token_bucket(6, 1, HOUR), "c"),
         ];
         let at = Timestamp::from_micros(1_709_214_330_000_000);
         for seed in 0..20u64 {
@@ -200,30 +207,22 @@ fn a_concurrent_batch_decides_as_the_same_checks_one_by_one() {
 
 /// A batch of plain GCRA checks (one policy each, cost 1: the checks most services make) runs
 /// the GCRA batch script: every key read with one `MGET`, no `GET`, each changed key written
-/// once, and the decisions replayed by the client. Over three policies, keys checked once and
-/// many times in a batch, and states left at random times before, it decides exactly as the
-/// in-memory limiter making the same checks one by one, and leaves the same states behind.
+/// once, and the decisions replayed by the client. Over four policies (two of one name), keys
+/// checked once and many times in a batch, and states left at random times before, it decides
+/// exactly as the in-memory limiter making the same checks one by one, and leaves the same
+/// states behind.
 #[test]
 fn plain_gcra_batches_decide_and_store_as_the_checks_one_by_one() {
     let server = server();
     run(Duration::from_secs(60), async {
-        let config = RedisConfig::new(&server.url()).expect("valid URL");
-        let conn = RedisConn::connect(&config).await.expect("connect");
-        let batching = BatchConfig {
-            max_in_flight: 1,
-            ..BatchConfig::default()
-        };
-        let limiter = RedisLimiter::with_batching(conn, "floodgate", batching);
-        let p = |r: Result<Policy, floodgate_core::PolicyError>, name: &str| {
-            r.and_then(|p| p.named(name)).expect("valid")
-        };
+        let limiter = in_order(&server).await;
         let policies = [
-            p(Policy::gcra(4, 1, Duration::from_secs(10)), "a"),
-            p(Policy::gcra(0, 3, Duration::from_secs(1)), "b"),
-            p(Policy::gcra(19, 7, Duration::from_millis(1_300)), "c"),
+            named(Policy::gcra(4, 1, Duration::from_secs(10)), "a"),
+            named(Policy::gcra(0, 3, Duration::from_secs(1)), "b"),
+            named(Policy::gcra(19, 7, Duration::from_millis(1_300)), "c"),
             // Another policy named "a": it shares a's state with other parameters, so a batch
             // holding both on one key takes the general script.
-            p(Policy::gcra(1, 5, Duration::from_secs(10)), "a"),
+            named(Policy::gcra(1, 5, Duration::from_secs(10)), "a"),
         ];
         let t0 = 1_709_214_330_000_000u64;
         // GETs and MGETs of the batches (the peeks below read with GET).
