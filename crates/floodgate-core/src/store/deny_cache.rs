@@ -261,6 +261,49 @@ fn next_unit(policy: &Policy, d: &Decision) -> Option<Duration> {
     }
 }
 
+/// What the cache says of a check before the store is asked.
+enum Consulted {
+    /// Denied until a time still to come: the cached verdict.
+    Denied(Verdict),
+    /// Another caller is probing the store for this check: wait for its answer, then look
+    /// again.
+    Wait(tokio::sync::futures::OwnedNotified),
+    /// Ask the store.
+    Ask,
+}
+
+impl<L: Limiter, C: Clock> DenyCache<L, C> {
+    /// Looks the check of fingerprint `fp` up. When its denial just ran out, one caller probes
+    /// (and gets `leader`, whose drop hands the probe on) while the others wait.
+    fn consult<'a>(&'a self, fp: [u64; 2], leader: &mut Option<Leader<'a>>) -> Consulted {
+        let shared = &self.shared;
+        let now = shared.clock.now().as_micros();
+        match self.lookup(&fp, now) {
+            Lookup::Denied(verdict) => {
+                shared.hits.fetch_add(1, Ordering::Relaxed);
+                return Consulted::Denied(*verdict);
+            }
+            Lookup::Probe => {
+                let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some(n) = probes.get(&fp) {
+                    shared.coalesced.fetch_add(1, Ordering::Relaxed);
+                    return Consulted::Wait(Arc::clone(n).notified_owned());
+                }
+                let n = Arc::new(Notify::new());
+                probes.insert(fp, Arc::clone(&n));
+                *leader = Some(Leader {
+                    probes: &shared.probes,
+                    fp,
+                    notify: n,
+                });
+            }
+            Lookup::Miss => {}
+        }
+        shared.misses.fetch_add(1, Ordering::Relaxed);
+        Consulted::Ask
+    }
+}
+
 impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
     type Error = L::Error;
 
@@ -273,72 +316,44 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             && checks
                 .iter()
                 .all(|c| !matches!(c.policy.kind(), Kind::Concurrency(_)) && c.cost > 0);
-        if !cacheable {
-            return self.inner.check(checks, opts).await;
-        }
-        let fp = self.fingerprint(checks, &opts);
-        let shared = &self.shared;
-        loop {
-            let now = shared.clock.now().as_micros();
-            let lookup = self.lookup(&fp, now);
-            let probing = match lookup {
-                Lookup::Denied(verdict) => {
-                    shared.hits.fetch_add(1, Ordering::Relaxed);
-                    return Ok(*verdict);
-                }
-                Lookup::Probe => true,
-                Lookup::Miss => false,
-            };
-            // A denial just ran out: one caller probes, the others wait for its answer.
-            let mut leader = None;
-            if probing {
-                let notified = {
-                    let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
-                    match probes.get(&fp) {
-                        Some(n) => Some(Arc::clone(n).notified_owned()),
-                        None => {
-                            let n = Arc::new(Notify::new());
-                            probes.insert(fp, Arc::clone(&n));
-                            leader = Some(Leader {
-                                probes: &shared.probes,
-                                fp,
-                                notify: n,
-                            });
-                            None
-                        }
-                    }
+        // One await of the inner check, on every path: limiters' futures are large, and this
+        // one is held by layers that box it per request.
+        let mut leader = None;
+        let fp = cacheable.then(|| self.fingerprint(checks, &opts));
+        if let Some(fp) = fp {
+            loop {
+                let notified = match self.consult(fp, &mut leader) {
+                    Consulted::Denied(verdict) => return Ok(verdict),
+                    Consulted::Wait(notified) => notified,
+                    Consulted::Ask => break,
                 };
-                if let Some(notified) = notified {
-                    shared.coalesced.fetch_add(1, Ordering::Relaxed);
-                    let _ = tokio::time::timeout(PROBE_PATIENCE, notified).await;
-                    continue;
-                }
+                // Rare, and boxed so that the usual path's future stays small.
+                let _ = Box::pin(tokio::time::timeout(PROBE_PATIENCE, notified)).await;
             }
-            shared.misses.fetch_add(1, Ordering::Relaxed);
-            let result = self.inner.check(checks, opts).await;
-            let now = shared.clock.now().as_micros();
-            if let Ok(verdict) = &result {
-                let entry = denial_for(checks, verdict).map(|d| Entry {
-                    until: now.saturating_add(duration_micros(d)),
-                    at: now,
-                    verdict: if verdict.allowed() {
-                        synthesized_denial(checks, verdict, d)
-                    } else {
-                        verdict.clone()
-                    },
-                });
-                // An allowed probe leaves the expired entry in place: for a moment after a
-                // denial ran out, callers of this check keep coming one at a time, so a crowd
-                // that was waiting does not all reach the store at once.
-                if let Some(entry) = entry {
-                    self.remember(&fp, now, entry);
-                }
-            }
-            // The leader's guard, dropped here (or with this future, if it is cancelled before
-            // the store answers), hands the probe on.
-            drop(leader);
-            return result;
         }
+        let result = self.inner.check(checks, opts).await;
+        if let (Some(fp), Ok(verdict)) = (fp, &result) {
+            let now = self.shared.clock.now().as_micros();
+            let entry = denial_for(checks, verdict).map(|d| Entry {
+                until: now.saturating_add(duration_micros(d)),
+                at: now,
+                verdict: if verdict.allowed() {
+                    synthesized_denial(checks, verdict, d)
+                } else {
+                    verdict.clone()
+                },
+            });
+            // An allowed probe leaves the expired entry in place: for a moment after a
+            // denial ran out, callers of this check keep coming one at a time, so a crowd
+            // that was waiting does not all reach the store at once.
+            if let Some(entry) = entry {
+                self.remember(&fp, now, entry);
+            }
+        }
+        // The leader's guard, dropped here (or with this future, if it is cancelled before
+        // the store answers), hands the probe on.
+        drop(leader);
+        result
     }
 
     async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), L::Error> {
