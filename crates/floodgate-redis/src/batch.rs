@@ -349,7 +349,10 @@ pub(crate) async fn batcher(conn: RedisConn, cfg: BatchConfig, mut rx: mpsc::Rec
     let max_in_flight = cfg.max_in_flight.max(1);
     let permits = Arc::new(Semaphore::new(max_in_flight));
     while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
+        // Room for what is queued now: jobs are large, and growing the vector one doubling at
+        // a time copied each of them about twice more.
+        let mut batch = Vec::with_capacity((rx.len() + 1).min(max_batch));
+        batch.push(first);
         fill(&mut rx, &mut batch, max_batch);
         // Wait for company only while the pipeline is busy anyway. Always yield once: tasks
         // about to queue a check get to do so, for the price of a reschedule (30% more
