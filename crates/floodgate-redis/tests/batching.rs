@@ -357,3 +357,49 @@ fn plain_gcra_batches_refuse_bad_keys_and_decide_the_others() {
         assert_eq!(items, [b"kept"], "the list was changed");
     });
 }
+
+/// A check awaited on one runtime while the batching task lives on another that is no longer
+/// driven (a runtime per thread, a test's own runtime) fails with a timeout just after its
+/// deadline instead of waiting for an answer that cannot come.
+#[test]
+fn a_check_off_the_batcher_s_runtime_times_out_when_that_runtime_stalls() {
+    let server = server();
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    };
+    let config = RedisConfig::new(&server.url())
+        .expect("valid URL")
+        .timeout(Duration::from_millis(200));
+    let policy = Policy::per_second(1_000).expect("valid");
+    let checks = [Check::new(b"k", &policy)];
+    // The batching task (and the connection's) start on `first`, which is then never driven
+    // again, but kept.
+    let first = runtime();
+    let limiter = first.block_on(async {
+        let limiter = RedisLimiter::connect(&config).await.expect("connect");
+        let verdict = limiter.check(&checks, CheckOptions::default()).await;
+        assert!(verdict.expect("check").allowed());
+        limiter
+    });
+    let started = std::time::Instant::now();
+    let result = runtime().block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            limiter.check(&checks, CheckOptions::default()),
+        )
+        .await
+    });
+    let err = result
+        .expect("answered long before 10 s")
+        .expect_err("nobody runs the batcher");
+    assert!(err.is_timeout(), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(first);
+}
