@@ -380,19 +380,14 @@ impl RedisLimiter {
                 if let Ok(permit) = jobs.try_reserve() {
                     let timeout = self.inner.conn.timeout();
                     let deadline = tokio::time::Instant::now() + timeout;
-                    let (tx, rx) = oneshot::channel();
-                    permit.send(Job {
-                        group,
-                        reply: tx,
-                        deadline,
-                    });
+                    let rx = queue(permit, group, deadline);
                     // The batcher answers by the deadline while its runtime runs, which it
                     // does whenever this check is awaited on that runtime. Awaited on another
                     // (a runtime per thread, a test's own), the check keeps a timer of its own
                     // in case that one is blocked or no longer driven.
                     let here = tokio::runtime::Handle::try_current().map(|h| h.id());
                     let patience = (here.ok() != Some(*batcher_runtime)).then(|| {
-                        let patience = deadline + Duration::from_millis(20);
+                        let patience = deadline + PATIENCE_MARGIN;
                         (Box::pin(tokio::time::sleep_until(patience)), timeout)
                     });
                     return Ok(CheckFuture::Batched {
@@ -478,15 +473,10 @@ impl RedisLimiter {
                         });
                     }
                 };
-                let (tx, rx) = oneshot::channel();
-                permit.send(Job {
-                    group,
-                    reply: tx,
-                    deadline,
-                });
+                let rx = queue(permit, group, deadline);
                 // The batcher answers by the deadline; the margin only guards against a
                 // batcher that stopped answering.
-                let patience = deadline + Duration::from_millis(20);
+                let patience = deadline + PATIENCE_MARGIN;
                 match tokio::time::timeout_at(patience, rx).await {
                     Ok(Ok(result)) => result,
                     Ok(Err(_)) => Err(batcher_gone()),
@@ -637,6 +627,25 @@ impl RedisLimiter {
             (tx, runtime.id())
         }))
     }
+}
+
+/// How long past its deadline a caller waits for the batcher's answer before giving up on it:
+/// the batcher answers by the deadline, so this only guards against one that stopped answering.
+const PATIENCE_MARGIN: Duration = Duration::from_millis(20);
+
+/// Puts `group` in the batcher's queue; the receiver gets its decision by `deadline`.
+fn queue(
+    permit: mpsc::Permit<'_, Job>,
+    group: Group,
+    deadline: tokio::time::Instant,
+) -> oneshot::Receiver<Result<Checked, Error>> {
+    let (tx, rx) = oneshot::channel();
+    permit.send(Job {
+        group,
+        reply: tx,
+        deadline,
+    });
+    rx
 }
 
 /// An allowed check of a concurrency policy holds lease `lease` (0: none was taken).
