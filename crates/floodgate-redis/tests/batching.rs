@@ -275,6 +275,28 @@ fn plain_gcra_batches_decide_and_store_as_the_checks_one_by_one() {
                         plan[i]
                     );
                 }
+                // What the round wrote: each state written keeps its key until its tat (plus
+                // the minute of slack of injected time), whatever values the keys of its batch
+                // shared.
+                for (c, got) in checks.iter().zip(&batched) {
+                    if !got.as_ref().is_ok_and(|v| v.allowed()) {
+                        continue;
+                    }
+                    let state = limiter.state_key(c[0].policy, c[0].key);
+                    let tat = match server.cmd(&[b"GET".as_slice(), &state]).expect("GET") {
+                        floodgate_testkit::Resp::Bulk(Some(v)) => String::from_utf8(v)
+                            .ok()
+                            .and_then(|s| s.parse::<u64>().ok())
+                            .expect("a tat in decimal digits"),
+                        other => panic!("seed {seed}, round {round}: no state ({other:?})"),
+                    };
+                    let want = i64::try_from((tat - at).div_ceil(1_000)).expect("small") + 60_000;
+                    let ttl = server.cmd(&[b"PTTL".as_slice(), &state]).expect("PTTL");
+                    assert!(
+                        matches!(ttl, floodgate_testkit::Resp::Int(ms) if ms <= want && ms > want - 5_000),
+                        "seed {seed}, round {round}: TTL {ttl:?}, want {want} ms (tat {tat}, now {at})"
+                    );
+                }
                 // The states left behind: a peek of every key and policy agrees.
                 for key in &keys {
                     for policy in &policies {

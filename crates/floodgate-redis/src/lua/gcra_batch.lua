@@ -54,46 +54,65 @@ local function create(key, tat, ttl)
   return nil
 end
 
+-- Locals: the loop below runs once per check, and globals cost a table lookup each.
+local call, floor, tonum = redis.call, math.floor, tonumber
 local reply = { now }
 local e1, until1 = emission[1], now + tolerance[1]
+-- Milliseconds of TTL are ceil((t - now) / 1000) + TTL_SLACK = floor((t - base) / 1000).
+local base = now - 999 - 1000 * TTL_SLACK
+-- Numbers written, by value: keys checked fresh in one call share their new tat and TTL, and
+-- formatting a number costs more than the rest of a check's Lua.
+local written = {}
+local function digits(x)
+  local s = written[x]
+  if not s then
+    s = fmt(x)
+    written[x] = s
+  end
+  return s
+end
 for c = 1, nk, 256 do
   local last = math.min(c + 255, nk)
-  local vals = redis.call('MGET', unpack(KEYS, c, last))
+  local vals = call('MGET', unpack(KEYS, c, last))
   for i = c, last do
     local raw = vals[i - c + 1]
     local tat = 0
     if raw then
-      tat = tonumber(raw)
-      if tat == nil or tat < 0 or tat ~= math.floor(tat) or tat > 9007199254740991 then
+      tat = tonum(raw)
+      if tat == nil or tat < 0 or tat ~= floor(tat) or tat > 9007199254740991 then
         reply[i + 1] = 'FLOODGATE_CORRUPT 0 tat is ' .. shown(raw)
         tat = nil
       end
     end
     if tat then
       reply[i + 1] = tat
-      local e, upto, n = e1, until1, 1
-      if per_key then
-        local v = tonumber(ARGV[first + i])
-        local p = v % np
-        n = (v - p) / np
-        e, upto = emission[p + 1], now + tolerance[p + 1]
-      end
-      -- GCRA, as gcra_step: admitted when the new tat is within the tolerance.
       local t = tat
-      for _ = 1, n do
-        local after = (t > now and t or now) + e
-        if after <= upto then
+      if per_key then
+        local v = tonum(ARGV[first + i])
+        local p = v % np
+        local e, upto = emission[p + 1], now + tolerance[p + 1]
+        -- GCRA, as gcra_step: admitted when the new tat is within the tolerance.
+        for _ = 1, (v - p) / np do
+          local after = (t > now and t or now) + e
+          if after <= upto then
+            t = after
+          end
+        end
+      else
+        -- The same step, once.
+        local after = (t > now and t or now) + e1
+        if after <= until1 then
           t = after
         end
       end
       -- A fresh or expired state always admits the first check, so a changed tat is later
       -- than now, and a key read empty is always written.
       if t ~= tat then
-        local ttl = fmt(ceil_div(t - now, 1000) + TTL_SLACK)
+        local ttl = digits(floor((t - base) / 1000))
         if raw then
-          redis.call('SET', KEYS[i], fmt(t), 'PX', ttl)
+          call('SET', KEYS[i], digits(t), 'PX', ttl)
         else
-          local err = create(KEYS[i], fmt(t), ttl)
+          local err = create(KEYS[i], digits(t), ttl)
           if err then
             reply[i + 1] = err
           end

@@ -27,11 +27,19 @@ local function malformed(where)
   error({ err = 'FLOODGATE_BADARG 0 malformed arguments at ' .. where })
 end
 
--- An integer below 2^53 as its decimal digits. '%d' goes through a C long, which may be 32
--- bits (32-bit or Windows builds of Redis), so values of 10^9 and more are written as two
--- halves below 10^9; integer formatting costs a fraction of '%.0f'.
+-- An integer below 2^53 as its decimal digits. '%d' goes through a C long: exact for all of
+-- them where a long has 64 bits (every 64-bit Unix build of Redis), which the first value of
+-- 10^9 or more checks. Where it has 32 bits (32-bit or Windows builds), such values are written
+-- as two halves below 10^9. Integer formatting costs a fraction of '%.0f'.
+local wide_d
 local function fmt(x)
   if x < 1000000000 and x > -1000000000 then
+    return string.format('%d', x)
+  end
+  if wide_d == nil then
+    wide_d = string.format('%d', 4503599627370497) == '4503599627370497'
+  end
+  if wide_d then
     return string.format('%d', x)
   elseif x < 0 then
     return '-' .. fmt(-x)
