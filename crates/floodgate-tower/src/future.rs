@@ -42,23 +42,18 @@ impl After {
     }
 }
 
-/// Waiting for the limiter, with what the call needs afterwards. Boxed: only limiters that do
-/// I/O get here, and every response future is as large as its largest state.
-struct Deciding<S, B> {
-    decide: BoxFuture<Decided>,
-    request: Request<B>,
-    inner: S,
-}
-
 pin_project! {
     #[project = StateProj]
     enum State<S, B>
     where
         S: Service<Request<B>>,
     {
-        // Waiting for the limiter.
+        // Waiting for the limiter, with what the call needs afterwards. Held inline: the inner
+        // future, which holds a request too, is often as large (axum's is), and a box per
+        // request costs most where requests wait, many at once, for the store.
         Deciding {
-            deciding: Option<Box<Deciding<S, B>>>,
+            decide: BoxFuture<Decided>,
+            call: Option<(Request<B>, S)>,
         },
         // Allowed (or not limited): the inner service is answering.
         Calling {
@@ -106,11 +101,8 @@ where
     pub(crate) fn deciding(decide: BoxFuture<Decided>, request: Request<B>, inner: S) -> Self {
         ResponseFuture {
             state: State::Deciding {
-                deciding: Some(Box::new(Deciding {
-                    decide,
-                    request,
-                    inner,
-                })),
+                decide,
+                call: Some((request, inner)),
             },
         }
     }
@@ -126,14 +118,10 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Deciding { deciding } => {
-                    const DONE: &str = "ResponseFuture polled after completion";
-                    let decided = ready!(deciding.as_mut().expect(DONE).decide.as_mut().poll(cx));
-                    let Deciding {
-                        mut request,
-                        mut inner,
-                        ..
-                    } = *deciding.take().expect(DONE);
+                StateProj::Deciding { decide, call } => {
+                    let decided = ready!(decide.as_mut().poll(cx));
+                    let (mut request, mut inner) =
+                        call.take().expect("ResponseFuture polled after completion");
                     match decided {
                         Decided::Allow(Allowed {
                             info,
@@ -186,5 +174,21 @@ where
         f.debug_struct("ResponseFuture")
             .field("state", &state)
             .finish()
+    }
+}
+
+#[cfg(all(test, feature = "axum"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_axum_route_s_response_future_is_its_inner_future_plus_a_pointer() {
+        // The layer's future is moved (into axum's box) with every request: the states of a
+        // request waiting for the store and of an allowed one (its headers and lease boxed)
+        // fit beside axum's own future. 328 bytes against 320.
+        type Inner = axum::routing::future::RouteFuture<std::convert::Infallible>;
+        type Ours = ResponseFuture<axum::routing::Route, axum::body::Body>;
+        let (inner, ours) = (std::mem::size_of::<Inner>(), std::mem::size_of::<Ours>());
+        assert!(ours <= inner + 8, "{ours} bytes against the inner {inner}");
     }
 }
