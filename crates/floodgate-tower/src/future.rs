@@ -48,9 +48,11 @@ pin_project! {
     where
         S: Service<Request<B>>,
     {
-        // Waiting for the limiter, with what the call needs afterwards. Held inline: the inner
-        // future, which holds a request too, is often as large (axum's is), and a box per
-        // request costs most where requests wait, many at once, for the store.
+        // Waiting for the limiter, with what the call needs afterwards. Held inline, not boxed:
+        // a box per request costs most where requests wait, many at once, for the store. The
+        // price is that every state is at least a request and a service large: free behind
+        // axum, whose own future holds both already; a service with a small (boxed) future
+        // gets a response future about that much larger.
         Deciding {
             decide: BoxFuture<Decided>,
             call: Option<(Request<B>, S)>,
@@ -137,6 +139,8 @@ where
                             });
                         }
                         Decided::Reject(response) => {
+                            // Done: polled again, it says so instead of polling `decide`.
+                            this.state.set(State::Early { response: None });
                             return Poll::Ready(Ok(response.map(ResponseBody::full)));
                         }
                     }

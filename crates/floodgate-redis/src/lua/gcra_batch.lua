@@ -58,8 +58,8 @@ end
 local call, floor, tonum = redis.call, math.floor, tonumber
 local reply = { now }
 local e1, until1 = emission[1], now + tolerance[1]
--- Milliseconds of TTL are ceil((t - now) / 1000) + TTL_SLACK = floor((t - base) / 1000).
-local base = now - 999 - 1000 * TTL_SLACK
+-- A written state's TTL is floor((t - base) / 1000) milliseconds (see ttl_base).
+local base = ttl_base(now)
 -- Numbers written, by value: keys checked fresh in one call share their new tat and TTL, and
 -- formatting a number costs more than the rest of a check's Lua.
 local written = {}
@@ -99,7 +99,7 @@ for c = 1, nk, 256 do
           end
         end
       else
-        -- The same step, once.
+        -- The same step, once (keep the two identical).
         local after = (t > now and t or now) + e1
         if after <= until1 then
           t = after

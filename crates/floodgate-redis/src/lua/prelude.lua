@@ -55,6 +55,13 @@ local function fmt(x)
   return string.format('%d%09d', hi, lo)
 end
 
+-- The base of the TTLs of one call: a state that matters until `t` (us) is kept for
+-- floor((t - base) / 1000) = ceil((t - now) / 1000) + TTL_SLACK milliseconds, one division per
+-- key. Call it after call_time, which sets TTL_SLACK.
+local function ttl_base(now)
+  return now - 999 - 1000 * TTL_SLACK
+end
+
 local function floor_div(a, b)
   return math.floor(a / b)
 end
