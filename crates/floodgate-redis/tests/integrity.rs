@@ -197,24 +197,40 @@ fn cluster_keys_spread_over_slots_and_each_decision_stays_in_one() {
     });
 }
 
+/// Runs `snippet` after the scripts' shared prelude, with `args` as ARGV, and returns its
+/// reply: a list of strings.
+fn after_prelude(
+    server: &floodgate_testkit::RedisServer,
+    snippet: &str,
+    args: &[String],
+) -> Vec<String> {
+    let script = [
+        include_str!("../src/lua/errors.lua"),
+        include_str!("../src/lua/prelude.lua"),
+        snippet,
+    ]
+    .concat();
+    let mut cmd: Vec<&[u8]> = vec![b"EVAL", script.as_bytes(), b"0"];
+    cmd.extend(args.iter().map(|a| a.as_bytes()));
+    let reply = server.cmd(&cmd).expect("EVAL");
+    let floodgate_testkit::Resp::Array(Some(items)) = reply else {
+        panic!("not an array: {reply:?}");
+    };
+    items
+        .into_iter()
+        .map(|item| match item {
+            floodgate_testkit::Resp::Bulk(Some(v)) => String::from_utf8(v).expect("ASCII"),
+            other => panic!("not a string: {other:?}"),
+        })
+        .collect()
+}
+
 /// The scripts' `fmt` writes every integer below 2^53 exactly, both with the one `'%d'` of a
 /// Redis whose C long has 64 bits and in the two halves a 32-bit build needs (forced here, as
 /// no 32-bit Redis is at hand): a stored state written with a digit wrong would decide wrong.
 #[test]
 fn the_scripts_write_integers_below_2_pow_53_exactly() {
     let server = server();
-    let script = [
-        include_str!("../src/lua/errors.lua"),
-        include_str!("../src/lua/prelude.lua"),
-        "local out = {}\n\
-         for _, wide in ipairs({ 'auto', false }) do\n\
-           if wide == false then wide_d = false end\n\
-           for i = 1, #ARGV do out[#out + 1] = fmt(tonumber(ARGV[i])) end\n\
-           if wide == 'auto' then out[#out + 1] = tostring(wide_d) end\n\
-         end\n\
-         return out\n",
-    ]
-    .concat();
     let values: [i64; 12] = [
         0,
         1,
@@ -229,22 +245,19 @@ fn the_scripts_write_integers_below_2_pow_53_exactly() {
         9_007_199_254_740_991,
         -9_007_199_254_740_991,
     ];
-    let mut cmd: Vec<Vec<u8>> = vec![b"EVAL".to_vec(), script.into_bytes(), b"0".to_vec()];
-    cmd.extend(values.iter().map(|v| v.to_string().into_bytes()));
-    let args: Vec<&[u8]> = cmd.iter().map(Vec::as_slice).collect();
-    let reply = server.cmd(&args).expect("EVAL");
-    let floodgate_testkit::Resp::Array(Some(items)) = reply else {
-        panic!("not an array: {reply:?}");
-    };
-    let got: Vec<String> = items
-        .into_iter()
-        .map(|item| match item {
-            floodgate_testkit::Resp::Bulk(Some(v)) => String::from_utf8(v).expect("ASCII"),
-            other => panic!("not a string: {other:?}"),
-        })
-        .collect();
-    // This Redis is a 64-bit build: the first pass took the one '%d'.
     let shown = |v: &[i64]| v.iter().map(ToString::to_string).collect::<Vec<_>>();
+    let got = after_prelude(
+        &server,
+        "local out = {}\n\
+         for _, wide in ipairs({ 'auto', false }) do\n\
+           if wide == false then wide_d = false end\n\
+           for i = 1, #ARGV do out[#out + 1] = fmt(tonumber(ARGV[i])) end\n\
+           if wide == 'auto' then out[#out + 1] = tostring(wide_d) end\n\
+         end\n\
+         return out\n",
+        &shown(&values),
+    );
+    // This Redis is a 64-bit build: the first pass took the one '%d'.
     let want = [shown(&values), vec!["true".to_owned()], shown(&values)].concat();
     assert_eq!(
         got, want,
@@ -253,49 +266,37 @@ fn the_scripts_write_integers_below_2_pow_53_exactly() {
 }
 
 /// A written state's TTL is the whole milliseconds until its tat, rounded up, plus the slack of
-/// injected time: `ttl_base` gives exactly that with one division, at every distance up to the
-/// longest span a state may have.
+/// injected time: `ttl_ms` (and the batch script's `ttl_base`, which it is made of) gives
+/// exactly that with one division, at every distance up to the longest span a state may have.
 #[test]
 fn a_state_s_ttl_is_the_milliseconds_until_its_tat_rounded_up() {
     let server = server();
-    let script = [
-        include_str!("../src/lua/errors.lua"),
-        include_str!("../src/lua/prelude.lua"),
+    let now: u64 = 1_709_214_330_123_457;
+    let distances: [u64; 8] = [1, 999, 1_000, 1_001, 1_999, 123_456_789, 1 << 50, 1 << 51];
+    let args: Vec<String> = std::iter::once(now)
+        .chain(distances)
+        .map(|v| v.to_string())
+        .collect();
+    let got = after_prelude(
+        &server,
         "local out = {}\n\
          local now = tonumber(ARGV[1])\n\
          for _, slack in ipairs({ 0, 60000 }) do\n\
            TTL_SLACK = slack\n\
-           local base = ttl_base(now)\n\
            for i = 2, #ARGV do\n\
-             out[#out + 1] = fmt(math.floor((now + tonumber(ARGV[i]) - base) / 1000))\n\
+             out[#out + 1] = fmt(ttl_ms(now + tonumber(ARGV[i]), now))\n\
            end\n\
          end\n\
          return out\n",
-    ]
-    .concat();
-    let now: u64 = 1_709_214_330_123_457;
-    let distances: [u64; 8] = [1, 999, 1_000, 1_001, 1_999, 123_456_789, 1 << 50, 1 << 51];
-    let mut cmd: Vec<Vec<u8>> = vec![b"EVAL".to_vec(), script.into_bytes(), b"0".to_vec()];
-    cmd.push(now.to_string().into_bytes());
-    cmd.extend(distances.iter().map(|d| d.to_string().into_bytes()));
-    let args: Vec<&[u8]> = cmd.iter().map(Vec::as_slice).collect();
-    let reply = server.cmd(&args).expect("EVAL");
-    let floodgate_testkit::Resp::Array(Some(items)) = reply else {
-        panic!("not an array: {reply:?}");
-    };
-    let got: Vec<u64> = items
-        .into_iter()
-        .map(|item| match item {
-            floodgate_testkit::Resp::Bulk(Some(v)) => String::from_utf8(v)
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .expect("a number"),
-            other => panic!("not a string: {other:?}"),
-        })
-        .collect();
-    let want: Vec<u64> = [0u64, 60_000]
+        &args,
+    );
+    let want: Vec<String> = [0u64, 60_000]
         .iter()
-        .flat_map(|slack| distances.iter().map(move |d| d.div_ceil(1_000) + slack))
+        .flat_map(|slack| {
+            distances
+                .iter()
+                .map(move |d| (d.div_ceil(1_000) + slack).to_string())
+        })
         .collect();
     assert_eq!(
         got, want,

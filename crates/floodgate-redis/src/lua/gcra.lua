@@ -26,7 +26,7 @@ end
 
 -- Stores `tat` (later than `now`) with the TTL it matters for.
 local function gcra_write(key, tat, now)
-  redis.call('SET', key, fmt(tat), 'PX', fmt(ceil_div(tat - now, 1000) + TTL_SLACK))
+  redis.call('SET', key, fmt(tat), 'PX', fmt(ttl_ms(tat, now)))
 end
 
 ALG.gcra = {

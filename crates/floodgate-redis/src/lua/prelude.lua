@@ -62,6 +62,11 @@ local function ttl_base(now)
   return now - 999 - 1000 * TTL_SLACK
 end
 
+-- The TTL, in milliseconds, of a state written at `now` that matters until `t` (us).
+local function ttl_ms(t, now)
+  return math.floor((t - ttl_base(now)) / 1000)
+end
+
 local function floor_div(a, b)
   return math.floor(a / b)
 end
@@ -95,7 +100,7 @@ local function expire(key, expires_at, now)
   if expires_at <= now then
     redis.call('DEL', key)
   else
-    redis.call('PEXPIRE', key, fmt(ceil_div(expires_at - now, 1000) + TTL_SLACK))
+    redis.call('PEXPIRE', key, fmt(ttl_ms(expires_at, now)))
   end
 end
 
