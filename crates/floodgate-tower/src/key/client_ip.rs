@@ -229,91 +229,134 @@ impl Hops {
 }
 
 /// `X-Forwarded-For`-style lists: every instance of the header, in order, comma-separated.
+/// Entries are split on the raw bytes, so a byte that is not UTF-8 spoils only its own entry,
+/// not the ones a trusted proxy appended after it.
 fn collect_list(headers: &HeaderMap, name: &HeaderName, hops: &mut Hops) {
     for value in headers.get_all(name) {
-        let Ok(value) = std::str::from_utf8(value.as_bytes()) else {
-            hops.push(None);
-            continue;
-        };
-        for item in value.split(',') {
-            let item = item.trim();
+        for item in value.as_bytes().split(|b| *b == b',') {
+            let item = trim(item);
             if item.is_empty() {
                 continue;
             }
-            hops.push(parse_node(item));
+            hops.push(std::str::from_utf8(item).ok().and_then(parse_node));
         }
     }
 }
 
 /// RFC 7239 `Forwarded`: elements separated by commas, pairs by semicolons, values tokens or
-/// quoted strings; only `for=` matters here. An element without `for` is an unknown hop.
+/// quoted strings; only `for=` matters here. An element without `for` is an unknown hop, and
+/// so is a malformed one (an unclosed quote).
+///
+/// Elements are delimited from the right. The elements that matter are the newest ones,
+/// appended by trusted proxies, and those are well-formed; what a client wrote sits to their
+/// left. Read from the left, a quote the client leaves open (`for=1.2.3.4;x="`) would swallow
+/// the element a proxy appends to the same line (`, for=203.0.113.9`), and the client would
+/// choose its own key. Read from the right, the client's text can only spoil its own element.
 fn collect_forwarded(headers: &HeaderMap, hops: &mut Hops) {
     for value in headers.get_all(http::header::FORWARDED) {
         let bytes = value.as_bytes();
-        let mut i = 0;
-        loop {
-            // One element.
-            let mut node: Option<Option<IpAddr>> = None;
-            let mut any_pair = false;
-            loop {
-                // One pair.
-                while i < bytes.len() && (bytes[i] == b' ' || bytes[i] == b'\t') {
-                    i += 1;
-                }
-                let name_start = i;
-                while i < bytes.len() && !matches!(bytes[i], b'=' | b';' | b',') {
-                    i += 1;
-                }
-                let name = trim(&bytes[name_start..i]);
-                let mut val: &[u8] = &[];
-                let mut owned = Vec::new();
-                if i < bytes.len() && bytes[i] == b'=' {
-                    i += 1;
-                    while i < bytes.len() && (bytes[i] == b' ' || bytes[i] == b'\t') {
-                        i += 1;
+        // The newest MAX_HOPS non-empty elements of this line, newest first: older ones would
+        // fall out of `hops` anyway.
+        let mut found = [(0usize, 0usize); MAX_HOPS];
+        let mut n = 0;
+        let mut end = bytes.len();
+        let mut quoted = false;
+        let mut i = bytes.len();
+        while i > 0 && n < MAX_HOPS {
+            i -= 1;
+            match bytes[i] {
+                b'"' if !escaped(bytes, i) => quoted = !quoted,
+                b',' if !quoted => {
+                    if !trim(&bytes[i + 1..end]).is_empty() {
+                        found[n] = (i + 1, end);
+                        n += 1;
                     }
-                    if i < bytes.len() && bytes[i] == b'"' {
-                        i += 1;
-                        while i < bytes.len() && bytes[i] != b'"' {
-                            if bytes[i] == b'\\' && i + 1 < bytes.len() {
-                                i += 1;
-                            }
-                            owned.push(bytes[i]);
-                            i += 1;
-                        }
-                        i += 1; // closing quote (or past the end)
-                        while i < bytes.len() && !matches!(bytes[i], b';' | b',') {
-                            i += 1;
-                        }
-                        val = &owned;
-                    } else {
-                        let start = i;
-                        while i < bytes.len() && !matches!(bytes[i], b';' | b',') {
-                            i += 1;
-                        }
-                        val = trim(&bytes[start..i]);
-                    }
+                    end = i;
                 }
-                any_pair |= !name.is_empty();
-                if name.eq_ignore_ascii_case(b"for") && node.is_none() {
-                    node = Some(std::str::from_utf8(val).ok().and_then(parse_node));
-                }
-                if i < bytes.len() && bytes[i] == b';' {
-                    i += 1;
-                    continue;
-                }
-                break;
+                _ => {}
             }
-            if any_pair {
-                hops.push(node.flatten());
+        }
+        if i == 0 && n < MAX_HOPS && !trim(&bytes[..end]).is_empty() {
+            found[n] = (0, end);
+            n += 1;
+        }
+        for &(from, to) in found[..n].iter().rev() {
+            if let Some(hop) = forwarded_element(&bytes[from..to]) {
+                hops.push(hop);
             }
-            if i < bytes.len() && bytes[i] == b',' {
-                i += 1;
-                continue;
-            }
-            break;
         }
     }
+}
+
+/// Whether the byte at `i` is preceded by an odd number of backslashes (a quoted pair).
+fn escaped(bytes: &[u8], i: usize) -> bool {
+    bytes[..i].iter().rev().take_while(|b| **b == b'\\').count() % 2 == 1
+}
+
+/// One `Forwarded` element: `None` when it holds no pair (not a hop), else its `for` node
+/// (`Some(None)` when it has none, names no address, or is malformed).
+fn forwarded_element(bytes: &[u8]) -> Option<Option<IpAddr>> {
+    let mut node: Option<Option<IpAddr>> = None;
+    let mut any_pair = false;
+    let mut i = 0;
+    loop {
+        // One pair.
+        while i < bytes.len() && (bytes[i] == b' ' || bytes[i] == b'\t') {
+            i += 1;
+        }
+        let name_start = i;
+        while i < bytes.len() && !matches!(bytes[i], b'=' | b';') {
+            i += 1;
+        }
+        let name = trim(&bytes[name_start..i]);
+        any_pair |= !name.is_empty();
+        let mut val: &[u8] = &[];
+        let mut owned = Vec::new();
+        if i < bytes.len() && bytes[i] == b'=' {
+            i += 1;
+            while i < bytes.len() && (bytes[i] == b' ' || bytes[i] == b'\t') {
+                i += 1;
+            }
+            if i < bytes.len() && bytes[i] == b'"' {
+                i += 1;
+                loop {
+                    match bytes.get(i) {
+                        // An unclosed quote: the element is malformed.
+                        None => return Some(None),
+                        Some(b'"') => break,
+                        Some(b'\\') if i + 1 < bytes.len() => {
+                            owned.push(bytes[i + 1]);
+                            i += 2;
+                        }
+                        Some(b) => {
+                            owned.push(*b);
+                            i += 1;
+                        }
+                    }
+                }
+                i += 1; // the closing quote
+                while i < bytes.len() && bytes[i] != b';' {
+                    i += 1;
+                }
+                val = &owned;
+            } else {
+                let start = i;
+                while i < bytes.len() && bytes[i] != b';' {
+                    i += 1;
+                }
+                val = trim(&bytes[start..i]);
+            }
+        }
+        if name.eq_ignore_ascii_case(b"for") && node.is_none() {
+            node = Some(std::str::from_utf8(val).ok().and_then(parse_node));
+        }
+        if i < bytes.len() && bytes[i] == b';' {
+            i += 1;
+            continue;
+        }
+        break;
+    }
+    any_pair.then(|| node.flatten())
 }
 
 fn trim(b: &[u8]) -> &[u8] {
@@ -459,6 +502,15 @@ mod tests {
             xff(t, "10.0.0.1", &[b"6.6.6.6", b"203.0.113.9", b"10.1.1.1"]),
             ip("203.0.113.9")
         );
+        // A byte that is not UTF-8 spoils its own entry only, not the one a proxy appended.
+        assert_eq!(
+            xff(t, "10.0.0.1", &[b"\xff, 203.0.113.9"]),
+            ip("203.0.113.9")
+        );
+        assert_eq!(
+            xff(t, "10.0.0.1", &[b"6.6.6.6\xff, 203.0.113.9, 10.0.0.2"]),
+            ip("203.0.113.9")
+        );
         // Every hop trusted: the leftmost.
         assert_eq!(xff(t, "10.0.0.1", &[b"10.9.9.9, 10.0.0.2"]), ip("10.9.9.9"));
         // No header: the peer.
@@ -499,6 +551,45 @@ mod tests {
             xff(t, "10.0.0.1", &[b"garbage, 203.0.113.9"]),
             ip("203.0.113.9")
         );
+    }
+
+    #[test]
+    fn whatever_a_client_writes_the_element_a_proxy_appends_decides() {
+        let t = "10.0.0.0/8";
+        let prefixes: [&[u8]; 12] = [
+            b"",
+            b"\"",
+            b"\\",
+            b"\\\"",
+            b"for=\"",
+            b"for=6.6.6.6;x=\"a\\\"",
+            b"for=\"\\\\\\\"",
+            b"x=\"\";y=\"",
+            b";;;===,,,",
+            b"for=6.6.6.6;host=\"a,b",
+            b"\xff\xfe\"",
+            b"for=\"[",
+        ];
+        for prefix in prefixes {
+            for (suffix, want) in [
+                (&b", for=203.0.113.9"[..], "203.0.113.9"),
+                (b", for=\"[2001:db8::1]:80\"", "2001:db8::1"),
+                (
+                    b", for=203.0.113.9;proto=https, for=10.0.0.3",
+                    "203.0.113.9",
+                ),
+            ] {
+                let line = [prefix, suffix].concat();
+                assert_eq!(fwd(t, "10.0.0.1", &[&line]), ip(want), "{line:?}");
+            }
+        }
+        // The newest elements are found from the right however long the line.
+        let mut long = b"x=\"".to_vec();
+        for i in 0..10_000 {
+            long.extend_from_slice(format!("for=6.6.{}.{}, ", i / 256 % 256, i % 256).as_bytes());
+        }
+        long.extend_from_slice(b"for=203.0.113.9");
+        assert_eq!(fwd(t, "10.0.0.1", &[&long]), ip("203.0.113.9"));
     }
 
     #[test]
@@ -566,6 +657,26 @@ mod tests {
         assert_eq!(
             fwd(t, "10.0.0.1", &[b"for=6.6.6.6, proto=https"]),
             ip("10.0.0.1")
+        );
+        // A quote the client leaves open does not swallow what a trusted proxy appends to the
+        // same line: the client's element is malformed, the proxy's is read.
+        for line in [
+            &b"for=1.2.3.4;x=\", for=203.0.113.9"[..],
+            b"for=1.2.3.4;x=\"abc\\\", for=203.0.113.9",
+            b"for=\"6.6.6.6, for=203.0.113.9",
+            b"for=1.2.3.4;x=\", for=203.0.113.9;host=\"a\\\"b,c\"",
+        ] {
+            assert_eq!(fwd(t, "10.0.0.1", &[line]), ip("203.0.113.9"), "{line:?}");
+        }
+        // Not even by pairing with a quote the proxy writes.
+        assert_eq!(
+            fwd(t, "10.0.0.1", &[b"for=1.2.3.4;x=\", for=\"[2001:db8::1]\""]),
+            ip("2001:db8::1")
+        );
+        // Every hop trusted, and the client's element malformed: the proxy that received it.
+        assert_eq!(
+            fwd(t, "10.0.0.1", &[b"for=\"6.6.6.6, for=10.0.0.7"]),
+            ip("10.0.0.7")
         );
         // Garbage.
         assert_eq!(fwd(t, "10.0.0.1", &[b";;;,,,===\"\"\"\\"]), ip("10.0.0.1"));
