@@ -2,8 +2,10 @@
 //!
 //! The braces are a cluster hash tag: every key of one user key lands on one slot, so a check of
 //! several policies for that key is one script call on one node. User keys are bytes; a key that
-//! is long (over [`MAX_INLINE_KEY`] bytes) or holds a brace (which would move the hash tag) is
-//! replaced by `~` and the hex SHA-256 of its bytes: stable across processes and versions.
+//! is long (over [`MAX_INLINE_KEY`] bytes), holds a brace (which would move the hash tag) or
+//! starts with `~` is replaced by `~` and the hex SHA-256 of its bytes: stable across processes
+//! and versions. Hashing every key that starts with `~` keeps the two forms apart: a client
+//! that sends `~` and the digest of someone else's long key gets a key of its own, not theirs.
 
 use floodgate_core::Policy;
 use sha2::{Digest, Sha256};
@@ -13,7 +15,10 @@ pub const MAX_INLINE_KEY: usize = 256;
 
 /// The user key as it appears between the braces.
 pub fn key_tag(key: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    if key.len() <= MAX_INLINE_KEY && !key.iter().any(|b| *b == b'{' || *b == b'}') {
+    if key.len() <= MAX_INLINE_KEY
+        && key.first() != Some(&b'~')
+        && !key.iter().any(|b| *b == b'{' || *b == b'}')
+    {
         return std::borrow::Cow::Borrowed(key);
     }
     let digest = Sha256::digest(key);
@@ -89,6 +94,14 @@ mod tests {
             assert_eq!(k.iter().filter(|b| **b == b'{').count(), 1);
             assert_eq!(key_slot(&k), key_slot(&state_key("fg", &q, hostile)));
         }
+        // A key in the hashed form is hashed again: it cannot name another key's state.
+        let long = [b'x'; 300];
+        let hashed = key_tag(&long).into_owned();
+        assert_eq!(hashed.len(), 65);
+        assert_ne!(key_tag(&hashed), hashed);
+        assert_ne!(state_key("fg", &p, &hashed), state_key("fg", &p, &long));
+        assert_eq!(key_tag(b"~").len(), 65);
+        assert_eq!(&*key_tag(b"a~"), b"a~");
         // Binary keys are kept as they are.
         assert!(state_key("fg", &p, b"\0\xff").ends_with(b"{\0\xff}"));
     }
