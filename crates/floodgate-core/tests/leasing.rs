@@ -119,3 +119,30 @@ async fn small_limits_concurrency_and_injected_time_are_never_leased() {
     };
     assert_eq!(admitted, 20);
 }
+
+#[tokio::test]
+async fn checks_that_cost_more_than_a_lease_go_to_the_store_and_waste_nothing() {
+    // 10,000 per second: leases of 100 units; each check costs 200.
+    let policy = Policy::per_second(10_000).expect("valid");
+    let store = store();
+    let leasing = Leasing::new(store.clone());
+    let mut admitted = 0;
+    for _ in 0..100 {
+        let v = leasing
+            .check(
+                &[Check::new(b"hot", &policy).cost(200)],
+                CheckOptions::default(),
+            )
+            .await
+            .expect("check");
+        if v.allowed() {
+            admitted += 200;
+        }
+    }
+    let stats = leasing.stats();
+    assert_eq!(stats.leases, 0, "{stats:?}");
+    assert_eq!(stats.wasted, 0, "{stats:?}");
+    assert_eq!(store.calls.load(Ordering::Relaxed), 100);
+    // The store charged only what was admitted.
+    assert_eq!(store.granted.load(Ordering::Relaxed), admitted);
+}

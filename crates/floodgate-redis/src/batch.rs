@@ -249,11 +249,10 @@ fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Checked, Error>
                             })
                             .collect()
                     });
-                let verdict = ints
-                    .as_deref()
-                    .and_then(decode_group)
-                    .ok_or_else(unexpected)?;
-                out.push(Ok((verdict, now)));
+                // A reply cut short or of another shape spoils the whole reply; six integers
+                // that make no decision (a negative count) spoil only their own group.
+                let ints = ints.ok_or_else(unexpected)?;
+                out.push(decode_group(&ints).map(|v| (v, now)).ok_or_else(unexpected));
                 at += 1 + n;
             }
             Some(Value::Int(0)) => {
@@ -528,6 +527,29 @@ mod tests {
             .iter()
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect()
+    }
+
+    #[test]
+    fn a_group_whose_integers_make_no_decision_fails_alone() {
+        let (a, b) = (group(1, 0), group(1, 0));
+        let fields = |remaining: i64| {
+            [1, 5, remaining, -1, 1_000, 0]
+                .into_iter()
+                .map(Value::Int)
+                .collect::<Vec<_>>()
+        };
+        let mut items = vec![Value::Int(1_700_000_000_000_000), Value::Int(1)];
+        items.extend(fields(-3));
+        items.push(Value::Int(1));
+        items.extend(fields(4));
+        let out =
+            decode(&Value::Array(items.clone()), &[&a, &b]).expect("the reply's shape is fine");
+        assert!(out[0].is_err(), "{:?}", out[0]);
+        let (verdict, _) = out[1].as_ref().expect("the second group decides");
+        assert_eq!(verdict.decisions[0].remaining, 4);
+        // A reply cut short is wrong as a whole.
+        items.pop();
+        assert!(decode(&Value::Array(items), &[&a, &b]).is_err());
     }
 
     #[test]

@@ -303,3 +303,73 @@ fn a_state_s_ttl_is_the_milliseconds_until_its_tat_rounded_up() {
         "TTLs for {distances:?} us, without and with slack"
     );
 }
+
+#[test]
+fn scores_and_costs_lua_cannot_hold_exactly_are_corruption() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let log = Policy::sliding_log(5, Duration::from_secs(60)).expect("valid");
+        let conc = Policy::concurrency(5, Duration::from_secs(60)).expect("valid");
+        for (policy, score, member) in [
+            (&log, &b"inf"[..], &b"1:1:0"[..]),
+            (&log, b"9000000000000000", b"1:99999999999999999999:0"),
+            (&log, b"18014398509481984", b"1:1:0"),
+            (&conc, b"inf", b"lease:1"),
+            (&conc, b"9000000000000000", b"lease:99999999999999999999"),
+        ] {
+            let key = redis.state_key(policy, b"k");
+            server.cmd(&[b"DEL".as_slice(), &key]).expect("del");
+            server
+                .cmd(&[b"ZADD".as_slice(), &key, score, member])
+                .expect("zadd");
+            let err = match redis.check_one(b"k", policy, 1).await {
+                Err(e) => e,
+                Ok(d) => panic!("{} {score:?} {member:?} decided {d:?}", policy.name()),
+            };
+            assert!(err.is_corrupted(), "{err:?}");
+        }
+    });
+}
+
+#[test]
+fn a_state_counted_under_a_larger_limit_decides_with_nothing_left() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        // The same name, a smaller limit: a deploy that lowers a limit while old replicas run.
+        for (large, small) in [
+            (
+                Policy::fixed_window(10, Duration::from_secs(60)),
+                Policy::fixed_window(5, Duration::from_secs(60)),
+            ),
+            (
+                Policy::funnel(10, Duration::from_secs(60)),
+                Policy::funnel(2, Duration::from_secs(60)),
+            ),
+        ] {
+            let large = large.and_then(|p| p.named("lowered")).expect("valid");
+            let small = small.and_then(|p| p.named("lowered")).expect("valid");
+            for _ in 0..8 {
+                assert!(
+                    redis
+                        .check_one(b"k", &large, 1)
+                        .await
+                        .expect("check")
+                        .allowed
+                );
+            }
+            let peek = redis
+                .check_one(b"k", &small, 0)
+                .await
+                .expect("peek decides");
+            assert_eq!(peek.remaining, 0, "{peek:?}");
+            let d = redis
+                .check_one(b"k", &small, 1)
+                .await
+                .expect("check decides");
+            assert!(!d.allowed, "{d:?}");
+            assert_eq!(d.remaining, 0, "{d:?}");
+        }
+    });
+}

@@ -125,7 +125,8 @@ impl Algorithm for Concurrency {
             .collect();
         let used: u64 = live.iter().map(|l| l.1).sum();
         let latest = live.iter().map(|l| l.0).max().unwrap_or(now);
-        if used + ctx.cost <= self.limit {
+        // Checked: a cost near u64::MAX must not wrap around to "fits".
+        if used.checked_add(ctx.cost).is_some_and(|t| t <= self.limit) {
             let end = if ctx.cost > 0 {
                 latest.max(now + self.lease_ttl)
             } else {
@@ -180,6 +181,26 @@ impl Algorithm for Concurrency {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_cost_near_u64_max_is_denied_and_takes_no_lease() {
+        let c = Concurrency::new(5, Duration::from_secs(30)).expect("valid");
+        let mut st = c.fresh();
+        let t0 = 1_700_000_000_000_000;
+        let ctx = |cost, lease| Ctx {
+            lease,
+            ..Ctx::new(t0, cost)
+        };
+        assert!(c.check(&mut st, &ctx(1, 1)).decision.allowed);
+        let d = c.check(&mut st, &ctx(u64::MAX, 2)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, None);
+        assert_eq!(st.leases.len(), 1);
+        for lease in 3..7 {
+            assert!(c.check(&mut st, &ctx(1, lease)).decision.allowed);
+        }
+        assert!(!c.check(&mut st, &ctx(1, 7)).decision.allowed);
+    }
     use super::*;
 
     const T0: u64 = 1_700_000_000_000_000;

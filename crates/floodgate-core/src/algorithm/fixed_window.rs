@@ -124,7 +124,14 @@ impl Algorithm for FixedWindow {
         if fits {
             let after = count + ctx.cost;
             let reset = if after > 0 { until_end } else { 0 };
-            Outcome::new(true, self.limit, self.limit - after, None, reset)
+            // A state counted under a larger limit (peeked at cost 0) has nothing left.
+            Outcome::new(
+                true,
+                self.limit,
+                self.limit.saturating_sub(after),
+                None,
+                reset,
+            )
         } else {
             let retry = (ctx.cost <= self.limit).then_some(until_end);
             let reset = if count > 0 { until_end } else { 0 };
@@ -159,6 +166,19 @@ impl Algorithm for FixedWindow {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_state_counted_past_the_limit_peeks_as_nothing_left() {
+        // Counted under a larger limit (a policy changed under the same name).
+        let w = FixedWindow::rolling(5, Duration::from_secs(60)).expect("valid");
+        let mut st = State {
+            start: T0,
+            count: 9,
+        };
+        let d = w.check(&mut st, &Ctx::new(T0 + 1, 0)).decision;
+        assert_eq!(d.remaining, 0);
+        assert!(!w.check(&mut st, &Ctx::new(T0 + 1, 1)).decision.allowed);
+    }
     use super::*;
     use crate::calendar::CalendarUnit;
 

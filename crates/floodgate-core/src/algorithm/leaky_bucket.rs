@@ -89,7 +89,8 @@ impl Algorithm for LeakyBucket {
             Some(p) if p <= self.full => (false, level, Some(level + p - self.full)),
             _ => (false, level, None),
         };
-        let remaining = (self.full - after) / self.unit;
+        // A level above full (poured under a larger capacity) leaves nothing.
+        let remaining = self.full.saturating_sub(after) / self.unit;
         Outcome::new(allowed, self.capacity, remaining, retry, after)
     }
 
@@ -106,6 +107,21 @@ impl Algorithm for LeakyBucket {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_level_above_full_leaves_nothing() {
+        // Poured under a larger capacity (a policy changed under the same name).
+        let b = LeakyBucket::new(2, Duration::from_secs(2)).expect("valid");
+        let t0 = 1_700_000_000_000_000;
+        let mut st = State {
+            level: 10 * b.unit_us(),
+            at: t0,
+        };
+        let d = b.check(&mut st, &Ctx::new(t0, 1)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.remaining, 0);
+        assert_eq!(b.check(&mut st, &Ctx::new(t0, 0)).decision.remaining, 0);
+    }
     use super::*;
 
     #[test]

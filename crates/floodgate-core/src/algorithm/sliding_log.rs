@@ -93,7 +93,8 @@ impl Algorithm for SlidingLog {
         let used: u64 = self.live(state, now).map(|e| e.cost).sum();
         let newest = self.live(state, now).map(|e| e.at).max();
         let until_gone = |at: u64| (at + self.window).saturating_sub(now);
-        if used + ctx.cost <= self.limit {
+        // Checked: a cost near u64::MAX must not wrap around to "fits".
+        if used.checked_add(ctx.cost).is_some_and(|t| t <= self.limit) {
             let reset = if ctx.cost > 0 {
                 self.window
             } else {
@@ -156,6 +157,22 @@ impl Algorithm for SlidingLog {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_cost_near_u64_max_is_denied_and_counts_nothing() {
+        let log = SlidingLog::new(5, Duration::from_secs(10)).expect("valid");
+        let mut st = log.fresh();
+        let t0 = 1_700_000_000_000_000;
+        assert!(log.check(&mut st, &Ctx::new(t0, 1)).decision.allowed);
+        let d = log.check(&mut st, &Ctx::new(t0, u64::MAX)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, None);
+        assert_eq!(d.remaining, 4);
+        for _ in 0..4 {
+            assert!(log.check(&mut st, &Ctx::new(t0, 1)).decision.allowed);
+        }
+        assert!(!log.check(&mut st, &Ctx::new(t0, 1)).decision.allowed);
+    }
     use super::*;
 
     const T0: u64 = 1_700_000_000_000_000;

@@ -340,7 +340,7 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
             && opts.max_wait.is_zero()
             && checks
                 .iter()
-                .all(|c| c.cost > 0 && self.lease_size(c.policy).is_some());
+                .all(|c| c.cost > 0 && self.lease_size(c.policy).is_some_and(|n| c.cost <= n));
         if leasable {
             let now = self.shared.clock.now().as_micros();
             match self.spend(checks, now) {

@@ -8,7 +8,7 @@ ALG.conc = {
     for i = 1, #r, 2 do
       local cost = tonumber(string.match(r[i], '^[^:]+:(%d+)$') or '')
       local expires = tonumber(r[i + 1])
-      if cost == nil or expires == nil or expires ~= math.floor(expires) then
+      if not (exact(cost) and exact(expires)) then
         fail('FLOODGATE_CORRUPT', idx, 'lease ' .. shown(r[i]))
       end
       leases[#leases + 1] = { expires = expires, cost = cost }

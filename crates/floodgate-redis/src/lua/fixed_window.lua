@@ -80,7 +80,8 @@ ALG.fw = {
     local used = math.min(count, limit)
     if cost <= limit - used then
       local after = count + cost
-      return outcome(true, limit, limit - after, nil, after > 0 and until_end or 0)
+      -- A count past the limit (counted under a larger one, peeked at cost 0) leaves nothing.
+      return outcome(true, limit, math.max(0, limit - after), nil, after > 0 and until_end or 0)
     end
     local retry = nil
     if cost <= limit then

@@ -21,7 +21,8 @@ ALG.lb = {
     elseif pour <= MAX_SPAN and pour <= full then
       retry = level + pour - full
     end
-    return outcome(allowed, capacity, floor_div(full - after, unit), retry, after)
+    -- A level above full (poured under a larger capacity) leaves nothing.
+    return outcome(allowed, capacity, floor_div(math.max(0, full - after), unit), retry, after)
   end,
 
   commit = function(st, p, now, cost)

@@ -83,13 +83,19 @@ local function shown(v)
   return string.format('%q', v)
 end
 
+-- Whether a number read from Redis is a whole number Lua holds exactly (not nil, NaN, inf,
+-- negative, fractional or past 2^53).
+local function exact(v)
+  return v ~= nil and v >= 0 and v == math.floor(v) and v <= 9007199254740991
+end
+
 -- A non-negative integer field of a stored state, or a typed error naming the key.
 local function int_field(idx, name, raw, default)
   if raw == false or raw == nil then
     return default
   end
   local v = tonumber(raw)
-  if v == nil or v < 0 or v ~= math.floor(v) or v > 9007199254740991 then
+  if not exact(v) then
     fail('FLOODGATE_CORRUPT', idx, name .. ' is ' .. shown(raw))
   end
   return v

@@ -8,7 +8,7 @@ ALG.log = {
     for i = 1, #r, 2 do
       local cost = tonumber(string.match(r[i], '^%d+:(%d+):%d+$') or '')
       local at = tonumber(r[i + 1])
-      if cost == nil or at == nil or at < 0 or at ~= math.floor(at) then
+      if not (exact(cost) and exact(at)) then
         fail('FLOODGATE_CORRUPT', idx, 'log entry ' .. shown(r[i]))
       end
       entries[#entries + 1] = { at = at, cost = cost }
