@@ -24,7 +24,6 @@ pub(crate) struct Held<S> {
     pub(crate) name: Arc<[u8]>,
     pub(crate) token: Token,
     pub(crate) ttl: Duration,
-    pub(crate) drift: Duration,
     pub(crate) lease: LeaseCell,
 }
 
@@ -55,9 +54,10 @@ impl<S: LockStore> Held<S> {
             self.lease.lose(LeaseLost::NotHeld);
             return Err(Error::lost(&self.name, LeaseLost::NotHeld));
         }
-        let new_deadline = started + ttl.saturating_sub(self.drift);
+        // The drift allowance of this ttl, which may not be the lock's.
+        let new_deadline = started + ttl.saturating_sub(self.store.clock_drift(ttl));
         self.lease
-            .renewed(new_deadline)
+            .renewed(started, new_deadline)
             .map_err(|reason| Error::lost(&self.name, reason))
     }
 }
@@ -315,9 +315,27 @@ where
     let period = (held.ttl / 3).max(Duration::from_millis(1));
     let retry = (held.ttl / 10).max(Duration::from_millis(1));
     let mut next = Instant::now() + period;
+    // Never sooner than `retry` after the last attempt, so that a lease barely longer than
+    // the clock drift allowance is not renewed in a loop.
+    let mut floor = Instant::now();
+    let mut changes = held.lease.subscribe();
     loop {
-        let deadline = held.lease.get().deadline;
-        tokio::time::sleep_until(next.min(deadline)).await;
+        // Renew every period, and at the latest `retry` before the deadline: after an
+        // `extend_for` with a shorter ttl, the deadline comes sooner than the next period.
+        let deadline = changes.borrow_and_update().deadline;
+        let wake = next
+            .min(deadline.checked_sub(retry).unwrap_or(deadline))
+            .max(floor);
+        tokio::select! {
+            () = tokio::time::sleep_until(wake) => {}
+            changed = changes.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                continue;
+            }
+        }
+        floor = Instant::now() + retry;
         match held.extend(held.ttl).await {
             Ok(()) => next = Instant::now() + period,
             Err(e) if e.is_lost() => {

@@ -15,6 +15,9 @@ pub(crate) struct Lease {
     /// renewal + ttl - clock drift).
     pub(crate) deadline: Instant,
     pub(crate) lost: Option<LeaseLost>,
+    /// When the store's answer to the last acquisition or renewal arrived: a renewal that
+    /// started later ran in the store after it, so its deadline replaces the old one.
+    settled: Instant,
 }
 
 impl Lease {
@@ -36,6 +39,7 @@ impl LeaseCell {
             tx: watch::Sender::new(Lease {
                 deadline,
                 lost: None,
+                settled: Instant::now(),
             }),
         }
     }
@@ -47,16 +51,26 @@ impl LeaseCell {
     /// Records a renewal that started at `started` and is good until `deadline`. Refused (and
     /// the lease marked expired) if the old deadline has already passed: once the holder may
     /// have been told its lease is gone, it stays gone.
-    pub(crate) fn renewed(&self, deadline: Instant) -> Result<(), LeaseLost> {
+    ///
+    /// The store keeps the expiry its last renewal set, shorter or longer than before, so the
+    /// new deadline replaces the old one, even when it is sooner (`extend_for` a shorter ttl).
+    /// Two renewals that overlapped may have run in the store in either order: then the sooner
+    /// of the two deadlines stands.
+    pub(crate) fn renewed(&self, started: Instant, deadline: Instant) -> Result<(), LeaseLost> {
         let now = Instant::now();
         let mut outcome = Ok(());
         self.tx.send_modify(|lease| {
             if let Some(lost) = lease.lost_at(now) {
                 lease.lost = Some(lost);
                 outcome = Err(lost);
-            } else if deadline > lease.deadline {
-                lease.deadline = deadline;
+                return;
             }
+            lease.deadline = if started >= lease.settled {
+                deadline
+            } else {
+                lease.deadline.min(deadline)
+            };
+            lease.settled = lease.settled.max(now);
         });
         outcome
     }
@@ -81,6 +95,11 @@ impl LeaseCell {
             self.lose(reason);
         }
         lost
+    }
+
+    /// Notified of every renewal and loss (for the watchdog).
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Lease> {
+        self.tx.subscribe()
     }
 
     pub(crate) fn watch(&self, name: Arc<[u8]>) -> LeaseWatch {
@@ -157,14 +176,17 @@ mod tests {
         let start = Instant::now();
         let cell = LeaseCell::new(start + Duration::from_millis(100));
         let watch = cell.watch(Arc::from(&b"n"[..]));
-        assert!(cell.renewed(start + Duration::from_millis(200)).is_ok());
+        assert!(
+            cell.renewed(start, start + Duration::from_millis(200))
+                .is_ok()
+        );
         assert_eq!(watch.remaining(), Duration::from_millis(200));
         tokio::time::advance(Duration::from_millis(250)).await;
         assert!(watch.is_lost());
         assert_eq!(watch.lost().await, LeaseLost::Expired);
         // A renewal that comes back after the deadline does not revive it.
         assert_eq!(
-            cell.renewed(Instant::now() + Duration::from_secs(1)),
+            cell.renewed(Instant::now(), Instant::now() + Duration::from_secs(1)),
             Err(LeaseLost::Expired)
         );
         assert!(watch.is_lost());
@@ -174,6 +196,26 @@ mod tests {
             Some(LeaseLost::Expired),
             "the first reason sticks"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_later_renewal_replaces_the_deadline_and_overlapping_ones_keep_the_sooner() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let cell = LeaseCell::new(t0 + ms(100));
+        tokio::time::advance(ms(10)).await;
+        // Started after the acquisition settled: replaces, longer or shorter.
+        assert!(cell.renewed(t0 + ms(10), t0 + ms(500)).is_ok());
+        assert_eq!(cell.get().deadline, t0 + ms(500));
+        // Started before that renewal settled: the two may have run in either order.
+        assert!(cell.renewed(t0 + ms(5), t0 + ms(300)).is_ok());
+        assert_eq!(cell.get().deadline, t0 + ms(300));
+        assert!(cell.renewed(t0 + ms(5), t0 + ms(900)).is_ok());
+        assert_eq!(cell.get().deadline, t0 + ms(300));
+        // A shorter renewal after them all: the store now expires sooner, and so do we.
+        tokio::time::advance(ms(10)).await;
+        assert!(cell.renewed(t0 + ms(20), t0 + ms(120)).is_ok());
+        assert_eq!(cell.get().deadline, t0 + ms(120));
     }
 
     #[tokio::test(start_paused = true)]

@@ -307,7 +307,6 @@ where
                     name: Arc::clone(&self.name),
                     token: token.clone(),
                     ttl: self.ttl,
-                    drift: self.drift,
                     lease: LeaseCell::new(deadline),
                 };
                 Ok(Attempt::Acquired(LockGuard::new(

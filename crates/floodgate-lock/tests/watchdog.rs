@@ -174,3 +174,60 @@ fn run_cancels_the_critical_section_when_the_lease_is_lost() {
         );
     });
 }
+
+#[test]
+fn a_shorter_extend_for_is_what_the_guard_trusts() {
+    let server = server();
+    run(Duration::from_secs(30), async {
+        let locks = redis_locks(&server.url()).await;
+        let guard = Lock::new(locks.clone(), "shortened", Duration::from_secs(60))
+            .expect("valid")
+            .acquire(Duration::from_secs(5))
+            .await
+            .expect("acquired");
+        guard
+            .extend_for(Duration::from_millis(500))
+            .await
+            .expect("extended");
+        // The store now expires the key within half a second: so does the guard.
+        assert!(
+            guard.remaining() <= Duration::from_millis(500),
+            "{:?}",
+            guard.remaining()
+        );
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let other = Lock::new(locks, "shortened", Duration::from_secs(60)).expect("valid");
+        assert!(other.try_acquire().await.expect("ok").is_some());
+        assert!(
+            guard.is_lost(),
+            "another holder has it, and the guard says it is ours"
+        );
+    });
+}
+
+#[test]
+fn the_watchdog_renews_a_lease_shortened_by_extend_for() {
+    let server = server();
+    run(Duration::from_secs(30), async {
+        let locks = redis_locks(&server.url()).await;
+        // Renewed every 2 s by default; shortened to 1 s.
+        let guard = Lock::new(locks.clone(), "short-watch", Duration::from_secs(6))
+            .expect("valid")
+            .watchdog(true)
+            .acquire(Duration::from_secs(5))
+            .await
+            .expect("acquired");
+        guard
+            .extend_for(Duration::from_secs(1))
+            .await
+            .expect("extended");
+        let other = Lock::new(locks, "short-watch", Duration::from_secs(6)).expect("valid");
+        for _ in 0..5 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(other.try_acquire().await.expect("ok").is_none());
+        }
+        assert!(!guard.is_lost());
+        guard.verify().await.expect("still held");
+        guard.release().await.expect("released while held");
+    });
+}
