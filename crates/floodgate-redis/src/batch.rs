@@ -467,6 +467,32 @@ fn give_back_lease(conn: &RedisConn, group: Group, unsent: Result<Checked, Error
     });
 }
 
+/// A check is sent only with at least this fraction of the store timeout left.
+const LATE_FRACTION: u32 = 4;
+
+/// Fails the jobs with less than `margin` left before their deadline (a timeout, nothing
+/// sent); returns the others.
+fn answer_late(
+    jobs: Vec<Job>,
+    now: tokio::time::Instant,
+    margin: Duration,
+    timeout: Duration,
+) -> Vec<Job> {
+    if jobs
+        .iter()
+        .all(|j| j.deadline.saturating_duration_since(now) >= margin)
+    {
+        return jobs;
+    }
+    let (late, on_time): (Vec<Job>, Vec<Job>) = jobs
+        .into_iter()
+        .partition(|j| j.deadline.saturating_duration_since(now) < margin);
+    for job in late {
+        let _ = job.reply.send(Err(expired(timeout)));
+    }
+    on_time
+}
+
 async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
     // A check whose caller is gone (a cancelled request) is not sent: nothing would be told of
     // its decision, and an admission, or a concurrency lease, would be counted for nobody.
@@ -474,17 +500,18 @@ async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
     if jobs.is_empty() {
         return;
     }
-    // The call gets what is left of the earliest deadline among its checks.
+    // The call gets what is left of the earliest deadline among its checks. A check with
+    // little time left (it waited for a slot in the pipeline) would cut every other check's
+    // call short: the server would count them all and each caller would hear of a timeout
+    // (and count again in its fallback). Such a check fails now, unsent and uncounted.
     let now = tokio::time::Instant::now();
+    let jobs = answer_late(jobs, now, conn.timeout() / LATE_FRACTION, conn.timeout());
     let left = jobs
         .iter()
         .map(|j| j.deadline.saturating_duration_since(now))
         .min()
         .unwrap_or(Duration::ZERO);
     if left.is_zero() {
-        for job in jobs {
-            let _ = job.reply.send(Err(expired(conn.timeout())));
-        }
         return;
     }
     let groups: Vec<&Group> = jobs.iter().map(|j| &j.group).collect();
@@ -527,6 +554,35 @@ mod tests {
             .iter()
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect()
+    }
+
+    #[tokio::test]
+    async fn a_check_with_little_time_left_fails_alone_and_unsent() {
+        let now = tokio::time::Instant::now();
+        let ms = Duration::from_millis;
+        let mut replies = Vec::new();
+        let jobs: Vec<Job> = [ms(1), ms(499), ms(500), ms(100), ms(0)]
+            .into_iter()
+            .map(|left| {
+                let (tx, rx) = oneshot::channel();
+                replies.push(rx);
+                Job {
+                    group: group(1, 0),
+                    reply: tx,
+                    deadline: now + left,
+                }
+            })
+            .collect();
+        let sent = answer_late(jobs, now, ms(100), ms(400));
+        let left: Vec<Duration> = sent.iter().map(|j| j.deadline - now).collect();
+        assert_eq!(left, [ms(499), ms(500), ms(100)]);
+        for (i, rx) in replies.iter_mut().enumerate() {
+            match rx.try_recv() {
+                Ok(Err(Error::Timeout { .. })) => assert!(i == 0 || i == 4, "{i}"),
+                Err(oneshot::error::TryRecvError::Empty) => assert!((1..=3).contains(&i), "{i}"),
+                other => panic!("{i}: {other:?}"),
+            }
+        }
     }
 
     #[test]
