@@ -143,6 +143,32 @@ pub(crate) struct LeaseGuard {
     job: Option<Box<LeaseJob>>,
 }
 
+impl LeaseGuard {
+    /// A guard over `lease` for `items` (rule index, key): the concurrency rules of a check.
+    fn new(
+        engine: Arc<dyn DynEngine>,
+        items: impl Iterator<Item = (usize, Key)>,
+        lease: LeaseId,
+        fallback: bool,
+    ) -> Self {
+        let (rules, keys) = items.unzip();
+        LeaseGuard {
+            engine,
+            job: Some(Box::new(LeaseJob {
+                rules,
+                keys,
+                lease,
+                fallback,
+            })),
+        }
+    }
+
+    /// Drops the guard without releasing: another guard holds the lease now.
+    fn disarm(&mut self) {
+        self.job = None;
+    }
+}
+
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
         if let Some(job) = self.job.take() {
@@ -214,6 +240,10 @@ fn prepare(sh: &Shared, req: &RequestView<'_>, job: &mut Job) -> Option<Response
 }
 
 impl Shared {
+    fn is_concurrency(&self, rule: usize) -> bool {
+        matches!(self.table[rule].rule.policy().kind(), Kind::Concurrency(_))
+    }
+
     fn check_len(&self, key: Key) -> Result<Key, KeyError> {
         if key.len() > self.max_key_len {
             return Err(KeyError::TooLong {
@@ -495,26 +525,13 @@ where
             return Some(sh.reject_limited(&info, grpc()));
         }
         if let Some(lease) = verdict.lease {
-            let mut rules = SmallVec::new();
-            let mut keys = SmallVec::new();
-            for item in &mut job.items {
-                if matches!(
-                    sh.table[item.rule].rule.policy().kind(),
-                    Kind::Concurrency(_)
-                ) {
-                    rules.push(item.rule);
-                    keys.push(std::mem::take(&mut item.key));
-                }
-            }
-            out.lease = Some(LeaseGuard {
-                engine: Arc::clone(this),
-                job: Some(Box::new(LeaseJob {
-                    rules,
-                    keys,
-                    lease,
-                    fallback: source == DecisionSource::Fallback,
-                })),
-            });
+            let items = job.items.iter_mut().filter(|i| sh.is_concurrency(i.rule));
+            out.lease = Some(LeaseGuard::new(
+                Arc::clone(this),
+                items.map(|i| (i.rule, std::mem::take(&mut i.key))),
+                lease,
+                source == DecisionSource::Fallback,
+            ));
         }
         if sh.headers.allowed {
             let rules = job.items.iter().map(|c| c.rule);
@@ -535,7 +552,7 @@ where
 
     /// The verdict of `job`, waiting in delay mode; `None` when neither the store nor a
     /// fallback could decide.
-    async fn verdict(&self, job: &Checks) -> Option<Verdicted> {
+    async fn verdict(self: &Arc<Self>, job: &Checks) -> Option<Verdicted> {
         let sh = &self.shared;
         let checks = sh.checks(job);
         match sh.mode {
@@ -550,13 +567,18 @@ where
                 })
             }
             // Sleeps, retries: boxed apart.
-            Mode::Delay { max_wait } => Box::pin(self.delay(&checks, max_wait)).await,
+            Mode::Delay { max_wait } => Box::pin(self.delay(job, &checks, max_wait)).await,
         }
     }
 
     /// Delay mode: checks until allowed, sleeping each retry time while it fits in `max_wait`
     /// (a shaper reserves its turn and the check sleeps until it).
-    async fn delay(&self, checks: &[Check<'_>], max_wait: Duration) -> Option<Verdicted> {
+    async fn delay(
+        self: &Arc<Self>,
+        job: &Checks,
+        checks: &[Check<'_>],
+        max_wait: Duration,
+    ) -> Option<Verdicted> {
         let shaper = checks
             .iter()
             .any(|c| matches!(c.policy.kind(), Kind::Shaper(_)));
@@ -573,7 +595,22 @@ where
             let waited = || started.map_or(Duration::ZERO, |s| s.elapsed());
             if verdict.allowed() {
                 if !verdict.wait.is_zero() {
+                    // A concurrency lease taken with the shaper's turn is held through the
+                    // wait: should the request be dropped meanwhile, this gives it back.
+                    let mut guard = verdict.lease.map(|lease| {
+                        let sh = &self.shared;
+                        let items = job.items.iter().filter(|i| sh.is_concurrency(i.rule));
+                        LeaseGuard::new(
+                            Arc::clone(self) as Arc<dyn DynEngine>,
+                            items.map(|i| (i.rule, i.key.clone())),
+                            lease,
+                            source == DecisionSource::Fallback,
+                        )
+                    });
                     tokio::time::sleep(verdict.wait).await;
+                    if let Some(guard) = &mut guard {
+                        guard.disarm();
+                    }
                 }
                 return Some(Verdicted {
                     verdict,
@@ -583,8 +620,10 @@ where
             }
             attempts += 1;
             let retry = verdict.strictest().and_then(|(_, d)| d.retry_after);
+            // What is left after the check itself, which may have taken a while.
+            let left = started.map_or(Duration::ZERO, |s| max_wait.saturating_sub(s.elapsed()));
             match retry {
-                Some(retry) if attempts < MAX_DELAY_ATTEMPTS && retry <= budget => {
+                Some(retry) if attempts < MAX_DELAY_ATTEMPTS && retry <= left => {
                     tokio::time::sleep(retry).await;
                 }
                 _ => {

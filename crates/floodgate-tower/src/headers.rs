@@ -69,9 +69,9 @@ impl Field {
 /// none by default).
 pub(crate) type HeaderBlock = Vec<(Field, HeaderValue)>;
 
-/// Seconds, rounded up.
+/// Seconds, rounded up (saturating: `Duration::MAX` is `u64::MAX` seconds).
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+    d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0))
 }
 
 /// The `RateLimit-Policy` item of `policy`.
@@ -240,6 +240,15 @@ mod tests {
             retry_after: retry_ms.map(Duration::from_millis),
             reset_after: Duration::from_millis(reset_ms),
         }
+    }
+
+    #[test]
+    fn retry_after_rounds_up_and_saturates() {
+        assert_eq!(ceil_secs(Duration::ZERO), 0);
+        assert_eq!(ceil_secs(Duration::from_nanos(1)), 1);
+        assert_eq!(ceil_secs(Duration::from_secs(2)), 2);
+        assert_eq!(ceil_secs(Duration::from_millis(2_001)), 3);
+        assert_eq!(ceil_secs(Duration::MAX), u64::MAX);
     }
 
     #[test]

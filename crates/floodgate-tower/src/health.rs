@@ -32,7 +32,7 @@ impl StoreHealth {
     }
 
     fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        millis(self.epoch.elapsed())
     }
 
     /// Whether to skip the store for this request: it is failing and it is not yet time to
@@ -46,7 +46,7 @@ impl StoreHealth {
         if now < next {
             return true;
         }
-        let until = now + self.retry_interval.as_millis() as u64;
+        let until = now.saturating_add(millis(self.retry_interval));
         self.next_probe_ms
             .compare_exchange(next, until, Ordering::AcqRel, Ordering::Relaxed)
             .is_err()
@@ -73,7 +73,7 @@ impl StoreHealth {
         let now = self.now_ms();
         if !self.retry_interval.is_zero() {
             self.next_probe_ms.store(
-                now + self.retry_interval.as_millis() as u64,
+                now.saturating_add(millis(self.retry_interval)),
                 Ordering::Relaxed,
             );
         }
@@ -88,7 +88,7 @@ impl StoreHealth {
             return;
         }
         let last = self.last_warn_ms.load(Ordering::Relaxed);
-        if now + 1 >= last + WARN_EVERY.as_millis() as u64
+        if now + 1 >= last.saturating_add(millis(WARN_EVERY))
             && self
                 .last_warn_ms
                 .compare_exchange(last, now + 1, Ordering::AcqRel, Ordering::Relaxed)
@@ -115,6 +115,11 @@ impl fmt::Debug for StoreHealth {
     }
 }
 
+/// Whole milliseconds, saturating (a configured interval may be `Duration::MAX`).
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,6 +142,12 @@ mod tests {
         h.failed(&"boom");
         std::thread::sleep(Duration::from_millis(5));
         assert!(!h.skip_store());
+        assert!(h.skip_store());
+        // An interval of `Duration::MAX` waits for ever, without overflowing.
+        let h = StoreHealth::new(Duration::MAX, "fail_open");
+        h.failed(&"boom");
+        h.failed(&"boom again");
+        assert!(h.skip_store());
         assert!(h.skip_store());
     }
 }

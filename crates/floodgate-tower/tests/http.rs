@@ -682,6 +682,61 @@ async fn delay_mode_spaces_requests_out() {
 }
 
 #[tokio::test]
+async fn a_request_dropped_while_it_waits_its_turn_gives_its_concurrency_lease_back() {
+    // Delay mode over a shaper (one a second on /shaped) and a concurrency limit of one on
+    // every path: a request that waits its turn holds the concurrency slot meanwhile.
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy_named(
+                Policy::shaper(1, Duration::from_secs(1)),
+                "turns",
+            ))
+            .path_prefix("/shaped")
+            .key(GlobalKey),
+        )
+        .rule(
+            Rule::new(policy_named(
+                Policy::concurrency(1, Duration::from_secs(60)),
+                "one-at-a-time",
+            ))
+            .key(GlobalKey),
+        )
+        .delay(Duration::from_secs(5))
+        .build()
+        .expect("layer");
+    let app = Router::new()
+        .route("/shaped", get(ok))
+        .route("/", get(ok))
+        .layer(layer);
+    let get = |path: &str| {
+        http::Request::get(path)
+            .body(axum::body::Body::empty())
+            .expect("request")
+    };
+    let first = tower::ServiceExt::oneshot(app.clone(), get("/shaped"))
+        .await
+        .expect("infallible");
+    assert_eq!(first.status(), StatusCode::OK);
+    drop(first);
+    // The next turn is a second away: the client gives up after 100 ms.
+    let waiting = tokio::time::timeout(
+        Duration::from_millis(100),
+        tower::ServiceExt::oneshot(app.clone(), get("/shaped")),
+    )
+    .await;
+    assert!(waiting.is_err(), "it should still be waiting for its turn");
+    // Its concurrency slot came back with it.
+    let other = tower::ServiceExt::oneshot(app, get("/"))
+        .await
+        .expect("infallible");
+    assert_eq!(other.status(), StatusCode::OK);
+}
+
+fn policy_named(p: Result<Policy, floodgate_core::PolicyError>, name: &str) -> Policy {
+    p.and_then(|p| p.named(name)).expect("policy")
+}
+
+#[tokio::test]
 async fn a_concurrency_lease_lasts_until_the_body_ends() {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(
