@@ -447,21 +447,37 @@ fn give_back_lease(conn: &RedisConn, group: Group, unsent: Result<Checked, Error
     let Ok((verdict, _)) = unsent else {
         return;
     };
-    if group.lease == 0 || group.dry_run || !verdict.allowed() {
+    if verdict.allowed() {
+        release_lease(conn, &group);
+    }
+}
+
+/// Releases the concurrency lease `group` may hold (releasing one it does not hold changes
+/// nothing), in the background.
+pub(crate) fn release_lease(conn: &RedisConn, group: &Group) {
+    if group.lease == 0 || group.dry_run {
         return;
     }
+    let keys: SmallVec<[Vec<u8>; 1]> = group
+        .keys
+        .iter()
+        .zip(&group.policies)
+        .filter(|(_, (tag, _))| *tag == "conc")
+        .map(|(key, _)| key.clone())
+        .collect();
+    let lease = group.lease.to_string();
+    let now = group
+        .now
+        .map_or(String::new(), |t| t.as_micros().to_string());
     let conn = conn.clone();
     tokio::spawn(async move {
-        let lease = group.lease.to_string();
-        let now = group
-            .now
-            .map_or(String::new(), |t| t.as_micros().to_string());
-        for (key, (tag, _)) in group.keys.iter().zip(&group.policies) {
-            if *tag == "conc" {
-                let args: [&[u8]; 2] = [lease.as_bytes(), now.as_bytes()];
-                if let Err(e) = conn.invoke_script(&RELEASE, &[key], &args).await {
-                    tracing::debug!(error = %e, "giving back the lease of a cancelled check failed");
-                }
+        for key in &keys {
+            let args: [&[u8]; 2] = [lease.as_bytes(), now.as_bytes()];
+            if let Err(e) = conn.invoke_script(&RELEASE, &[key], &args).await {
+                tracing::debug!(
+                    error = %e,
+                    "giving back a concurrency lease failed; it lapses after its TTL"
+                );
             }
         }
     });
@@ -524,8 +540,11 @@ async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
             }
         }
         Err(e) => {
-            for job in jobs {
-                let _ = job.reply.send(Err(duplicate(&e)));
+            // The call may have run on the server before it failed (a timeout, a connection
+            // lost mid-reply): a lease it granted would be held for nobody until it expires.
+            for Job { group, reply, .. } in jobs {
+                let _ = reply.send(Err(duplicate(&e)));
+                release_lease(conn, &group);
             }
         }
     }

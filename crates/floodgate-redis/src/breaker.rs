@@ -114,7 +114,7 @@ impl Breaker {
                 if failures >= self.cfg.failures {
                     opened = true;
                     State::Open {
-                        until: Instant::now() + self.cfg.open_for,
+                        until: after(self.cfg.open_for),
                         period: self.cfg.open_for,
                     }
                 } else {
@@ -122,10 +122,10 @@ impl Breaker {
                 }
             }
             (State::HalfOpen { period }, false) if *admit == Admit::Probe => {
-                let period = (*period * 2).min(self.cfg.max_open_for);
+                let period = period.saturating_mul(2).min(self.cfg.max_open_for);
                 opened = true;
                 State::Open {
-                    until: Instant::now() + period,
+                    until: after(period),
                     period,
                 }
             }
@@ -160,6 +160,15 @@ impl Breaker {
         let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         !matches!(*state, State::Closed { .. })
     }
+}
+
+/// `d` from now; a duration too long for an `Instant` (a configured `Duration::MAX`) is a
+/// century, which is for ever here.
+fn after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
 }
 
 /// The breakers of one connection: one for a single node; on a cluster one per range of 128
@@ -238,6 +247,28 @@ mod tests {
         b.record(&probe, true);
         assert_eq!(b.admit(), Admit::Go);
         assert!(!b.is_open());
+    }
+
+    #[test]
+    fn durations_too_long_for_an_instant_do_not_panic() {
+        let b = Breaker::new(BreakerConfig {
+            open_for: Duration::MAX,
+            max_open_for: Duration::MAX,
+            failures: 1,
+            ..BreakerConfig::default()
+        });
+        let a = b.admit();
+        assert!(b.record(&a, false), "one failure opens");
+        match b.admit() {
+            Admit::Reject(wait) => assert!(wait > Duration::from_secs(3600 * 24 * 365)),
+            other => panic!("{other:?}"),
+        }
+        // A probe that fails doubles the period: saturating, still no panic.
+        b.abandon(&Admit::Probe);
+        *b.state.lock().expect("lock") = State::HalfOpen {
+            period: Duration::MAX,
+        };
+        assert!(b.record(&Admit::Probe, false));
     }
 
     #[test]

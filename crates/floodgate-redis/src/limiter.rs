@@ -494,8 +494,14 @@ impl RedisLimiter {
     async fn run_unbatched(&self, group: &Group) -> Result<Checked, Error> {
         // Boxed for the same reason as the cross-slot path: a script call's future is large,
         // and the batched path (the default) does not need it here.
-        let mut results = Box::pin(batch::run(&self.inner.conn, &[group])).await?;
-        results.pop().unwrap_or_else(|| Err(batcher_gone()))
+        match Box::pin(batch::run(&self.inner.conn, &[group])).await {
+            Ok(mut results) => results.pop().unwrap_or_else(|| Err(batcher_gone())),
+            Err(e) => {
+                // The call may have run before it failed: give back a lease it granted.
+                batch::release_lease(&self.inner.conn, group);
+                Err(e)
+            }
+        }
     }
 
     /// A check whose keys live in several cluster slots: each slot's part is checked

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate_core::{Check, CheckOptions, Limiter, Policy};
-use floodgate_redis::ConnectionKind;
+use floodgate_redis::{BatchConfig, ConnectionKind, RedisLimiter};
 use support::{limiter, run, server};
 
 /// A concurrency lease granted to a caller that was cancelled while Redis was paused is given
@@ -49,6 +49,66 @@ fn fault_a_lease_granted_to_a_cancelled_caller_is_given_back() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     });
+}
+
+/// A batched call that times out may still run on the server once it answers: a concurrency
+/// lease it granted is given back, instead of holding the only slot for the lease's 30 s.
+#[test]
+fn fault_a_lease_granted_to_a_call_that_timed_out_is_given_back() {
+    let server = Arc::new(server());
+    run(Duration::from_secs(30), async {
+        for batching in [BatchConfig::default(), BatchConfig::disabled()] {
+            lease_of_a_timed_out_call_comes_back(&server, batching).await;
+        }
+    });
+}
+
+async fn lease_of_a_timed_out_call_comes_back(
+    server: &floodgate_testkit::RedisServer,
+    batching: BatchConfig,
+) {
+    let config = floodgate_redis::RedisConfig::new(&server.url())
+        .expect("valid URL")
+        .timeout(Duration::from_millis(100));
+    let conn = floodgate_redis::RedisConn::connect(&config)
+        .await
+        .expect("connect");
+    let limiter = RedisLimiter::with_batching(conn, config.get_key_prefix(), batching);
+    let p = Policy::concurrency(1, Duration::from_secs(30)).expect("valid");
+    let other = [Check::new(b"other", &p)];
+    let warm = limiter
+        .check(&other, CheckOptions::default())
+        .await
+        .expect("up");
+    limiter
+        .release(&other, warm.lease.expect("a lease"))
+        .await
+        .expect("release");
+
+    server.pause().expect("pause");
+    let timed_out = limiter.check_one(b"slot", &p, 1).await;
+    assert!(
+        matches!(timed_out, Err(floodgate_redis::Error::Timeout { .. })),
+        "{timed_out:?}"
+    );
+    server.resume().expect("resume");
+
+    // The call ran when Redis resumed; its lease is given back.
+    let started = tokio::time::Instant::now();
+    loop {
+        let d = limiter.check_one(b"slot", &p, 1).await.expect("up");
+        if d.allowed {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "the slot is still held by the lease of the call that timed out"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let d = limiter.check_one(b"slot", &p, 1).await.expect("up");
+    assert!(!d.allowed, "the one slot is ours now");
+    server.cmd(&[b"FLUSHALL".as_slice()]).expect("flush");
 }
 
 /// A limiter outlives the runtime it was first used on (say a `static` shared by several
