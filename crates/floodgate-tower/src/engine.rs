@@ -799,6 +799,20 @@ where
             }
             return;
         }
+        // The in-memory limiter releases at once, runtime or not.
+        if let Some(memory) = (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>() {
+            memory.release_sync(&lease_checks(&self.shared, &job), job.lease);
+            return;
+        }
+        // Other stores' futures may need a runtime even to be polled once (timers, I/O): a
+        // body dropped after its runtime shut down must not panic.
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            tracing::debug!(
+                target: "floodgate",
+                "no Tokio runtime to release a concurrency lease; it lapses after its TTL"
+            );
+            return;
+        };
         let mut fut: BoxFuture<()> = Box::pin(async move {
             let sh = &self.shared;
             let checks = lease_checks(sh, &job);
@@ -815,7 +829,7 @@ where
                 ),
             }
         });
-        // In-memory releases finish at once; only a store that does I/O needs a task.
+        // A release that finishes at once needs no task.
         if fut
             .as_mut()
             .poll(&mut Context::from_waker(Waker::noop()))
@@ -823,15 +837,7 @@ where
         {
             return;
         }
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                handle.spawn(fut);
-            }
-            Err(_) => tracing::debug!(
-                target: "floodgate",
-                "no Tokio runtime to release a concurrency lease; it lapses after its TTL"
-            ),
-        }
+        handle.spawn(fut);
     }
 }
 

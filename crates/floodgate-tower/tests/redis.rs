@@ -306,3 +306,58 @@ async fn a_concurrency_lease_in_redis_lasts_until_the_body_ends() {
     drop(third);
     let _fourth = common::wait_admitted(addr).await;
 }
+
+/// A response body holding a Redis concurrency lease, dropped after its runtime shut down (a
+/// response kept past the server's life): nothing can be sent, the lease lapses after its TTL,
+/// and nothing panics. The in-memory limiter still releases at once.
+#[test]
+fn a_lease_dropped_after_its_runtime_shut_down_does_not_panic() {
+    let redis = start_redis();
+    let one = || {
+        Policy::concurrency(1, Duration::from_secs(60))
+            .expect("policy")
+            .named("one")
+            .expect("name")
+    };
+    let request = || {
+        http::Request::get("/")
+            .body(axum::body::Body::empty())
+            .expect("request")
+    };
+    let memory = MemoryLimiter::new();
+    for redis_backed in [true, false] {
+        let runtime = tokio::runtime::Runtime::new().expect("runtime");
+        let response = runtime.block_on(async {
+            let rule = Rule::new(one()).key(GlobalKey);
+            let layer = if redis_backed {
+                RateLimitLayer::builder(limiter(&redis).await)
+                    .rule(rule)
+                    .build()
+            } else {
+                RateLimitLayer::builder(memory.clone()).rule(rule).build()
+            }
+            .expect("layer");
+            let app = Router::new().route("/", get(common::ok)).layer(layer);
+            tower::ServiceExt::oneshot(app, request())
+                .await
+                .expect("infallible")
+        });
+        assert_eq!(response.status(), StatusCode::OK);
+        drop(runtime);
+        drop(response);
+    }
+    // The in-memory lease came back without a runtime.
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let status = runtime.block_on(async {
+        let layer = RateLimitLayer::builder(memory)
+            .rule(Rule::new(one()).key(GlobalKey))
+            .build()
+            .expect("layer");
+        let app = Router::new().route("/", get(common::ok)).layer(layer);
+        tower::ServiceExt::oneshot(app, request())
+            .await
+            .expect("infallible")
+            .status()
+    });
+    assert_eq!(status, StatusCode::OK);
+}
