@@ -75,11 +75,19 @@ pub(crate) struct BackoffState {
 
 impl BackoffState {
     pub(crate) fn next(&mut self) -> Duration {
-        let low = self.bounds.min.as_micros() as u64;
-        let high = (self.previous.as_micros() as u64)
+        // In nanoseconds: a minimum under a microsecond must not round down to waits of zero
+        // (a retry loop without pause).
+        let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let low = nanos(self.bounds.min);
+        let high = nanos(self.previous)
             .saturating_mul(3)
-            .max(low + 1);
-        let wait = Duration::from_micros(fastrand::u64(low..high)).min(self.bounds.max);
+            .max(low.saturating_add(1));
+        let drawn = if high > low {
+            fastrand::u64(low..high)
+        } else {
+            low
+        };
+        let wait = Duration::from_nanos(drawn).clamp(self.bounds.min, self.bounds.max);
         self.previous = wait;
         wait
     }
@@ -98,5 +106,19 @@ mod tests {
         assert!(waits.iter().any(|w| *w > Duration::from_millis(20)));
         assert!(Backoff::new(Duration::ZERO, Duration::from_secs(1)).is_err());
         assert!(Backoff::new(Duration::from_secs(2), Duration::from_secs(1)).is_err());
+    }
+
+    #[test]
+    fn a_minimum_under_a_microsecond_still_waits() {
+        let b = Backoff::new(Duration::from_nanos(500), Duration::from_millis(1)).expect("ok");
+        let mut s = b.start();
+        for _ in 0..100 {
+            let wait = s.next();
+            assert!(wait >= Duration::from_nanos(500), "{wait:?}");
+            assert!(wait <= Duration::from_millis(1), "{wait:?}");
+        }
+        // Bounds too long for nanoseconds in a u64: no overflow, no empty range.
+        let b = Backoff::new(Duration::MAX, Duration::MAX).expect("ok");
+        assert_eq!(b.start().next(), Duration::MAX);
     }
 }

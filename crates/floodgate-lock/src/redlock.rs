@@ -251,10 +251,28 @@ impl Redlock {
         F: Fn(RedisLocks) -> Fut,
         Fut: Future<Output = Result<T, Error>> + 'a,
     {
+        self.on_nodes(true, op).await
+    }
+
+    /// Unlocks `name` on every node, even those cooling off: a node that timed out may have
+    /// granted the lock all the same, and would keep it for nobody for its whole ttl.
+    async fn unlock_all(&self, name: &[u8], token: &[u8]) -> Vec<Result<bool, Error>> {
+        self.on_nodes(
+            false,
+            |locks| async move { locks.unlock(name, token).await },
+        )
+        .await
+    }
+
+    async fn on_nodes<'a, T, F, Fut>(&'a self, skip_down: bool, op: F) -> Vec<Result<T, Error>>
+    where
+        F: Fn(RedisLocks) -> Fut,
+        Fut: Future<Output = Result<T, Error>> + 'a,
+    {
         join_all(self.nodes.iter().map(|node| {
             let op = &op;
             async move {
-                if let Some(left) = node.skipped_for() {
+                if let Some(left) = node.skipped_for().filter(|_| skip_down) {
                     return Err(Error::NodeDown {
                         node: node.shown.clone(),
                         retry_in: left,
@@ -310,9 +328,7 @@ impl Redlock {
 
     /// Releases on every node, ignoring errors (a failed acquisition's clean-up).
     async fn release_everywhere(&self, name: &[u8], token: &[u8]) {
-        let _ = self
-            .on_all(|locks| async move { locks.unlock(name, token).await })
-            .await;
+        let _ = self.unlock_all(name, token).await;
     }
 }
 
@@ -395,9 +411,7 @@ impl LockStore for Redlock {
     }
 
     async fn unlock(&self, name: &[u8], token: &[u8]) -> Result<bool, Error> {
-        let results = self
-            .on_all(|locks| async move { locks.unlock(name, token).await })
-            .await;
+        let results = self.unlock_all(name, token).await;
         let released = self.tally(results)?.iter().filter(|(_, r)| *r).count();
         Ok(released >= self.quorum)
     }

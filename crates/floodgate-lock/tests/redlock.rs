@@ -162,3 +162,60 @@ fn fencing_tokens_keep_increasing_when_nodes_lose_their_data() {
         }
     });
 }
+
+#[test]
+fn a_failed_attempt_releases_on_a_node_that_timed_out_too() {
+    let servers = servers(5);
+    run(Duration::from_secs(60), async {
+        let redlock = redlock(&servers).await;
+        let key = {
+            let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
+            node.lock_key(b"slow")
+        };
+        // Warm every node's connection and script cache, so that the paused node's only
+        // pending commands are this attempt's.
+        let warm = redlock
+            .try_lock(b"warm", b"mine", TTL)
+            .await
+            .expect("all up");
+        assert!(matches!(warm, floodgate_lock::LockAttempt::Acquired { .. }));
+        redlock.unlock(b"warm", b"mine").await.expect("unlock");
+        for i in [0, 1, 2] {
+            servers.servers()[i]
+                .cmd(&[
+                    &b"SET"[..],
+                    key.as_slice(),
+                    &b"other"[..],
+                    &b"PX"[..],
+                    &b"60000"[..],
+                ])
+                .expect("SET");
+        }
+        // Node 3 answers too late: it cools off, yet it takes our lock when it wakes up.
+        servers.servers()[3].pause().expect("pause");
+        let attempt = redlock
+            .try_lock(b"slow", b"mine", TTL)
+            .await
+            .expect("a quorum answered");
+        assert!(
+            matches!(attempt, floodgate_lock::LockAttempt::Held { .. }),
+            "{attempt:?}"
+        );
+        servers.servers()[3].resume().expect("resume");
+        // The unlock sent after the lock runs after it: node 3 keeps nothing for nobody.
+        let started = Instant::now();
+        loop {
+            let value = servers.servers()[3]
+                .cmd(&[&b"GET"[..], key.as_slice()])
+                .expect("GET");
+            if value.as_str() != Some("mine") {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(2),
+                "node 3 holds our lock for its whole ttl"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
