@@ -213,3 +213,72 @@ async fn a_cancelled_probe_does_not_hold_up_the_next_caller() {
         started.elapsed()
     );
 }
+
+/// A store that decides at once and answers `delay` later (the reply's trip back).
+#[derive(Clone)]
+struct SlowReply {
+    inner: floodgate_core::MemoryLimiter,
+    delay: Duration,
+}
+
+impl Limiter for SlowReply {
+    type Error = floodgate_core::MemoryError;
+
+    async fn check(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<floodgate_core::Verdict, Self::Error> {
+        let verdict = self.inner.check(checks, opts).await;
+        tokio::time::sleep(self.delay).await;
+        verdict
+    }
+
+    async fn release(
+        &self,
+        checks: &[Check<'_>],
+        lease: floodgate_core::LeaseId,
+    ) -> Result<(), Self::Error> {
+        self.inner.release(checks, lease).await
+    }
+
+    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), Self::Error> {
+        self.inner.reset(key, policy).await
+    }
+}
+
+#[tokio::test]
+async fn a_cached_denial_never_outlasts_the_store_s_own() {
+    // One a second, no burst; the store's replies take 300 ms to come back.
+    let policy = Policy::gcra(0, 1, Duration::from_secs(1)).expect("valid");
+    let cache = DenyCache::new(SlowReply {
+        inner: floodgate_core::MemoryLimiter::new(),
+        delay: Duration::from_millis(300),
+    });
+    let check = [Check::new(b"k", &policy)];
+    let started = tokio::time::Instant::now();
+    let first = cache
+        .check(&check, CheckOptions::default())
+        .await
+        .expect("ok");
+    assert!(first.allowed());
+    // Decided right after the first (the store's next unit is about a second after it), known
+    // 300 ms later.
+    let denied = cache
+        .check(&check, CheckOptions::default())
+        .await
+        .expect("ok");
+    assert!(!denied.allowed());
+    // Just after the store's own retry time, the cache must let the check through to the store
+    // (which allows it), not answer from a denial measured from when the reply arrived.
+    tokio::time::sleep_until(started + Duration::from_millis(1_050)).await;
+    let again = cache
+        .check(&check, CheckOptions::default())
+        .await
+        .expect("ok");
+    assert!(
+        again.allowed(),
+        "denied {:?} after the first check: {again:?}",
+        started.elapsed()
+    );
+}
