@@ -331,15 +331,12 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
                 let _ = Box::pin(tokio::time::timeout(PROBE_PATIENCE, notified)).await;
             }
         }
-        // The store decided somewhere between asking and answering: a denial is measured from
-        // the asking, so that the cache never denies past the store's own retry time.
-        let asked = fp.map(|_| self.shared.clock.now().as_micros());
         let result = self.inner.check(checks, opts).await;
-        if let (Some(fp), Some(asked), Ok(verdict)) = (fp, asked, &result) {
+        if let (Some(fp), Ok(verdict)) = (fp, &result) {
             let now = self.shared.clock.now().as_micros();
             let entry = denial_for(checks, verdict).map(|d| Entry {
-                until: asked.saturating_add(duration_micros(d)),
-                at: asked,
+                until: now.saturating_add(duration_micros(d)),
+                at: now,
                 verdict: if verdict.allowed() {
                     synthesized_denial(checks, verdict, d)
                 } else {
