@@ -24,6 +24,18 @@ async fn redlock(servers: &RedisServers) -> Redlock {
         .expect("timeout")
 }
 
+/// Someone else's lock `name` on nodes 0, 1 and 2 (a quorum of 5); its Redis key.
+async fn held_by_other(servers: &RedisServers, name: &[u8]) -> Vec<u8> {
+    let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
+    let key = node.lock_key(name);
+    for i in [0, 1, 2] {
+        servers.servers()[i]
+            .cmd(&[&b"SET"[..], &key, b"other", b"PX", b"60000"])
+            .expect("SET");
+    }
+    key
+}
+
 #[test]
 fn keeps_working_with_two_of_five_nodes_down() {
     let servers = servers(5);
@@ -91,22 +103,8 @@ fn a_failed_attempt_releases_on_every_node() {
     let servers = servers(5);
     run(Duration::from_secs(60), async {
         let redlock = redlock(&servers).await;
-        let key = {
-            let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
-            node.lock_key(b"split")
-        };
         // Someone else holds it on 3 of the 5 nodes.
-        for i in [0, 1, 2] {
-            servers.servers()[i]
-                .cmd(&[
-                    &b"SET"[..],
-                    key.as_slice(),
-                    &b"other"[..],
-                    &b"PX"[..],
-                    &b"60000"[..],
-                ])
-                .expect("SET");
-        }
+        let key = held_by_other(&servers, b"split").await;
         let attempt = redlock
             .try_lock(b"split", b"mine", TTL)
             .await
@@ -168,10 +166,6 @@ fn a_failed_attempt_releases_on_a_node_that_timed_out_too() {
     let servers = servers(5);
     run(Duration::from_secs(60), async {
         let redlock = redlock(&servers).await;
-        let key = {
-            let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
-            node.lock_key(b"slow")
-        };
         // Warm every node's connection and script cache, so that the paused node's only
         // pending commands are this attempt's.
         let warm = redlock
@@ -180,17 +174,7 @@ fn a_failed_attempt_releases_on_a_node_that_timed_out_too() {
             .expect("all up");
         assert!(matches!(warm, floodgate_lock::LockAttempt::Acquired { .. }));
         redlock.unlock(b"warm", b"mine").await.expect("unlock");
-        for i in [0, 1, 2] {
-            servers.servers()[i]
-                .cmd(&[
-                    &b"SET"[..],
-                    key.as_slice(),
-                    &b"other"[..],
-                    &b"PX"[..],
-                    &b"60000"[..],
-                ])
-                .expect("SET");
-        }
+        let key = held_by_other(&servers, b"slow").await;
         // Node 3 answers too late: it cools off, yet it takes our lock when it wakes up.
         servers.servers()[3].pause().expect("pause");
         let attempt = redlock

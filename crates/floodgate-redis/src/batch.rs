@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use futures_util::future::join_all;
+use futures_util::future::{join, join_all};
 use redis::Value;
 use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -483,30 +483,33 @@ pub(crate) fn release_lease(conn: &RedisConn, group: &Group) {
     });
 }
 
-/// A check is sent only with at least this fraction of the store timeout left.
+/// A check with less than this fraction of the store timeout left goes in a call of its own.
 const LATE_FRACTION: u32 = 4;
 
-/// Fails the jobs with less than `margin` left before their deadline (a timeout, nothing
-/// sent); returns the others.
-fn answer_late(
+/// Answers the jobs whose deadline has passed (a timeout, nothing sent), and splits the others
+/// into those with less than `margin` left and the rest.
+fn split_late(
     jobs: Vec<Job>,
     now: tokio::time::Instant,
     margin: Duration,
     timeout: Duration,
-) -> Vec<Job> {
-    if jobs
-        .iter()
-        .all(|j| j.deadline.saturating_duration_since(now) >= margin)
-    {
-        return jobs;
+) -> (Vec<Job>, Vec<Job>) {
+    let left = |j: &Job| j.deadline.saturating_duration_since(now);
+    if jobs.iter().all(|j| left(j) >= margin) {
+        return (Vec::new(), jobs);
     }
-    let (late, on_time): (Vec<Job>, Vec<Job>) = jobs
-        .into_iter()
-        .partition(|j| j.deadline.saturating_duration_since(now) < margin);
-    for job in late {
-        let _ = job.reply.send(Err(expired(timeout)));
+    let mut late = Vec::new();
+    let mut on_time = Vec::new();
+    for job in jobs {
+        match left(&job) {
+            Duration::ZERO => {
+                let _ = job.reply.send(Err(expired(timeout)));
+            }
+            l if l < margin => late.push(job),
+            _ => on_time.push(job),
+        }
     }
-    on_time
+    (late, on_time)
 }
 
 async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
@@ -516,12 +519,24 @@ async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
     if jobs.is_empty() {
         return;
     }
-    // The call gets what is left of the earliest deadline among its checks. A check with
-    // little time left (it waited for a slot in the pipeline) would cut every other check's
-    // call short: the server would count them all and each caller would hear of a timeout
-    // (and count again in its fallback). Such a check fails now, unsent and uncounted.
+    // A call gets what is left of the earliest deadline among its checks. A check with little
+    // time left (it waited for a slot in the pipeline) would cut every other check's call
+    // short: the server would count them all and each caller would hear of a timeout (and
+    // count again in its fallback). Such checks go in a call of their own, at the same time.
     let now = tokio::time::Instant::now();
-    let jobs = answer_late(jobs, now, conn.timeout() / LATE_FRACTION, conn.timeout());
+    let (late, on_time) = split_late(jobs, now, conn.timeout() / LATE_FRACTION, conn.timeout());
+    match (late.is_empty(), on_time.is_empty()) {
+        (true, _) => call(conn, on_time, now).await,
+        (_, true) => call(conn, late, now).await,
+        _ => {
+            join(call(conn, late, now), call(conn, on_time, now)).await;
+        }
+    }
+}
+
+/// One script call for `jobs`, bounded by the earliest of their deadlines; each job gets its
+/// answer.
+async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
     let left = jobs
         .iter()
         .map(|j| j.deadline.saturating_duration_since(now))
@@ -576,7 +591,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_check_with_little_time_left_fails_alone_and_unsent() {
+    async fn checks_with_little_time_left_are_split_off_and_expired_ones_answered() {
         let now = tokio::time::Instant::now();
         let ms = Duration::from_millis;
         let mut replies = Vec::new();
@@ -592,13 +607,15 @@ mod tests {
                 }
             })
             .collect();
-        let sent = answer_late(jobs, now, ms(100), ms(400));
-        let left: Vec<Duration> = sent.iter().map(|j| j.deadline - now).collect();
-        assert_eq!(left, [ms(499), ms(500), ms(100)]);
+        let (late, on_time) = split_late(jobs, now, ms(100), ms(400));
+        let left =
+            |jobs: &[Job]| -> Vec<Duration> { jobs.iter().map(|j| j.deadline - now).collect() };
+        assert_eq!(left(&late), [ms(1)]);
+        assert_eq!(left(&on_time), [ms(499), ms(500), ms(100)]);
         for (i, rx) in replies.iter_mut().enumerate() {
             match rx.try_recv() {
-                Ok(Err(Error::Timeout { .. })) => assert!(i == 0 || i == 4, "{i}"),
-                Err(oneshot::error::TryRecvError::Empty) => assert!((1..=3).contains(&i), "{i}"),
+                Ok(Err(Error::Timeout { .. })) => assert_eq!(i, 4),
+                Err(oneshot::error::TryRecvError::Empty) => assert!(i < 4, "{i}"),
                 other => panic!("{i}: {other:?}"),
             }
         }

@@ -10,6 +10,33 @@ use floodgate_core::{Check, CheckOptions, Limiter, Policy};
 use floodgate_redis::{BatchConfig, ConnectionKind, RedisLimiter};
 use support::{limiter, run, server};
 
+/// Loads the script and checks Redis answers (a call that met NOSCRIPT would prove nothing).
+async fn warm_up(limiter: &RedisLimiter, p: &Policy) {
+    let other = [Check::new(b"other", p)];
+    let warm = limiter
+        .check(&other, CheckOptions::default())
+        .await
+        .expect("up");
+    let id = warm.lease.expect("a lease");
+    limiter.release(&other, id).await.expect("release");
+}
+
+/// Waits (3 s at most) for the one slot of `p` on key `slot` to be free again.
+async fn slot_comes_back(limiter: &RedisLimiter, p: &Policy, held_by: &str) {
+    let started = tokio::time::Instant::now();
+    loop {
+        let d = limiter.check_one(b"slot", p, 1).await.expect("up");
+        if d.allowed {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "the slot is still held by {held_by}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A concurrency lease granted to a caller that was cancelled while Redis was paused is given
 /// back when Redis answers, instead of holding the only slot for the lease's 30 s.
 #[test]
@@ -18,14 +45,7 @@ fn fault_a_lease_granted_to_a_cancelled_caller_is_given_back() {
     run(Duration::from_secs(30), async {
         let limiter = limiter(&server.url(), ConnectionKind::Multiplexed).await;
         let p = Policy::concurrency(1, Duration::from_secs(30)).expect("valid");
-        // Warm up: the script is loaded (a cancelled call that met NOSCRIPT would prove nothing).
-        let other = [Check::new(b"other", &p)];
-        let warm = limiter
-            .check(&other, CheckOptions::default())
-            .await
-            .expect("up");
-        let id = warm.lease.expect("a lease");
-        limiter.release(&other, id).await.expect("release");
+        warm_up(&limiter, &p).await;
 
         server.pause().expect("pause");
         let gave_up =
@@ -36,18 +56,7 @@ fn fault_a_lease_granted_to_a_cancelled_caller_is_given_back() {
         server.resume().expect("resume");
 
         // The cancelled check ran when Redis resumed; its lease comes back at once.
-        let started = tokio::time::Instant::now();
-        loop {
-            let d = limiter.check_one(b"slot", &p, 1).await.expect("up");
-            if d.allowed {
-                break;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(3),
-                "the slot is still held by the cancelled caller's lease"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        slot_comes_back(&limiter, &p, "the cancelled caller's lease").await;
     });
 }
 
@@ -75,15 +84,7 @@ async fn lease_of_a_timed_out_call_comes_back(
         .expect("connect");
     let limiter = RedisLimiter::with_batching(conn, config.get_key_prefix(), batching);
     let p = Policy::concurrency(1, Duration::from_secs(30)).expect("valid");
-    let other = [Check::new(b"other", &p)];
-    let warm = limiter
-        .check(&other, CheckOptions::default())
-        .await
-        .expect("up");
-    limiter
-        .release(&other, warm.lease.expect("a lease"))
-        .await
-        .expect("release");
+    warm_up(&limiter, &p).await;
 
     server.pause().expect("pause");
     let timed_out = limiter.check_one(b"slot", &p, 1).await;
@@ -94,18 +95,7 @@ async fn lease_of_a_timed_out_call_comes_back(
     server.resume().expect("resume");
 
     // The call ran when Redis resumed; its lease is given back.
-    let started = tokio::time::Instant::now();
-    loop {
-        let d = limiter.check_one(b"slot", &p, 1).await.expect("up");
-        if d.allowed {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(3),
-            "the slot is still held by the lease of the call that timed out"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    slot_comes_back(&limiter, &p, "the lease of the call that timed out").await;
     let d = limiter.check_one(b"slot", &p, 1).await.expect("up");
     assert!(!d.allowed, "the one slot is ours now");
     server.cmd(&[b"FLUSHALL".as_slice()]).expect("flush");

@@ -55,7 +55,9 @@
 //!   draft-ietf-httpapi-ratelimit-headers-11, optional `X-RateLimit-*`, on rejections, and on
 //!   allowed responses too with [`RateLimitLayerBuilder::headers_on_allowed`].
 //! - **Modes** ([`Mode`]): reject, or delay requests up to a maximum wait.
-//! - **Concurrency** policies hold their lease until the response body ends or is dropped.
+//! - **Concurrency** policies hold their lease until the response body ends or is dropped. An
+//!   upgraded connection (a WebSocket after `101 Switching Protocols`) is not covered: its
+//!   response body is empty, so the lease ends with the handshake.
 //! - **Failures** ([`OnStoreError`]): when the store errors or misses the layer's timeout, fail
 //!   open, fail closed (503), or decide with a local in-memory limiter. A failing store is left
 //!   alone for a retry interval, and each change of state is logged once.
