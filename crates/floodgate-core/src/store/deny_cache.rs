@@ -333,6 +333,10 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
         }
         let result = self.inner.check(checks, opts).await;
         if let (Some(fp), Ok(verdict)) = (fp, &result) {
+            // Measured from the reply: a denial may outlast the store's by the reply's trip
+            // (conservative: never admits what the store would deny). Measured from the asking
+            // instead, it would run out up to a round trip early, and the probe sent then is
+            // denied once more: about two store calls per retry period instead of one.
             let now = self.shared.clock.now().as_micros();
             let entry = denial_for(checks, verdict).map(|d| Entry {
                 until: now.saturating_add(duration_micros(d)),
