@@ -328,10 +328,13 @@ where
             .max(floor);
         tokio::select! {
             () = tokio::time::sleep_until(wake) => {}
+            // Someone else renewed (an `extend_for`) or the lease was lost: the watchdog's own
+            // renewals are marked seen at the top of the loop.
             changed = changes.changed() => {
-                if changed.is_err() {
+                if changed.is_err() || changes.borrow().lost.is_some() {
                     return;
                 }
+                floor = Instant::now();
                 continue;
             }
         }

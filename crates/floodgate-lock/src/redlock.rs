@@ -251,28 +251,10 @@ impl Redlock {
         F: Fn(RedisLocks) -> Fut,
         Fut: Future<Output = Result<T, Error>> + 'a,
     {
-        self.on_nodes(true, op).await
-    }
-
-    /// Unlocks `name` on every node, even those cooling off: a node that timed out may have
-    /// granted the lock all the same, and would keep it for nobody for its whole ttl.
-    async fn unlock_all(&self, name: &[u8], token: &[u8]) -> Vec<Result<bool, Error>> {
-        self.on_nodes(
-            false,
-            |locks| async move { locks.unlock(name, token).await },
-        )
-        .await
-    }
-
-    async fn on_nodes<'a, T, F, Fut>(&'a self, skip_down: bool, op: F) -> Vec<Result<T, Error>>
-    where
-        F: Fn(RedisLocks) -> Fut,
-        Fut: Future<Output = Result<T, Error>> + 'a,
-    {
         join_all(self.nodes.iter().map(|node| {
             let op = &op;
             async move {
-                if let Some(left) = node.skipped_for().filter(|_| skip_down) {
+                if let Some(left) = node.skipped_for() {
                     return Err(Error::NodeDown {
                         node: node.shown.clone(),
                         retry_in: left,
@@ -291,6 +273,31 @@ impl Redlock {
             }
         }))
         .await
+    }
+
+    /// Unlocks `name` on every node. A node cooling off after a failure may have granted the
+    /// lock all the same (it answered too late), and would keep it for nobody for its whole
+    /// ttl: it is sent the unlock too, in the background, bounded by the node timeout, and
+    /// counts as failed, so that nobody waits on a dead node.
+    async fn unlock_all(&self, name: &[u8], token: &[u8]) -> Vec<Result<bool, Error>> {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            for (i, node) in self.nodes.iter().enumerate() {
+                if node.skipped_for().is_none() {
+                    continue;
+                }
+                let (nodes, after) = (Arc::clone(&self.nodes), self.node_timeout);
+                let (name, token) = (name.to_vec(), token.to_vec());
+                runtime.spawn(async move {
+                    let node = &nodes[i];
+                    let unlock = async { node.locks().await?.unlock(&name, &token).await };
+                    if let Ok(Err(e)) = tokio::time::timeout(after, unlock).await {
+                        tracing::debug!(error = %e, "unlocking a Redlock node that is cooling off failed");
+                    }
+                });
+            }
+        }
+        self.on_all(|locks| async move { locks.unlock(name, token).await })
+            .await
     }
 
     /// Splits results into successes and errors; too many errors is [`Error::NoQuorum`].

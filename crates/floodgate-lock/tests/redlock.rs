@@ -176,6 +176,7 @@ fn a_failed_attempt_releases_on_a_node_that_timed_out_too() {
         redlock.unlock(b"warm", b"mine").await.expect("unlock");
         let key = held_by_other(&servers, b"slow").await;
         // Node 3 answers too late: it cools off, yet it takes our lock when it wakes up.
+        let scripts_before = scripts_run(&servers.servers()[3]);
         servers.servers()[3].pause().expect("pause");
         let attempt = redlock
             .try_lock(b"slow", b"mine", TTL)
@@ -186,20 +187,35 @@ fn a_failed_attempt_releases_on_a_node_that_timed_out_too() {
             "{attempt:?}"
         );
         servers.servers()[3].resume().expect("resume");
-        // The unlock sent after the lock runs after it: node 3 keeps nothing for nobody.
+        // The unlock sent after the lock runs after it: once node 3 has run both, it keeps
+        // nothing for nobody.
         let started = Instant::now();
-        loop {
-            let value = servers.servers()[3]
-                .cmd(&[&b"GET"[..], key.as_slice()])
-                .expect("GET");
-            if value.as_str() != Some("mine") {
-                break;
-            }
+        while scripts_run(&servers.servers()[3]) < scripts_before + 2 {
             assert!(
                 started.elapsed() < Duration::from_secs(2),
-                "node 3 holds our lock for its whole ttl"
+                "node 3 never got the unlock"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        let value = servers.servers()[3]
+            .cmd(&[&b"GET"[..], key.as_slice()])
+            .expect("GET");
+        assert_ne!(
+            value.as_str(),
+            Some("mine"),
+            "node 3 holds our lock for its ttl"
+        );
     });
+}
+
+/// How many scripts `server` has run (`EVALSHA` and `EVAL`).
+fn scripts_run(server: &floodgate_testkit::RedisServer) -> u64 {
+    let info = server.cmd(&["INFO", "commandstats"]).expect("INFO");
+    let text = info.as_str().map(str::to_owned).unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| l.split("calls=").nth(1))
+        .filter_map(|rest| rest.split(',').next())
+        .filter_map(|n| n.parse::<u64>().ok())
+        .sum()
 }

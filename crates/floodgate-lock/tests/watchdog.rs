@@ -231,3 +231,31 @@ fn the_watchdog_renews_a_lease_shortened_by_extend_for() {
         guard.release().await.expect("released while held");
     });
 }
+
+#[test]
+fn the_watchdog_renews_a_lease_shortened_right_after_its_own_renewal() {
+    let server = server();
+    run(Duration::from_secs(30), async {
+        let locks = redis_locks(&server.url()).await;
+        // Renewed every 2 s, and at the latest 600 ms before the deadline, but never sooner
+        // than 600 ms after its last renewal.
+        let guard = Lock::new(locks.clone(), "short-after", Duration::from_secs(6))
+            .expect("valid")
+            .watchdog(true)
+            .acquire(Duration::from_secs(5))
+            .await
+            .expect("acquired");
+        // Just after the watchdog's first renewal (at 2 s), shortened to end before 2.6 s.
+        tokio::time::sleep(Duration::from_millis(2_200)).await;
+        guard
+            .extend_for(Duration::from_millis(300))
+            .await
+            .expect("extended");
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert!(!guard.is_lost());
+        let other = Lock::new(locks, "short-after", Duration::from_secs(6)).expect("valid");
+        assert!(other.try_acquire().await.expect("ok").is_none());
+        guard.verify().await.expect("still held");
+        guard.release().await.expect("released while held");
+    });
+}

@@ -21,7 +21,8 @@ use floodgate_core::Verdict;
 /// [`BatchConfig::max_batch`]) and sends them as one `EVALSHA` of the check script, in which
 /// each check remains its own all-or-nothing group (a batch of plain GCRA checks only: of the
 /// GCRA batch script, see [`crate::RedisLimiter`]). Up to [`BatchConfig::max_in_flight`] such
-/// calls are pipelined on the connection. While a call is in flight, checks queue and go
+/// batches are pipelined on the connection (a batch is one call, or one per cluster slot, and
+/// its checks with little time left go in a call of their own). While a call is in flight, checks queue and go
 /// together in the next call (optionally waiting up to [`BatchConfig::window`] for more; zero by
 /// default); when nothing is in flight, a check goes out at once, so batching adds no latency to
 /// an idle limiter. On a cluster, a batch is split per slot.
@@ -452,6 +453,13 @@ fn give_back_lease(conn: &RedisConn, group: Group, unsent: Result<Checked, Error
     }
 }
 
+/// Whether a call that failed with `e` may have run on the server all the same: it timed out
+/// or lost its connection after it was sent. A breaker that refused it, a bad argument or a
+/// cross-slot check never reached the script.
+pub(crate) fn may_have_run(e: &Error) -> bool {
+    !matches!(e, Error::Unavailable { .. }) && (e.is_timeout() || e.is_connection())
+}
+
 /// Releases the concurrency lease `group` may hold (releasing one it does not hold changes
 /// nothing), in the background.
 pub(crate) fn release_lease(conn: &RedisConn, group: &Group) {
@@ -543,6 +551,9 @@ async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
         .min()
         .unwrap_or(Duration::ZERO);
     if left.is_zero() {
+        for job in jobs {
+            let _ = job.reply.send(Err(expired(conn.timeout())));
+        }
         return;
     }
     let groups: Vec<&Group> = jobs.iter().map(|j| &j.group).collect();
@@ -557,9 +568,12 @@ async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
         Err(e) => {
             // The call may have run on the server before it failed (a timeout, a connection
             // lost mid-reply): a lease it granted would be held for nobody until it expires.
+            let maybe_ran = may_have_run(&e);
             for Job { group, reply, .. } in jobs {
                 let _ = reply.send(Err(duplicate(&e)));
-                release_lease(conn, &group);
+                if maybe_ran {
+                    release_lease(conn, &group);
+                }
             }
         }
     }

@@ -498,7 +498,9 @@ impl RedisLimiter {
             Ok(mut results) => results.pop().unwrap_or_else(|| Err(batcher_gone())),
             Err(e) => {
                 // The call may have run before it failed: give back a lease it granted.
-                batch::release_lease(&self.inner.conn, group);
+                if batch::may_have_run(&e) {
+                    batch::release_lease(&self.inner.conn, group);
+                }
                 Err(e)
             }
         }

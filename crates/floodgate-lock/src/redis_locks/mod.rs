@@ -1,7 +1,8 @@
 //! Locks on one Redis (a single node or a cluster).
 //!
 //! Key layout, for lock name `n` (its cluster hash tag `t` is `n` itself, or `~` and its
-//! SHA-256 when `n` is long or holds braces, see [`floodgate_redis::keys::key_tag`]):
+//! SHA-256 when `n` is long, holds braces or starts with `~`, see
+//! [`floodgate_redis::keys::key_tag`]):
 //!
 //! | what | name | value | expiry |
 //! |---|---|---|---|
