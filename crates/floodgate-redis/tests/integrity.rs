@@ -373,3 +373,47 @@ fn a_state_counted_under_a_larger_limit_decides_with_nothing_left() {
         }
     });
 }
+
+#[test]
+fn sliding_log_entries_of_one_microsecond_never_overwrite_each_other() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let log = Policy::sliding_log(10, Duration::from_secs(60)).expect("valid");
+        let at = floodgate_core::Timestamp::from_micros(1_700_000_000_000_000);
+        let check = |cost| {
+            let redis = &redis;
+            let log = &log;
+            async move {
+                redis
+                    .check(&[Check::new(b"k", log).cost(cost)], CheckOptions::at(at))
+                    .await
+                    .expect("check")
+            }
+        };
+        assert!(check(1).await.allowed());
+        assert!(check(2).await.allowed());
+        // An undo (a cross-slot check denied further on) takes the first entry back.
+        let key = redis.state_key(&log, b"k");
+        let members = server
+            .cmd(&[b"ZRANGE".as_slice(), &key, b"0", b"-1"])
+            .expect("zrange");
+        let first = members
+            .as_array()
+            .and_then(|m| m.first())
+            .cloned()
+            .expect("a member");
+        let first = first.as_bytes().expect("bytes").to_vec();
+        assert!(
+            first.ends_with(b":1:0"),
+            "{:?}",
+            String::from_utf8_lossy(&first)
+        );
+        server
+            .cmd(&[b"ZREM".as_slice(), &key, &first])
+            .expect("zrem");
+        // Two more units in the same microsecond: 4 counted in all, none overwritten.
+        assert!(check(2).await.allowed());
+        assert_eq!(check(0).await.decisions[0].remaining, 6);
+    });
+}

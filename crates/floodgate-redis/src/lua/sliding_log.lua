@@ -60,8 +60,17 @@ ALG.log = {
       newest = math.max(newest, e.at)
     end
     if st.added and st.added > 0 then
-      local n = redis.call('ZCOUNT', key, fmt(now), fmt(now))
-      redis.call('ZADD', key, fmt(now), fmt(now) .. ':' .. fmt(st.added) .. ':' .. n)
+      -- Members of one microsecond are told apart by a number one past the largest there,
+      -- not by their count: after an undo removed one, a count would name an entry that is
+      -- still there, and ZADD would overwrite it (its units lost).
+      local n = 0
+      for _, m in ipairs(redis.call('ZRANGEBYSCORE', key, fmt(now), fmt(now))) do
+        local k = tonumber(string.match(m, ':(%d+)$') or '')
+        if k and k >= n then
+          n = k + 1
+        end
+      end
+      redis.call('ZADD', key, fmt(now), fmt(now) .. ':' .. fmt(st.added) .. ':' .. fmt(n))
       newest = math.max(newest, now)
     end
     expire(key, newest + window, now)
