@@ -246,7 +246,8 @@ impl<L, C: Clock> Leasing<L, C> {
         }
         // Every check has units: take them. Another thread may have spent them in between, so
         // check again under each shard's lock, and put back what was taken if one falls short.
-        let mut taken: SmallVec<[usize; 2]> = SmallVec::new();
+        // (check, the `until` of the lease its units came from)
+        let mut taken: SmallVec<[(usize, u64); 2]> = SmallVec::new();
         let mut decisions = SmallVec::new();
         for (i, (c, &hash)) in checks.iter().zip(&located).enumerate() {
             let mut shard = map.lock(map.shard_of(hash));
@@ -258,17 +259,11 @@ impl<L, C: Clock> Leasing<L, C> {
                         remaining: local.decision.remaining.saturating_add(local.units),
                         ..local.decision
                     });
-                    taken.push(i);
+                    taken.push((i, local.until));
                 }
                 _ => {
                     drop(shard);
-                    for &j in &taken {
-                        let (c, hash) = (&checks[j], located[j]);
-                        let mut shard = map.lock(map.shard_of(hash));
-                        if let Some(slot) = shard.find_mut(hash, c.policy.ident(), c.key) {
-                            slot.value.units += c.cost;
-                        }
-                    }
+                    self.put_back(checks, &located, &taken);
                     return Err(SmallVec::new());
                 }
             }
@@ -278,6 +273,26 @@ impl<L, C: Clock> Leasing<L, C> {
             wait: Duration::ZERO,
             lease: None,
         })
+    }
+}
+
+impl<L, C: Clock> Leasing<L, C> {
+    /// Gives back the units `taken` by the checks of a call that then fell short: each
+    /// `(check, until)` to the lease it came from (a lease is known by when it ends). Units of a
+    /// lease replaced in the meantime are not added to the new one, which the store granted
+    /// without them: they count as wasted.
+    fn put_back(&self, checks: &[Check<'_>], located: &[u64], taken: &[(usize, u64)]) {
+        let map = &self.shared.map;
+        for &(j, until) in taken {
+            let (c, hash) = (&checks[j], located[j]);
+            let mut shard = map.lock(map.shard_of(hash));
+            match shard.find_mut(hash, c.policy.ident(), c.key) {
+                Some(slot) if slot.value.until == until => slot.value.units += c.cost,
+                _ => {
+                    self.shared.wasted.fetch_add(c.cost, Ordering::Relaxed);
+                }
+            }
+        }
     }
 }
 
@@ -374,5 +389,57 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
         map.lock(map.shard_of(hash))
             .remove(hash, policy.ident(), key);
         self.inner.reset(key, policy).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{MemoryLimiter, Policy};
+
+    /// Sets the lease of `(policy, key)`, creating its entry.
+    fn lease(l: &Leasing<MemoryLimiter>, policy: &Policy, key: &[u8], units: u64, until: u64) {
+        let map = &l.shared.map;
+        let now = l.shared.clock.now().as_micros();
+        let hash = map.hash(policy.ident(), key);
+        let exists = map
+            .lock(map.shard_of(hash))
+            .find(hash, policy.ident(), key)
+            .is_some();
+        if !exists {
+            // The first check of a key creates its entry (and has no units).
+            let _ = l.spend(&[Check::new(key, policy)], now);
+        }
+        let mut shard = map.lock(map.shard_of(hash));
+        let slot = shard.find_mut(hash, policy.ident(), key).expect("an entry");
+        slot.value.units = units;
+        slot.value.until = until;
+    }
+
+    fn units(l: &Leasing<MemoryLimiter>, policy: &Policy, key: &[u8]) -> u64 {
+        let map = &l.shared.map;
+        let hash = map.hash(policy.ident(), key);
+        map.lock(map.shard_of(hash))
+            .find(hash, policy.ident(), key)
+            .map_or(0, |s| s.value.units)
+    }
+
+    #[test]
+    fn units_go_back_to_their_own_lease_only() {
+        let l = Leasing::new(MemoryLimiter::new());
+        let p = Policy::per_second(100_000).expect("valid");
+        let far = l.shared.clock.now().as_micros() + 60_000_000;
+        lease(&l, &p, b"k", 10, far);
+        let checks = [Check::new(b"k", &p).cost(3)];
+        let located = [l.shared.map.hash(p.ident(), b"k")];
+        // Taken from the lease ending at `far`, and it is still there: back they go.
+        l.put_back(&checks, &located, &[(0, far)]);
+        assert_eq!(units(&l, &p, b"k"), 13);
+        assert_eq!(l.stats().wasted, 0);
+        // Meanwhile another task took a new lease: its units are its own.
+        lease(&l, &p, b"k", 10, far + 1);
+        l.put_back(&checks, &located, &[(0, far)]);
+        assert_eq!(units(&l, &p, b"k"), 10);
+        assert_eq!(l.stats().wasted, 3);
     }
 }
