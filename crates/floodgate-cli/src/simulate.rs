@@ -278,7 +278,9 @@ impl Simulator {
         let now_ms = self
             .start_ms
             .checked_add(event.t_ms)
-            .filter(|ms| *ms <= u64::MAX / 1_000)
+            // 2^53 µs (the year 2255): every time the algorithms (and Lua) compute stays exact
+            // and far from overflowing.
+            .filter(|ms| *ms <= MAX_TIME_MS)
             .ok_or_else(|| format!("time {} is too far in the future", event.t_ms))?;
         self.previous_t = Some(event.t_ms);
         let now = Timestamp::from_millis(now_ms);
@@ -368,6 +370,9 @@ impl Simulator {
 fn ceil_ms(d: Duration) -> u64 {
     u64::try_from(d.as_micros().div_ceil(1_000)).unwrap_or(u64::MAX)
 }
+
+/// The latest time `simulate` accepts, in ms since the epoch: 2^53 µs.
+const MAX_TIME_MS: u64 = (1 << 53) / 1_000;
 
 #[cfg(test)]
 mod tests {

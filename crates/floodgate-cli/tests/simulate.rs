@@ -542,3 +542,36 @@ fn help_example_is_true() {
         &want,
     );
 }
+
+#[test]
+fn times_past_what_the_algorithms_hold_exactly_are_refused_with_their_line() {
+    // Past 2^53 µs the arithmetic would overflow (a panic, or every request allowed).
+    let (out, err) = simulate_fails(&["--policy", "10/s"], "0 k\n18446744073709551 k\n", 1);
+    assert_eq!(out.len(), 1);
+    assert!(
+        err.contains("line 2: time 18446744073709551 is too far in the future"),
+        "{err}"
+    );
+}
+
+#[test]
+fn zero_durations_are_accepted_where_they_mean_none() {
+    // A 0 s maximum wait: decide now.
+    expect(
+        &[
+            "-a",
+            "shaper",
+            "--count",
+            "1",
+            "--period",
+            "1s",
+            "--max-wait",
+            "0s",
+        ],
+        "0 k\n0 k\n",
+        &[
+            r#"{"allowed":true,"limit":1,"remaining":0,"retry_after_ms":null,"reset_after_ms":1000,"wait_ms":0}"#,
+            r#"{"allowed":false,"limit":1,"remaining":0,"retry_after_ms":1000,"reset_after_ms":1000,"wait_ms":0}"#,
+        ],
+    );
+}

@@ -79,7 +79,14 @@ impl FromStr for CalendarUnit {
     type Err = PolicyError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let unit = match s.trim().to_ascii_lowercase().trim_end_matches('s') {
+        let lower = s.trim().to_ascii_lowercase();
+        // One plural `s` at most (`sss` is no unit), and `ms` is milliseconds, not minutes:
+        // no calendar unit.
+        let singular = match lower.as_str() {
+            "ms" | "us" | "\u{b5}s" | "\u{3bc}s" => "not a calendar unit",
+            _ => lower.strip_suffix('s').unwrap_or(&lower),
+        };
+        let unit = match singular {
             "" | "sec" | "second" => CalendarUnit::Second,
             "m" | "min" | "minute" => CalendarUnit::Minute,
             "h" | "hr" | "hour" => CalendarUnit::Hour,
@@ -140,7 +147,8 @@ impl Calendar {
 
     /// The same windows at a UTC offset in seconds (east positive: Beijing is `8 * 3600`).
     pub fn with_utc_offset(mut self, offset_secs: i32) -> Result<Self, PolicyError> {
-        if offset_secs.abs() > MAX_UTC_OFFSET_SECS || offset_secs % 60 != 0 {
+        if offset_secs.unsigned_abs() > MAX_UTC_OFFSET_SECS.unsigned_abs() || offset_secs % 60 != 0
+        {
             return Err(PolicyError::Invalid {
                 field: "utc_offset",
                 reason: format!(

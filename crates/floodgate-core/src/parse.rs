@@ -62,6 +62,7 @@ fn parse_one(input: &str) -> Result<Policy, PolicyError> {
     let (amount, after) = split_amount(input, rest)?;
     if algo == AlgorithmKind::Concurrency {
         let opts = Options::parse(input, after)?;
+        opts.check_for(input, algo)?;
         let limit = whole(input, amount)?;
         return Policy::concurrency(limit, opts.ttl.unwrap_or(DEFAULT_LEASE_TTL));
     }
@@ -70,8 +71,9 @@ fn parse_one(input: &str) -> Result<Policy, PolicyError> {
         .or_else(|| after.strip_prefix("per"))
         .ok_or_else(|| fail(input, "expected '/' or 'per' after the amount"))?
         .trim_start();
-    let (period_n, unit, opts_text) = split_period(input, after)?;
+    let (period_n, unit, opts_text) = split_period(input, after, "period", false)?;
     let opts = Options::parse(input, opts_text)?;
+    opts.check_for(input, algo)?;
     let policy = if calendar {
         let n = u32::try_from(whole(input, period_n)?)
             .map_err(|_| fail(input, "too many calendar units"))?;
@@ -136,8 +138,14 @@ fn split_amount<'a>(input: &str, s: &'a str) -> Result<(f64, &'a str), PolicyErr
     Ok((value, rest.trim_start()))
 }
 
-/// `[number] unit` and the options after it.
-fn split_period<'a>(input: &str, s: &'a str) -> Result<(f64, &'a str, &'a str), PolicyError> {
+/// `[number] unit` and the options after it; the number must be positive, or may be zero too
+/// with `zero_ok` (a lone duration: a 0 s warm-up). `field` names it in errors.
+fn split_period<'a>(
+    input: &str,
+    s: &'a str,
+    field: &'static str,
+    zero_ok: bool,
+) -> Result<(f64, &'a str, &'a str), PolicyError> {
     let end = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
@@ -148,15 +156,12 @@ fn split_period<'a>(input: &str, s: &'a str) -> Result<(f64, &'a str, &'a str), 
         num.parse::<f64>()
             .map_err(|_| fail(input, format!("{num:?} is not a number")))?
     };
-    if !n.is_finite() || n <= 0.0 {
-        return Err(PolicyError::NotPositive {
-            field: "period",
-            value: n,
-        });
+    if !n.is_finite() || n < 0.0 || (n == 0.0 && !zero_ok) {
+        return Err(PolicyError::NotPositive { field, value: n });
     }
     let rest = rest.trim_start();
     let end = rest
-        .find(|c: char| !c.is_ascii_alphabetic())
+        .find(|c: char| !(c.is_ascii_alphabetic() || c == '\u{b5}' || c == '\u{3bc}'))
         .unwrap_or(rest.len());
     let (unit, opts) = rest.split_at(end);
     if unit.is_empty() {
@@ -173,9 +178,10 @@ fn whole(input: &str, v: f64) -> Result<u64, PolicyError> {
 }
 
 fn duration(input: &str, n: f64, unit: &str) -> Result<Duration, PolicyError> {
-    let secs = match unit.trim_end_matches('s') {
+    // One plural `s` at most: `mss` and `sss` are no units.
+    let secs = match unit.strip_suffix('s').unwrap_or(unit) {
         "m" if unit == "ms" => 0.001,
-        "u" | "\u{b5}" | "micro" | "microsecond" => 0.000_001,
+        "u" | "\u{b5}" | "\u{3bc}" | "micro" | "microsecond" => 0.000_001,
         "millisecond" | "milli" => 0.001,
         "" | "sec" | "second" => 1.0,
         "m" | "min" | "minute" => 60.0,
@@ -211,11 +217,18 @@ impl Options {
         let mut opts = Options::default();
         let mut words = s.split_whitespace().peekable();
         while let Some(word) = words.next() {
+            let twice = || fail(input, format!("{word:?} is given twice"));
             if let Some(off) = word.strip_prefix('@') {
+                if opts.offset.is_some() {
+                    return Err(fail(input, "the UTC offset is given twice"));
+                }
                 opts.offset = Some(utc_offset(input, off)?);
                 continue;
             }
             match word {
+                "burst" if opts.burst.is_some() => return Err(twice()),
+                "ttl" if opts.ttl.is_some() => return Err(twice()),
+                "intervally" if opts.intervally => return Err(twice()),
                 "burst" => {
                     let v = words
                         .next()
@@ -229,7 +242,7 @@ impl Options {
                     let v = words
                         .next()
                         .ok_or_else(|| fail(input, "ttl needs a duration"))?;
-                    let (n, unit, rest) = split_period(input, v)?;
+                    let (n, unit, rest) = split_period(input, v, "ttl", false)?;
                     if !rest.is_empty() {
                         return Err(fail(input, format!("bad ttl {v:?}")));
                     }
@@ -240,6 +253,27 @@ impl Options {
             }
         }
         Ok(opts)
+    }
+
+    /// Refuses the options `algo` has no use for: silently ignored, they would make the
+    /// policy mean less than it says.
+    fn check_for(&self, input: &str, algo: AlgorithmKind) -> Result<(), PolicyError> {
+        let concurrency = algo == AlgorithmKind::Concurrency;
+        let unused = if self.ttl.is_some() && !concurrency {
+            Some("ttl (concurrency limits only)")
+        } else if self.intervally && algo != AlgorithmKind::TokenBucket {
+            Some("intervally (token buckets only)")
+        } else if self.burst.is_some() && concurrency {
+            Some("burst")
+        } else if self.offset.is_some() && concurrency {
+            Some("a UTC offset")
+        } else {
+            None
+        };
+        match unused {
+            Some(what) => Err(fail(input, format!("{what} does not apply to this policy"))),
+            None => Ok(()),
+        }
     }
 }
 
@@ -252,7 +286,7 @@ impl Options {
 /// ```
 pub fn parse_duration(s: &str) -> Result<Duration, PolicyError> {
     let text = s.trim().to_ascii_lowercase();
-    let parsed = split_period(s, &text).and_then(|(n, unit, rest)| {
+    let parsed = split_period(s, &text, "duration", true).and_then(|(n, unit, rest)| {
         if rest.trim().is_empty() {
             duration(s, n, unit)
         } else {
@@ -294,16 +328,26 @@ fn utc_offset(input: &str, s: &str) -> Result<i32, PolicyError> {
     if s == "utc" || s == "z" {
         return Ok(0);
     }
-    let (sign, digits) = match s.as_bytes().first() {
-        Some(b'+') => (1, &s[1..]),
-        Some(b'-') => (-1, &s[1..]),
-        _ => return Err(bad()),
+    let (sign, digits) = if let Some(d) = s.strip_prefix('+') {
+        (1, d)
+    } else if let Some(d) = s.strip_prefix('-') {
+        (-1, d)
+    } else {
+        return Err(bad());
     };
+    // ASCII digits only (no second sign, no other script's digits): hours in one or two,
+    // minutes in exactly two.
+    if !digits.bytes().all(|b| b.is_ascii_digit() || b == b':') {
+        return Err(bad());
+    }
     let (h, m) = match digits.split_once(':') {
         Some((h, m)) => (h, m),
         None if digits.len() == 4 => digits.split_at(2),
-        None => (digits, "0"),
+        None => (digits, "00"),
     };
+    if !(1..=2).contains(&h.len()) || m.len() != 2 || m.contains(':') {
+        return Err(bad());
+    }
     let h: i32 = h.parse().map_err(|_| bad())?;
     let m: i32 = m.parse().map_err(|_| bad())?;
     if h > 14 || m >= 60 {
@@ -393,6 +437,80 @@ mod tests {
         );
         assert_eq!(format_duration(Duration::from_secs(1800)), "30m");
         assert_eq!(format_duration(Duration::from_millis(1500)), "1500ms");
+    }
+
+    #[test]
+    fn hostile_and_ambiguous_strings_are_refused() {
+        // Offsets: other scripts' characters (no panic), a second sign, overflowing hours.
+        for bad in [
+            "+0\u{20ac}",
+            "+0\u{e9}0",
+            "+-8",
+            "+-268435448",
+            "+08:0",
+            "+123",
+            "++8",
+            "+8:00:00",
+        ] {
+            assert!(parse_utc_offset(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(parse_utc_offset("+8"), Ok(28_800));
+        assert_eq!(parse_utc_offset("-05:30"), Ok(-19_800));
+        let refused = |s: &str| {
+            s.parse::<Policy>()
+                .expect_err(&format!("{s:?} should be refused"))
+                .to_string()
+        };
+        assert!(refused("calendar:10/day@+0\u{20ac}").contains("UTC offset"));
+        assert!(refused("calendar:10/day@+-8").contains("UTC offset"));
+        // Options the policy has no use for, or given twice.
+        for s in [
+            "concurrency:10 burst 5",
+            "concurrency:10 @+08:00",
+            "concurrency:10 intervally",
+            "10/s ttl 30s",
+            "fixed:10/s intervally",
+            "calendar:10/day intervally",
+        ] {
+            assert!(refused(s).contains("does not apply"), "{s}: {}", refused(s));
+        }
+        for s in [
+            "token:10/s burst 5 burst 50",
+            "token:10/s intervally intervally",
+            "concurrency:10 ttl 1s ttl 2s",
+            "calendar:10/day@+01:00 @+02:00",
+        ] {
+            assert!(refused(s).contains("twice"), "{s}: {}", refused(s));
+        }
+        // Units: one plural `s`, and milliseconds are no calendar unit.
+        for s in [
+            "10/mss",
+            "10/sss",
+            "10/hourss",
+            "calendar:100/ms",
+            "calendar:10/30ms",
+            "calendar:1/us",
+        ] {
+            let _ = refused(s);
+        }
+        assert_eq!(p("1/5\u{b5}s"), p("1/5us"));
+        assert_eq!(p("1/5\u{3bc}s"), p("1/5us"));
+        assert_eq!(p("10/2secs"), p("10/2s"));
+        // A zero ttl names the ttl.
+        assert!(refused("concurrency:10 ttl 0s").contains("ttl"));
+        // A lone duration may be zero (a 0 s warm-up); a policy's period may not.
+        assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
+        assert!(refused("10/0s").contains("period"));
+    }
+
+    #[test]
+    fn a_token_bucket_s_window_does_not_overflow() {
+        // 10,000,000 tokens refilled over 4 weeks: capacity x interval passes u64.
+        let policy = p("token:10000000/4w");
+        assert_eq!(
+            policy.kind().window(),
+            Some(Duration::from_secs(4 * 7 * 86_400))
+        );
     }
 
     #[test]

@@ -319,7 +319,11 @@ impl Kind {
             },
             Kind::SlidingLog(a) => a.window_us(),
             Kind::SlidingWindow(a) => a.window_us(),
-            Kind::TokenBucket(a) => a.capacity() * a.interval_us() / a.amount(),
+            // In u128: capacity × interval can pass u64 (10,000,000 per 4 weeks).
+            Kind::TokenBucket(a) => u64::try_from(
+                u128::from(a.capacity()) * u128::from(a.interval_us()) / u128::from(a.amount()),
+            )
+            .unwrap_or(u64::MAX),
             Kind::LeakyBucket(a) => a.unit_us() * a.capacity(),
             Kind::Gcra(a) => a.tolerance_us(),
             Kind::Shaper(a) => a.interval_us() * a.burst(),
