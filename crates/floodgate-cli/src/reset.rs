@@ -64,25 +64,30 @@ pub(crate) fn run(args: ResetArgs) -> Result<(), CliError> {
         let url = limiter.conn().redacted_url().to_owned();
         let mut keys: Vec<StateJson> = Vec::with_capacity(set.policies.len());
         for policy in &set.policies {
-            let state = read_state(&limiter, policy, key).await?;
-            if let Err(e) = limiter.reset(key, policy).await {
-                // The states already deleted are printed all the same: nothing is lost
-                // without a trace.
-                if !keys.is_empty() {
-                    let partial = ResetJson {
-                        deleted: keys.iter().filter(|k| k.exists).count(),
-                        keys,
-                    };
-                    if let Ok(text) = serde_json::to_string(&partial) {
-                        println!("{text}");
+            let step = async {
+                let state = read_state(&limiter, policy, key).await?;
+                limiter.reset(key, policy).await.map_err(|e| {
+                    CliError::redis(format!("cannot delete key {} on {url}", state.key), e)
+                })?;
+                Ok::<_, CliError>(state)
+            };
+            match step.await {
+                Ok(state) => keys.push(state),
+                Err(e) => {
+                    // The states already deleted are printed all the same: nothing is lost
+                    // without a trace.
+                    if !keys.is_empty() {
+                        let partial = ResetJson {
+                            deleted: keys.iter().filter(|k| k.exists).count(),
+                            keys,
+                        };
+                        if let Ok(text) = serde_json::to_string(&partial) {
+                            println!("{text}");
+                        }
                     }
+                    return Err(e);
                 }
-                return Err(CliError::redis(
-                    format!("cannot delete key {} on {url}", state.key),
-                    e,
-                ));
             }
-            keys.push(state);
         }
         Ok::<_, CliError>(ResetJson {
             deleted: keys.iter().filter(|k| k.exists).count(),

@@ -295,6 +295,21 @@ mod tests {
     }
 
     #[test]
+    fn offsets_past_fourteen_hours_are_refused_to_the_extremes() {
+        let day = Calendar::new(1, CalendarUnit::Day).expect("valid");
+        for bad in [i32::MIN, i32::MAX, 14 * 3600 + 60, -14 * 3600 - 60, 30] {
+            assert!(day.with_utc_offset(bad).is_err(), "{bad}");
+        }
+        assert!(day.with_utc_offset(-14 * 3600).is_ok());
+        // `ms` is no calendar unit (it was read as minutes), nor is `sss`.
+        for bad in ["ms", "us", "sss", "mss"] {
+            assert!(bad.parse::<CalendarUnit>().is_err(), "{bad}");
+        }
+        assert_eq!("mins".parse::<CalendarUnit>(), Ok(CalendarUnit::Minute));
+        assert_eq!("s".parse::<CalendarUnit>(), Ok(CalendarUnit::Second));
+    }
+
+    #[test]
     fn rejects_units_that_do_not_line_up() {
         assert!(Calendar::new(7, CalendarUnit::Minute).is_err());
         assert!(Calendar::new(5, CalendarUnit::Hour).is_err());

@@ -497,7 +497,11 @@ mod tests {
         assert_eq!(p("1/5\u{3bc}s"), p("1/5us"));
         assert_eq!(p("10/2secs"), p("10/2s"));
         // A zero ttl names the ttl.
-        assert!(refused("concurrency:10 ttl 0s").contains("ttl"));
+        assert!(
+            refused("concurrency:10 ttl 0s").contains("ttl must be"),
+            "{}",
+            refused("concurrency:10 ttl 0s")
+        );
         // A lone duration may be zero (a 0 s warm-up); a policy's period may not.
         assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
         assert!(refused("10/0s").contains("period"));

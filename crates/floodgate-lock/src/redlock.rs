@@ -106,6 +106,14 @@ impl Node {
         }
     }
 
+    /// The error of a call skipped while this node cools off.
+    fn down(&self, retry_in: Duration) -> Error {
+        Error::NodeDown {
+            node: self.shown.clone(),
+            retry_in,
+        }
+    }
+
     async fn locks(&self) -> Result<RedisLocks, Error> {
         if let Some(locks) = self.locks.get() {
             return Ok(locks.clone());
@@ -255,24 +263,30 @@ impl Redlock {
             let op = &op;
             async move {
                 if let Some(left) = node.skipped_for() {
-                    return Err(Error::NodeDown {
-                        node: node.shown.clone(),
-                        retry_in: left,
-                    });
+                    return Err(node.down(left));
                 }
-                let call = async { op(node.locks().await?).await };
-                let result = match tokio::time::timeout(self.node_timeout, call).await {
-                    Ok(result) => result,
-                    Err(_) => Err(Error::NodeTimeout {
-                        node: node.shown.clone(),
-                        after: self.node_timeout,
-                    }),
-                };
-                node.record(&result);
-                result
+                self.on_node(node, op).await
             }
         }))
         .await
+    }
+
+    /// `op` on one node, bounded by the node timeout; the outcome is recorded for its cool-off.
+    async fn on_node<'a, T, F, Fut>(&'a self, node: &'a Node, op: &F) -> Result<T, Error>
+    where
+        F: Fn(RedisLocks) -> Fut,
+        Fut: Future<Output = Result<T, Error>> + 'a,
+    {
+        let call = async { op(node.locks().await?).await };
+        let result = match tokio::time::timeout(self.node_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::NodeTimeout {
+                node: node.shown.clone(),
+                after: self.node_timeout,
+            }),
+        };
+        node.record(&result);
+        result
     }
 
     /// Unlocks `name` on every node. A node cooling off after a failure may have granted the
@@ -280,24 +294,32 @@ impl Redlock {
     /// ttl: it is sent the unlock too, in the background, bounded by the node timeout, and
     /// counts as failed, so that nobody waits on a dead node.
     async fn unlock_all(&self, name: &[u8], token: &[u8]) -> Vec<Result<bool, Error>> {
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            for (i, node) in self.nodes.iter().enumerate() {
-                if node.skipped_for().is_none() {
-                    continue;
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        let unlock = |locks: RedisLocks| async move { locks.unlock(name, token).await };
+        join_all(self.nodes.iter().enumerate().map(|(i, node)| {
+            let (runtime, unlock) = (runtime.clone(), &unlock);
+            async move {
+                let Some(left) = node.skipped_for() else {
+                    return self.on_node(node, unlock).await;
+                };
+                if let Some(runtime) = runtime {
+                    let (nodes, after) = (Arc::clone(&self.nodes), self.node_timeout);
+                    let (name, token) = (name.to_vec(), token.to_vec());
+                    runtime.spawn(async move {
+                        let node = &nodes[i];
+                        let unlock = async { node.locks().await?.unlock(&name, &token).await };
+                        if let Ok(Err(e)) = tokio::time::timeout(after, unlock).await {
+                            tracing::debug!(
+                                error = %e,
+                                "unlocking a Redlock node that is cooling off failed"
+                            );
+                        }
+                    });
                 }
-                let (nodes, after) = (Arc::clone(&self.nodes), self.node_timeout);
-                let (name, token) = (name.to_vec(), token.to_vec());
-                runtime.spawn(async move {
-                    let node = &nodes[i];
-                    let unlock = async { node.locks().await?.unlock(&name, &token).await };
-                    if let Ok(Err(e)) = tokio::time::timeout(after, unlock).await {
-                        tracing::debug!(error = %e, "unlocking a Redlock node that is cooling off failed");
-                    }
-                });
+                Err(node.down(left))
             }
-        }
-        self.on_all(|locks| async move { locks.unlock(name, token).await })
-            .await
+        }))
+        .await
     }
 
     /// Splits results into successes and errors; too many errors is [`Error::NoQuorum`].

@@ -453,11 +453,15 @@ fn give_back_lease(conn: &RedisConn, group: Group, unsent: Result<Checked, Error
     }
 }
 
-/// Whether a call that failed with `e` may have run on the server all the same: it timed out
-/// or lost its connection after it was sent. A breaker that refused it, a bad argument or a
-/// cross-slot check never reached the script.
+/// Whether a call that failed with `e` may have run on the server all the same (a timeout, a
+/// lost connection, a reply that could not be read, a write that failed after groups had
+/// committed): every error but those that prove the script never ran, a breaker that refused
+/// the call, a bad configuration, keys in several slots.
 pub(crate) fn may_have_run(e: &Error) -> bool {
-    !matches!(e, Error::Unavailable { .. }) && (e.is_timeout() || e.is_connection())
+    !matches!(
+        e,
+        Error::Unavailable { .. } | Error::Config(_) | Error::CrossSlot { .. }
+    )
 }
 
 /// Releases the concurrency lease `group` may hold (releasing one it does not hold changes

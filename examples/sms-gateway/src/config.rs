@@ -156,7 +156,11 @@ impl Config {
         };
         let d = Config::default();
         let duration = |name, v: Option<String>, default| match v {
-            Some(s) => parse_duration(&s).map_err(|e| bad(name, e)),
+            Some(s) => match parse_duration(&s) {
+                Ok(d) if d.is_zero() => Err(bad(name, "must be longer than zero")),
+                Ok(d) => Ok(d),
+                Err(e) => Err(bad(name, e)),
+            },
             None => Ok(default),
         };
         let positive = |name, v: Option<u64>, default: u64| match v {

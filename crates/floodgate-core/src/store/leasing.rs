@@ -63,6 +63,9 @@ struct Local {
     units: u64,
     /// When the lease ends (local clock, µs).
     until: u64,
+    /// Which lease this is (one more with each lease taken): units taken from a lease go back
+    /// to that lease only.
+    lease_no: u64,
     /// The decision the lease was taken with (for headers of local answers).
     decision: Decision,
     /// Checks seen in the current counting period, and when that period started.
@@ -213,6 +216,7 @@ impl<L, C: Clock> Leasing<L, C> {
                             value: Local {
                                 units: 0,
                                 until: 0,
+                                lease_no: 0,
                                 decision: Decision::from_micros(true, 0, 0, None, 0),
                                 seen: 0,
                                 period_start: now,
@@ -246,7 +250,7 @@ impl<L, C: Clock> Leasing<L, C> {
         }
         // Every check has units: take them. Another thread may have spent them in between, so
         // check again under each shard's lock, and put back what was taken if one falls short.
-        // (check, the `until` of the lease its units came from)
+        // (check, the lease its units came from)
         let mut taken: SmallVec<[(usize, u64); 2]> = SmallVec::new();
         let mut decisions = SmallVec::new();
         for (i, (c, &hash)) in checks.iter().zip(&located).enumerate() {
@@ -259,7 +263,7 @@ impl<L, C: Clock> Leasing<L, C> {
                         remaining: local.decision.remaining.saturating_add(local.units),
                         ..local.decision
                     });
-                    taken.push((i, local.until));
+                    taken.push((i, local.lease_no));
                 }
                 _ => {
                     drop(shard);
@@ -278,16 +282,16 @@ impl<L, C: Clock> Leasing<L, C> {
 
 impl<L, C: Clock> Leasing<L, C> {
     /// Gives back the units `taken` by the checks of a call that then fell short: each
-    /// `(check, until)` to the lease it came from (a lease is known by when it ends). Units of a
-    /// lease replaced in the meantime are not added to the new one, which the store granted
-    /// without them: they count as wasted.
+    /// `(check, lease number)` to the lease it came from. Units of a lease replaced in the
+    /// meantime are not added to the new one, which the store granted without them: they count
+    /// as wasted.
     fn put_back(&self, checks: &[Check<'_>], located: &[u64], taken: &[(usize, u64)]) {
         let map = &self.shared.map;
-        for &(j, until) in taken {
+        for &(j, lease_no) in taken {
             let (c, hash) = (&checks[j], located[j]);
             let mut shard = map.lock(map.shard_of(hash));
             match shard.find_mut(hash, c.policy.ident(), c.key) {
-                Some(slot) if slot.value.until == until => slot.value.units += c.cost,
+                Some(slot) if slot.value.lease_no == lease_no => slot.value.units += c.cost,
                 _ => {
                     self.shared.wasted.fetch_add(c.cost, Ordering::Relaxed);
                 }
@@ -336,6 +340,7 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
                 }
                 local.units = n;
                 local.until = until;
+                local.lease_no = local.lease_no.wrapping_add(1);
                 local.decision = verdict.decisions[0];
                 slot.set_expires_at(until + duration_micros(self.shared.cfg.lease_for));
             }
@@ -398,7 +403,7 @@ mod tests {
     use crate::{MemoryLimiter, Policy};
 
     /// Sets the lease of `(policy, key)`, creating its entry.
-    fn lease(l: &Leasing<MemoryLimiter>, policy: &Policy, key: &[u8], units: u64, until: u64) {
+    fn lease(l: &Leasing<MemoryLimiter>, policy: &Policy, key: &[u8], units: u64, lease_no: u64) {
         let map = &l.shared.map;
         let now = l.shared.clock.now().as_micros();
         let hash = map.hash(policy.ident(), key);
@@ -413,7 +418,9 @@ mod tests {
         let mut shard = map.lock(map.shard_of(hash));
         let slot = shard.find_mut(hash, policy.ident(), key).expect("an entry");
         slot.value.units = units;
-        slot.value.until = until;
+        // Every lease here ends at the same time: told apart by their numbers only.
+        slot.value.until = u64::MAX / 2;
+        slot.value.lease_no = lease_no;
     }
 
     fn units(l: &Leasing<MemoryLimiter>, policy: &Policy, key: &[u8]) -> u64 {
@@ -428,17 +435,16 @@ mod tests {
     fn units_go_back_to_their_own_lease_only() {
         let l = Leasing::new(MemoryLimiter::new());
         let p = Policy::per_second(100_000).expect("valid");
-        let far = l.shared.clock.now().as_micros() + 60_000_000;
-        lease(&l, &p, b"k", 10, far);
+        lease(&l, &p, b"k", 10, 1);
         let checks = [Check::new(b"k", &p).cost(3)];
         let located = [l.shared.map.hash(p.ident(), b"k")];
-        // Taken from the lease ending at `far`, and it is still there: back they go.
-        l.put_back(&checks, &located, &[(0, far)]);
+        // Taken from lease 1, and it is still there: back they go.
+        l.put_back(&checks, &located, &[(0, 1)]);
         assert_eq!(units(&l, &p, b"k"), 13);
         assert_eq!(l.stats().wasted, 0);
         // Meanwhile another task took a new lease: its units are its own.
-        lease(&l, &p, b"k", 10, far + 1);
-        l.put_back(&checks, &located, &[(0, far)]);
+        lease(&l, &p, b"k", 10, 2);
+        l.put_back(&checks, &located, &[(0, 1)]);
         assert_eq!(units(&l, &p, b"k"), 10);
         assert_eq!(l.stats().wasted, 3);
     }
