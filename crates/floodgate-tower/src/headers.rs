@@ -7,7 +7,8 @@
 //!   (concurrency limits: `;qu="concurrent-requests"` and no window). Rendered once per rule.
 //! - `RateLimit: "<name>";r=<remaining>;t=<secs>` — what is left, and for how long: the time
 //!   until the key is back to full, or, for a policy that denied, until it admits again
-//!   (so that `Retry-After` never points before the end of `t`).
+//!   (so that `Retry-After` never points before the end of a denied policy's `t`; a policy
+//!   that still allows may show a later `t`, its time to refill, which is not a wait).
 //!
 //! Legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (seconds) are
 //! optional and describe the strictest policy.

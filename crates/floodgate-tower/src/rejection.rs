@@ -155,7 +155,8 @@ impl RejectionHandler for DefaultRejection {
         }
         let status = r.status();
         let (kind, title) = match r.kind {
-            RejectionKind::Limited => (QUOTA_EXCEEDED, "Too Many Requests"),
+            // The title the draft registers with its problem type.
+            RejectionKind::Limited => (QUOTA_EXCEEDED, "Quota Exceeded"),
             RejectionKind::MissingKey => ("about:blank", "Bad Request"),
             RejectionKind::StoreUnavailable => ("about:blank", "Service Unavailable"),
         };

@@ -77,7 +77,7 @@ async fn the_request_over_the_limit_gets_429_with_headers() {
         problem["type"],
         "https://iana.org/assignments/http-problem-types#quota-exceeded"
     );
-    assert_eq!(problem["title"], "Too Many Requests");
+    assert_eq!(problem["title"], "Quota Exceeded");
     assert_eq!(problem["status"], 429);
     assert_eq!(problem["policy"], "per-ip");
     assert_eq!(problem["violated-policies"], serde_json::json!(["per-ip"]));
