@@ -1,6 +1,6 @@
 //! The HTTP API: routes, handlers and the limits they apply.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,7 +12,7 @@ use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use floodgate::tower::key::{ClientIp, TrustedProxies};
+use floodgate::tower::key::{ClientIp, Key, TrustedProxies};
 use floodgate::tower::{OnStoreError, RateLimitLayer, Rule};
 use floodgate::{CalendarUnit, Check, CheckOptions, Limiter, Policy, Verdict};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -80,12 +80,20 @@ impl<S: Shared> std::fmt::Debug for App<S> {
 
 /// The router: the API behind the per-IP and global limits.
 pub fn router<S: Shared>(app: Arc<App<S>>) -> Result<Router, floodgate::tower::ConfigError> {
-    // Campaigns and opt-outs go through the layer. `POST /v1/sms` checks the same per-IP and
-    // global limits itself, together with the phone's, all-or-nothing: the phone is in the body.
+    // Campaigns and opt-outs go through the layer (the per-IP limit on all of them, the global
+    // one on creating campaigns). `POST /v1/sms` checks the same per-IP and global limits
+    // itself, together with the phone's, all-or-nothing: the phone is in the body.
     let trusted = TrustedProxies::new(app.config.trusted_proxies.iter().copied());
     let layer = RateLimitLayer::builder(app.shared.limiter().clone())
         .rule(Rule::new(app.limits.client_ip.clone()).key(ClientIp::new(trusted)))
-        .rule(Rule::new(app.limits.global.clone()).key(floodgate::tower::key::GlobalKey))
+        // The global budget is a budget of messages: only creating a campaign spends it, not
+        // reading one or opting out (cheap requests many clients could use to exhaust it).
+        .rule(
+            Rule::new(app.limits.global.clone())
+                .key(floodgate::tower::key::GlobalKey)
+                .path_prefix("/v1/campaigns")
+                .methods([http::Method::POST]),
+        )
         .on_store_error(OnStoreError::FailClosed)
         // Clients see their remaining budget before they are turned away.
         .headers_on_allowed(true)
@@ -152,15 +160,10 @@ fn string_field<'a>(
 }
 
 /// The client's address: the peer, or the rightmost untrusted hop of the forwarding headers;
-/// IPv6 grouped by /64 so one host cannot rotate through its addresses.
-fn client_key(app_ip: &ClientIp, peer: SocketAddr, headers: &HeaderMap) -> String {
-    match app_ip.resolve(peer.ip(), headers) {
-        IpAddr::V4(v4) => v4.to_string(),
-        IpAddr::V6(v6) => {
-            let s = v6.segments();
-            format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
-        }
-    }
+/// IPv6 grouped by /64 so one host cannot rotate through its addresses. Written as the layer
+/// writes it, so that a client has one per-IP key on every route.
+fn client_key(app_ip: &ClientIp, peer: SocketAddr, headers: &HeaderMap) -> Key {
+    Key::from_ip(app_ip.resolve(peer.ip(), headers), 64)
 }
 
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
@@ -278,17 +281,34 @@ async fn send_sms<S: Shared>(
             }
         }
     }
-    let answer = accept_sms(&app, peer, &headers, &phone, text).await;
-    if let Some(key) = &idem {
+    let Some(key) = idem else {
+        return Ok(match accept_sms(&app, peer, &headers, &phone, text).await {
+            Ok((response, _)) => response,
+            Err(refused) => refused,
+        });
+    };
+    // With a key, accepting and recording run in a task of their own: a client that hangs up
+    // mid-send (hyper then drops this handler) must not leave the key "in progress".
+    let text = text.to_owned();
+    let task = tokio::spawn(async move {
+        let answer = accept_sms(&app, peer, &headers, &phone, &text).await;
         let recorded = match &answer {
-            Ok((_, body)) => app.shared.idempotency_finish(key, &request, body).await,
+            Ok((_, body)) => app.shared.idempotency_finish(&key, &request, body).await,
             // Not accepted: the same key may be retried.
-            Err(_) => app.shared.idempotency_abort(key).await,
+            Err(_) => app.shared.idempotency_abort(&key).await,
         };
         if let Err(e) = recorded {
             tracing::warn!(error = %e, "could not record an idempotency key");
         }
-    }
+        answer
+    });
+    let answer = task.await.map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("sending failed: {e}"),
+        )
+    })?;
     Ok(match answer {
         Ok((response, _)) => response,
         Err(refused) => refused,

@@ -128,16 +128,68 @@ impl SmsProvider for WebhookProvider {
                 .header(http::header::CONTENT_TYPE, "application/json")
                 .body(Full::new(Bytes::from(body)))
                 .map_err(|e| ProviderError(e.to_string()))?;
-            let resp = tokio::time::timeout(Duration::from_secs(5), self.client.request(req))
+            // The whole exchange, body included, within the timeout: a webhook that answers
+            // its headers and then stalls must not hold the dispatcher (or shutdown) for good.
+            let exchange = async {
+                let resp = self.client.request(req).await?;
+                let status = resp.status();
+                let _ = resp.into_body().collect().await;
+                Ok::<_, hyper_util::client::legacy::Error>(status)
+            };
+            let status = tokio::time::timeout(Duration::from_secs(5), exchange)
                 .await
                 .map_err(|_| ProviderError("webhook timed out after 5s".into()))?
                 .map_err(|e| ProviderError(format!("webhook: {e}")))?;
-            let status = resp.status();
-            let _ = resp.into_body().collect().await;
             if !status.is_success() {
                 return Err(ProviderError(format!("webhook answered {status}")));
             }
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    #[tokio::test]
+    async fn a_webhook_that_stalls_mid_body_times_out() {
+        // Answers its headers, promises ten bytes of body and never sends them.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.expect("accept");
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf).await;
+            let _ = conn
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n")
+                .await;
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            drop(conn);
+        });
+        let provider = WebhookProvider::new(&format!("http://{addr}/sms")).expect("url");
+        let sms = OutboundSms {
+            id: "1".into(),
+            phone: "+8613700000001".into(),
+            text: "x".into(),
+            campaign: None,
+            instance: "test".into(),
+            sent_at_ms: 0,
+        };
+        let started = tokio::time::Instant::now();
+        let sent = tokio::time::timeout(Duration::from_secs(20), provider.send(&sms))
+            .await
+            .expect("the send must end by itself");
+        let err = sent.expect_err("a stalled body is a failure");
+        assert!(err.0.contains("timed out"), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(8),
+            "{:?}",
+            started.elapsed()
+        );
+        server.abort();
     }
 }

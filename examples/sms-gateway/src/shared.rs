@@ -17,6 +17,9 @@ use serde_json::json;
 
 /// How long an idempotency key is remembered.
 pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
+/// How long a key stays "in progress" without an answer recorded (a replica that died
+/// mid-send): then the key may be used again.
+pub const IN_PROGRESS_TTL: Duration = Duration::from_secs(60);
 /// The most idempotency keys kept in memory (the oldest expire first).
 const MAX_MEMORY_IDEMPOTENCY_KEYS: usize = 200_000;
 
@@ -253,7 +256,7 @@ impl Shared for MemoryShared {
                 map.retain(|_, (expires, _, _)| *expires > cut);
             }
         }
-        let expires = now + IDEMPOTENCY_TTL.as_millis() as u64;
+        let expires = now + IN_PROGRESS_TTL.as_millis() as u64;
         map.insert(key.to_owned(), (expires, request.to_owned(), None));
         Ok(Idempotency::New)
     }
@@ -267,6 +270,7 @@ impl Shared for MemoryShared {
         let mut map = locked(&self.idempotency);
         if let Some(entry) = map.get_mut(key) {
             if entry.1 == request {
+                entry.0 = now_ms() + IDEMPOTENCY_TTL.as_millis() as u64;
                 entry.2 = Some(response.to_owned());
             }
         }
@@ -279,11 +283,11 @@ impl Shared for MemoryShared {
     }
 
     async fn opt_out(&self, phone: &str) -> Result<bool, StoreError> {
-        // The exact set first, then the filter: a check that misses the filter in between
-        // raced with the opt-out itself.
-        let new = locked(&self.optouts).insert(phone.to_owned());
+        // The filter first, then the exact set: if the second step fails, the filter holds a
+        // phone the set does not (a harmless false positive), never the reverse (an opt-out
+        // the filter would hide). A check in between raced with the opt-out itself.
         self.bloom.add(phone.as_bytes()).await.map_err(err)?;
-        Ok(new)
+        Ok(locked(&self.optouts).insert(phone.to_owned()))
     }
 
     async fn is_opted_out(&self, phone: &str) -> Result<bool, StoreError> {
@@ -491,7 +495,7 @@ impl Shared for RedisShared {
             .arg(json!({"request": request}).to_string())
             .arg("NX")
             .arg("PX")
-            .arg(IDEMPOTENCY_TTL.as_millis() as u64)
+            .arg(IN_PROGRESS_TTL.as_millis() as u64)
             .arg("GET");
         let previous: Option<String> = self.query(set).await?;
         let Some(previous) = previous else {
@@ -518,7 +522,8 @@ impl Shared for RedisShared {
         set.arg(self.key(&["idem", key]))
             .arg(json!({"request": request, "response": response}).to_string())
             .arg("XX")
-            .arg("KEEPTTL");
+            .arg("PX")
+            .arg(IDEMPOTENCY_TTL.as_millis() as u64);
         let _: Option<String> = self.query(set).await?;
         Ok(())
     }
@@ -531,10 +536,12 @@ impl Shared for RedisShared {
     }
 
     async fn opt_out(&self, phone: &str) -> Result<bool, StoreError> {
+        // The filter first (see the memory store): a failure in between leaves a false
+        // positive, never a hidden opt-out.
+        self.bloom.add(phone.as_bytes()).await.map_err(err)?;
         let mut add = redis::cmd("SADD");
         add.arg(self.key(&["optouts"])).arg(phone);
         let new: i64 = self.query(add).await?;
-        self.bloom.add(phone.as_bytes()).await.map_err(err)?;
         Ok(new == 1)
     }
 

@@ -86,9 +86,18 @@ impl Gateway {
     /// Sends SIGTERM and waits for a clean exit.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         let child = self.child.as_mut().expect("running");
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
+        let pid = child.id().to_string();
+        // The `kill` program (procps) may be missing from slim images: the shell's builtin.
+        let sent = match Command::new("kill").args(["-TERM", &pid]).status() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Command::new("sh")
+                .args(["-c", "kill -s TERM \"$1\"", "sh", &pid])
+                .status(),
+            other => other,
+        };
+        assert!(
+            sent.as_ref().is_ok_and(std::process::ExitStatus::success),
+            "could not send SIGTERM to {pid}: {sent:?}"
+        );
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if let Ok(Some(status)) = child.try_wait() {
