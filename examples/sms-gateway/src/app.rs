@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Json;
@@ -67,6 +68,49 @@ pub struct App<S: Shared> {
     pub metrics: PrometheusHandle,
     /// Wakes the campaign dispatcher when a campaign is created.
     pub new_campaign: Notify,
+    /// Sends that may outlive their request (the client hung up): shutdown waits for them.
+    pub sends: Arc<InFlight>,
+}
+
+/// Work that shutdown waits for.
+#[derive(Debug, Default)]
+pub struct InFlight {
+    count: AtomicUsize,
+    idle: Notify,
+}
+
+impl InFlight {
+    /// Counts one more until the guard drops.
+    fn enter(self: &Arc<Self>) -> InFlightGuard {
+        self.count.fetch_add(1, Ordering::SeqCst);
+        InFlightGuard(Arc::clone(self))
+    }
+
+    /// Waits until nothing is in flight, for `patience` at most; whether it got there.
+    pub async fn idle(&self, patience: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.count.load(Ordering::SeqCst) == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return false;
+            }
+        }
+    }
+}
+
+struct InFlightGuard(Arc<InFlight>);
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 impl<S: Shared> std::fmt::Debug for App<S> {
@@ -290,7 +334,9 @@ async fn send_sms<S: Shared>(
     // With a key, accepting and recording run in a task of their own: a client that hangs up
     // mid-send (hyper then drops this handler) must not leave the key "in progress".
     let text = text.to_owned();
+    let in_flight = app.sends.enter();
     let task = tokio::spawn(async move {
+        let _in_flight = in_flight;
         let answer = accept_sms(&app, peer, &headers, &phone, &text).await;
         let recorded = match &answer {
             Ok((_, body)) => app.shared.idempotency_finish(&key, &request, body).await,
@@ -303,10 +349,11 @@ async fn send_sms<S: Shared>(
         answer
     });
     let answer = task.await.map_err(|e| {
+        tracing::error!(error = %e, "the task sending an SMS failed");
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
-            format!("sending failed: {e}"),
+            "the message may or may not have been sent; retry with the same Idempotency-Key",
         )
     })?;
     Ok(match answer {
@@ -517,4 +564,35 @@ async fn metrics<S: Shared>(State(app): State<Arc<App<S>>>) -> Response {
         app.metrics.render(),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn shutdown_waits_for_sends_in_flight() {
+        let sends = Arc::new(InFlight::default());
+        assert!(sends.idle(Duration::from_millis(10)).await);
+        let guard = sends.enter();
+        assert!(!sends.idle(Duration::from_millis(50)).await);
+        let waiter = {
+            let sends = Arc::clone(&sends);
+            tokio::spawn(async move { sends.idle(Duration::from_secs(5)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(guard);
+        assert!(
+            waiter.await.expect("task"),
+            "woken when the last send ended"
+        );
+    }
+
+    #[test]
+    fn ipv6_clients_have_one_key_on_every_route() {
+        let ip = ClientIp::new(TrustedProxies::new(std::iter::empty()));
+        let peer: SocketAddr = "[2001:db8::1]:443".parse().expect("addr");
+        let key = client_key(&ip, peer, &HeaderMap::new());
+        assert_eq!(key.as_bytes(), b"2001:db8::/64");
+    }
 }

@@ -1,6 +1,7 @@
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
 use floodgate::tower::key::{ClientIp, TrustedProxies};
@@ -82,6 +83,7 @@ where
         client_ip,
         metrics,
         new_campaign: Notify::new(),
+        sends: Arc::default(),
     });
     let router = router(Arc::clone(&app)).map_err(|e| format!("rate-limit layer: {e}"))?;
     let (stop, stopped) = watch::channel(false);
@@ -100,6 +102,10 @@ where
     .with_graceful_shutdown(shutdown_signal())
     .await
     .map_err(|e| format!("server: {e}"))?;
+    // Messages still being sent for clients that hung up: recorded before we go.
+    if !app.sends.idle(Duration::from_secs(10)).await {
+        tracing::warn!("stopping with messages still being sent");
+    }
     let _ = stop.send(true);
     let _ = dispatcher.await;
     tracing::info!("sms-gateway stopped");

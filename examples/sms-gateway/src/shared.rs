@@ -249,11 +249,18 @@ impl Shared for MemoryShared {
         if map.len() >= MAX_MEMORY_IDEMPOTENCY_KEYS {
             map.retain(|_, (expires, _, _)| *expires > now);
             if map.len() >= MAX_MEMORY_IDEMPOTENCY_KEYS {
-                // Forget the oldest tenth rather than refuse requests.
-                let mut expiries: Vec<u64> = map.values().map(|v| v.0).collect();
+                // Forget the oldest tenth of the answered keys rather than refuse requests.
+                // Keys still in progress expire soonest but are kept: dropping one would let a
+                // retry send its message a second time.
+                let mut expiries: Vec<u64> = map
+                    .values()
+                    .filter(|v| v.2.is_some())
+                    .map(|v| v.0)
+                    .collect();
                 expiries.sort_unstable();
-                let cut = expiries[expiries.len() / 10];
-                map.retain(|_, (expires, _, _)| *expires > cut);
+                if let Some(&cut) = expiries.get(expiries.len() / 10) {
+                    map.retain(|_, (expires, _, answer)| answer.is_none() || *expires > cut);
+                }
             }
         }
         let expires = now + IN_PROGRESS_TTL.as_millis() as u64;
@@ -688,5 +695,46 @@ impl Shared for RedisShared {
         done.arg(self.key(&["campaigns", "pending"])).arg(id);
         let _: i64 = self.query(done).await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_full_memory_store_keeps_the_keys_still_being_sent() {
+        let store = MemoryShared::new().expect("store");
+        for i in 0..MAX_MEMORY_IDEMPOTENCY_KEYS - 1 {
+            let key = format!("done-{i}");
+            assert!(matches!(
+                store.idempotency_begin(&key, "r").await,
+                Ok(Idempotency::New)
+            ));
+            store
+                .idempotency_finish(&key, "r", "{}")
+                .await
+                .expect("finish");
+        }
+        // In progress: it expires sooner than any answered key.
+        assert!(matches!(
+            store.idempotency_begin("sending", "r").await,
+            Ok(Idempotency::New)
+        ));
+        // Full: room is made for a new key.
+        assert!(matches!(
+            store.idempotency_begin("next", "r").await,
+            Ok(Idempotency::New)
+        ));
+        // The key being sent is still in progress: a retry must not send again.
+        assert!(matches!(
+            store.idempotency_begin("sending", "r").await,
+            Ok(Idempotency::InProgress)
+        ));
+        // Answered keys replay their answer.
+        assert!(matches!(
+            store.idempotency_begin("done-199998", "r").await,
+            Ok(Idempotency::Replay(_))
+        ));
     }
 }
