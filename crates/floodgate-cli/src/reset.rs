@@ -59,7 +59,8 @@ struct ResetJson {
 pub(crate) fn run(args: ResetArgs) -> Result<(), CliError> {
     let set = args.policy.build()?;
     let key = args.key.as_bytes();
-    let out = small_runtime()?.block_on(async {
+    // The states deleted, and the error that stopped the deletions, if one did.
+    let (keys, failed) = small_runtime()?.block_on(async {
         let limiter = args.redis.connect().await?;
         let url = limiter.conn().redacted_url().to_owned();
         let mut keys: Vec<StateJson> = Vec::with_capacity(set.policies.len());
@@ -73,27 +74,25 @@ pub(crate) fn run(args: ResetArgs) -> Result<(), CliError> {
             };
             match step.await {
                 Ok(state) => keys.push(state),
-                Err(e) => {
-                    // The states already deleted are printed all the same: nothing is lost
-                    // without a trace.
-                    if !keys.is_empty() {
-                        let partial = ResetJson {
-                            deleted: keys.iter().filter(|k| k.exists).count(),
-                            keys,
-                        };
-                        if let Ok(text) = serde_json::to_string(&partial) {
-                            println!("{text}");
-                        }
-                    }
-                    return Err(e);
-                }
+                Err(e) => return Ok((keys, Some(e))),
             }
         }
-        Ok::<_, CliError>(ResetJson {
-            deleted: keys.iter().filter(|k| k.exists).count(),
-            keys,
-        })
+        Ok::<_, CliError>((keys, None))
     })?;
+    let out = ResetJson {
+        deleted: keys.iter().filter(|k| k.exists).count(),
+        keys,
+    };
+    if let Some(e) = failed {
+        // The states already deleted are printed all the same: nothing is lost without a
+        // trace.
+        if !out.keys.is_empty() {
+            if let Ok(text) = serde_json::to_string(&out) {
+                println!("{text}");
+            }
+        }
+        return Err(e);
+    }
     let text = serde_json::to_string(&out).map_err(|e| CliError::Failed(e.to_string()))?;
     println!("{text}");
     if out.deleted == 0 {

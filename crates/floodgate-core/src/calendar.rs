@@ -80,27 +80,24 @@ impl FromStr for CalendarUnit {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let lower = s.trim().to_ascii_lowercase();
-        // One plural `s` at most (`sss` is no unit), and `ms` is milliseconds, not minutes:
-        // no calendar unit.
-        let singular = match lower.as_str() {
-            "ms" | "us" | "\u{b5}s" | "\u{3bc}s" => "not a calendar unit",
-            _ => lower.strip_suffix('s').unwrap_or(&lower),
+        let unit = match lower.as_str() {
+            // Milliseconds and microseconds, not minutes: no calendar unit.
+            "ms" | "us" | "\u{b5}s" | "\u{3bc}s" => None,
+            // One plural `s` at most (`sss` is no unit).
+            l => match l.strip_suffix('s').unwrap_or(l) {
+                "" | "sec" | "second" => Some(CalendarUnit::Second),
+                "m" | "min" | "minute" => Some(CalendarUnit::Minute),
+                "h" | "hr" | "hour" => Some(CalendarUnit::Hour),
+                "d" | "day" => Some(CalendarUnit::Day),
+                "w" | "week" => Some(CalendarUnit::Week),
+                "mo" | "month" => Some(CalendarUnit::Month),
+                _ => None,
+            },
         };
-        let unit = match singular {
-            "" | "sec" | "second" => CalendarUnit::Second,
-            "m" | "min" | "minute" => CalendarUnit::Minute,
-            "h" | "hr" | "hour" => CalendarUnit::Hour,
-            "d" | "day" => CalendarUnit::Day,
-            "w" | "week" => CalendarUnit::Week,
-            "mo" | "month" => CalendarUnit::Month,
-            _ => {
-                return Err(PolicyError::Invalid {
-                    field: "calendar unit",
-                    reason: format!("{s:?} is not one of second, minute, hour, day, week, month"),
-                });
-            }
-        };
-        Ok(unit)
+        unit.ok_or_else(|| PolicyError::Invalid {
+            field: "calendar unit",
+            reason: format!("{s:?} is not one of second, minute, hour, day, week, month"),
+        })
     }
 }
 

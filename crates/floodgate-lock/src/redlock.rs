@@ -106,6 +106,21 @@ impl Node {
         }
     }
 
+    /// `op` on this node, bounded by `after`.
+    async fn timed<T, F, Fut>(&self, after: Duration, op: F) -> Result<T, Error>
+    where
+        F: FnOnce(RedisLocks) -> Fut,
+        Fut: Future<Output = Result<T, Error>>,
+    {
+        let call = async { op(self.locks().await?).await };
+        tokio::time::timeout(after, call).await.unwrap_or_else(|_| {
+            Err(Error::NodeTimeout {
+                node: self.shown.clone(),
+                after,
+            })
+        })
+    }
+
     /// The error of a call skipped while this node cools off.
     fn down(&self, retry_in: Duration) -> Error {
         Error::NodeDown {
@@ -277,14 +292,7 @@ impl Redlock {
         F: Fn(RedisLocks) -> Fut,
         Fut: Future<Output = Result<T, Error>> + 'a,
     {
-        let call = async { op(node.locks().await?).await };
-        let result = match tokio::time::timeout(self.node_timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::NodeTimeout {
-                node: node.shown.clone(),
-                after: self.node_timeout,
-            }),
-        };
+        let result = node.timed(self.node_timeout, op).await;
         node.record(&result);
         result
     }
@@ -306,9 +314,9 @@ impl Redlock {
                     let (nodes, after) = (Arc::clone(&self.nodes), self.node_timeout);
                     let (name, token) = (name.to_vec(), token.to_vec());
                     runtime.spawn(async move {
-                        let node = &nodes[i];
-                        let unlock = async { node.locks().await?.unlock(&name, &token).await };
-                        if let Ok(Err(e)) = tokio::time::timeout(after, unlock).await {
+                        let unlock =
+                            |locks: RedisLocks| async move { locks.unlock(&name, &token).await };
+                        if let Err(e) = nodes[i].timed(after, unlock).await {
                             tracing::debug!(
                                 error = %e,
                                 "unlocking a Redlock node that is cooling off failed"

@@ -13,7 +13,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use crate::gcra_batch::GcraBatch;
 use crate::limiter::{Group, RELEASE, check_script_for, decode_group};
 use crate::{ConnectionKind, Error, RedisConn, display_key};
-use floodgate_core::Verdict;
+use floodgate_core::{Timestamp, Verdict};
 
 /// How checks are batched.
 ///
@@ -217,10 +217,21 @@ pub(crate) async fn run_within(
         .collect();
     let args = encode(groups);
     let arg_refs: SmallVec<[&[u8]; 32]> = args.iter().collect();
-    let reply = conn
+    let result = conn
         .invoke_script_within(check_script_for(groups), &keys, &arg_refs, timeout)
-        .await?;
-    decode(&reply, groups)
+        .await
+        .and_then(|reply| decode(&reply, groups));
+    // The call may have run on the server before it failed (a timeout, a connection lost
+    // mid-reply): a concurrency lease it granted would be held for nobody until it expires.
+    // (The GCRA batch script above takes no leases.)
+    if let Err(e) = &result {
+        if may_have_run(e) {
+            for group in groups {
+                release_lease(conn, group);
+            }
+        }
+    }
+    result
 }
 
 fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Checked, Error>>, Error> {
@@ -457,7 +468,7 @@ fn give_back_lease(conn: &RedisConn, group: Group, unsent: Result<Checked, Error
 /// lost connection, a reply that could not be read, a write that failed after groups had
 /// committed): every error but those that prove the script never ran, a breaker that refused
 /// the call, a bad configuration, keys in several slots.
-pub(crate) fn may_have_run(e: &Error) -> bool {
+fn may_have_run(e: &Error) -> bool {
     !matches!(
         e,
         Error::Unavailable { .. } | Error::Config(_) | Error::CrossSlot { .. }
@@ -466,7 +477,7 @@ pub(crate) fn may_have_run(e: &Error) -> bool {
 
 /// Releases the concurrency lease `group` may hold (releasing one it does not hold changes
 /// nothing), in the background.
-pub(crate) fn release_lease(conn: &RedisConn, group: &Group) {
+fn release_lease(conn: &RedisConn, group: &Group) {
     if group.lease == 0 || group.dry_run {
         return;
     }
@@ -477,22 +488,53 @@ pub(crate) fn release_lease(conn: &RedisConn, group: &Group) {
         .filter(|(_, (tag, _))| *tag == "conc")
         .map(|(key, _)| key.clone())
         .collect();
-    let lease = group.lease.to_string();
-    let now = group
-        .now
-        .map_or(String::new(), |t| t.as_micros().to_string());
+    let (lease, now) = (group.lease, group.now);
     let conn = conn.clone();
     tokio::spawn(async move {
-        for key in &keys {
-            let args: [&[u8]; 2] = [lease.as_bytes(), now.as_bytes()];
-            if let Err(e) = conn.invoke_script(&RELEASE, &[key], &args).await {
-                tracing::debug!(
-                    error = %e,
-                    "giving back a concurrency lease failed; it lapses after its TTL"
-                );
-            }
+        if let Err(e) = release_keys(&conn, &keys, lease, now).await {
+            tracing::debug!(
+                error = %e,
+                "giving back a concurrency lease failed; it lapses after its TTL"
+            );
         }
     });
+}
+
+/// Releases `lease` (at `now`, or the server's time) on each of `keys`, one call per key: they
+/// may live in different slots. How many still held it; after trying every key, the first
+/// error.
+pub(crate) async fn release_keys<K: AsRef<[u8]>>(
+    conn: &RedisConn,
+    keys: &[K],
+    lease: u64,
+    now: Option<Timestamp>,
+) -> Result<u64, Error> {
+    let lease = lease.to_string();
+    let now = now.map_or(String::new(), |t| t.as_micros().to_string());
+    let mut released = 0;
+    let mut first_error = None;
+    for key in keys {
+        let reply = conn
+            .invoke_script(
+                &RELEASE,
+                &[key.as_ref()],
+                &[lease.as_bytes(), now.as_bytes()],
+            )
+            .await;
+        let error = match reply {
+            Ok(Value::Int(n)) => {
+                released += u64::try_from(n).unwrap_or(0);
+                continue;
+            }
+            Ok(other) => Error::UnexpectedReply {
+                expected: "a count from the release script",
+                got: format!("{other:?}").chars().take(200).collect(),
+            },
+            Err(e) => e,
+        };
+        first_error.get_or_insert(error);
+    }
+    first_error.map_or(Ok(released), Err)
 }
 
 /// A check with less than this fraction of the store timeout left goes in a call of its own.
@@ -537,12 +579,11 @@ async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
     // count again in its fallback). Such checks go in a call of their own, at the same time.
     let now = tokio::time::Instant::now();
     let (late, on_time) = split_late(jobs, now, conn.timeout() / LATE_FRACTION, conn.timeout());
-    match (late.is_empty(), on_time.is_empty()) {
-        (true, _) => call(conn, on_time, now).await,
-        (_, true) => call(conn, late, now).await,
-        _ => {
-            join(call(conn, late, now), call(conn, on_time, now)).await;
-        }
+    if late.is_empty() {
+        call(conn, on_time, now).await;
+    } else {
+        // (A call of no jobs does nothing.)
+        join(call(conn, late, now), call(conn, on_time, now)).await;
     }
 }
 
@@ -570,14 +611,8 @@ async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
             }
         }
         Err(e) => {
-            // The call may have run on the server before it failed (a timeout, a connection
-            // lost mid-reply): a lease it granted would be held for nobody until it expires.
-            let maybe_ran = may_have_run(&e);
-            for Job { group, reply, .. } in jobs {
-                let _ = reply.send(Err(duplicate(&e)));
-                if maybe_ran {
-                    release_lease(conn, &group);
-                }
+            for job in jobs {
+                let _ = job.reply.send(Err(duplicate(&e)));
             }
         }
     }

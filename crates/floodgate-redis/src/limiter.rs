@@ -12,7 +12,7 @@ use floodgate_core::algorithm::gcra::Gcra;
 use floodgate_core::{
     Check, CheckOptions, Decision, Kind, LeaseId, Limiter, Policy, Timestamp, Verdict,
 };
-use redis::{Script, Value};
+use redis::Script;
 use smallvec::SmallVec;
 use tokio::sync::{mpsc, oneshot};
 
@@ -283,31 +283,12 @@ impl RedisLimiter {
         lease: LeaseId,
         now: Option<Timestamp>,
     ) -> Result<u64, Error> {
-        let lease = lease.0.to_string();
-        let now = now.map_or(String::new(), |t| t.as_micros().to_string());
-        let mut released = 0;
-        // One call per key: they may live in different slots.
-        for c in checks {
-            if !matches!(c.policy.kind(), Kind::Concurrency(_)) {
-                continue;
-            }
-            let key = self.state_key(c.policy, c.key);
-            let reply = self
-                .inner
-                .conn
-                .invoke_script(&RELEASE, &[&key], &[lease.as_bytes(), now.as_bytes()])
-                .await?;
-            match reply {
-                Value::Int(n) => released += u64::try_from(n).unwrap_or(0),
-                other => {
-                    return Err(Error::UnexpectedReply {
-                        expected: "a count from the release script",
-                        got: format!("{other:?}").chars().take(200).collect(),
-                    });
-                }
-            }
-        }
-        Ok(released)
+        let keys: SmallVec<[Vec<u8>; 2]> = checks
+            .iter()
+            .filter(|c| matches!(c.policy.kind(), Kind::Concurrency(_)))
+            .map(|c| self.state_key(c.policy, c.key))
+            .collect();
+        batch::release_keys(&self.inner.conn, &keys, lease.0, now).await
     }
 
     /// Validates and encodes one check (its keys may span cluster slots: see `split`).
@@ -375,8 +356,9 @@ impl RedisLimiter {
     ) -> Result<CheckFuture<'a>, Error> {
         let group = self.encode(checks, opts)?;
         let lease = group.lease;
+        let slots = self.slots_of(&group);
         if let Some((jobs, batcher_runtime)) = self.batcher_on() {
-            if self.slots_of(&group).is_none() {
+            if slots.is_none() {
                 if let Ok(permit) = jobs.try_reserve() {
                     let timeout = self.inner.conn.timeout();
                     let deadline = tokio::time::Instant::now() + timeout;
@@ -399,18 +381,19 @@ impl RedisLimiter {
             }
         }
         Ok(CheckFuture::Boxed(Box::pin(
-            self.run_check(checks, opts, group),
+            self.run_check(checks, opts, group, slots),
         )))
     }
 
+    /// `slots`: the group's [`RedisLimiter::slots_of`].
     async fn run_check(
         &self,
         checks: &[Check<'_>],
         opts: CheckOptions,
         group: Group,
+        slots: Option<Vec<u16>>,
     ) -> Result<Verdict, Error> {
         let lease = group.lease;
-        let slots = self.slots_of(&group);
         // The cross-slot path is boxed: it holds several script calls, and its futures would
         // make every check's future (boxed and copied by callers such as the tower layer)
         // many kilobytes larger.
@@ -494,16 +477,8 @@ impl RedisLimiter {
     async fn run_unbatched(&self, group: &Group) -> Result<Checked, Error> {
         // Boxed for the same reason as the cross-slot path: a script call's future is large,
         // and the batched path (the default) does not need it here.
-        match Box::pin(batch::run(&self.inner.conn, &[group])).await {
-            Ok(mut results) => results.pop().unwrap_or_else(|| Err(batcher_gone())),
-            Err(e) => {
-                // The call may have run before it failed: give back a lease it granted.
-                if batch::may_have_run(&e) {
-                    batch::release_lease(&self.inner.conn, group);
-                }
-                Err(e)
-            }
-        }
+        let mut results = Box::pin(batch::run(&self.inner.conn, &[group])).await?;
+        results.pop().unwrap_or_else(|| Err(batcher_gone()))
     }
 
     /// A check whose keys live in several cluster slots: each slot's part is checked

@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use floodgate_core::{Check, CheckOptions, Limiter, MemoryLimiter, Policy, Timestamp};
-use floodgate_redis::{BatchConfig, ConnectionKind, RedisConfig, RedisConn, RedisLimiter};
+use floodgate_redis::{BatchConfig, ConnectionKind, RedisConfig, RedisLimiter};
 use futures_util::future::join_all;
 use support::{command_calls, limiter, run, server};
 
@@ -19,12 +19,11 @@ const HOUR: Duration = Duration::from_secs(3_600);
 /// made one by one.
 async fn in_order(server: &floodgate_testkit::RedisServer) -> RedisLimiter {
     let config = RedisConfig::new(&server.url()).expect("valid URL");
-    let conn = RedisConn::connect(&config).await.expect("connect");
     let batching = BatchConfig {
         max_in_flight: 1,
         ..BatchConfig::default()
     };
-    RedisLimiter::with_batching(conn, "floodgate", batching)
+    support::limiter_batching(&config, batching).await
 }
 
 /// A valid policy under `name`.

@@ -79,10 +79,7 @@ async fn lease_of_a_timed_out_call_comes_back(
     let config = floodgate_redis::RedisConfig::new(&server.url())
         .expect("valid URL")
         .timeout(Duration::from_millis(100));
-    let conn = floodgate_redis::RedisConn::connect(&config)
-        .await
-        .expect("connect");
-    let limiter = RedisLimiter::with_batching(conn, config.get_key_prefix(), batching);
+    let limiter = support::limiter_batching(&config, batching).await;
     let p = Policy::concurrency(1, Duration::from_secs(30)).expect("valid");
     warm_up(&limiter, &p).await;
 

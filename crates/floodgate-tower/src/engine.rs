@@ -584,10 +584,11 @@ where
             .any(|c| matches!(c.policy.kind(), Kind::Shaper(_)));
         let started = (!max_wait.is_zero()).then(Instant::now);
         let mut attempts = 0;
+        // What is left of `max_wait`.
+        let left = || started.map_or(Duration::ZERO, |s| max_wait.saturating_sub(s.elapsed()));
         loop {
-            let budget = started.map_or(Duration::ZERO, |s| max_wait.saturating_sub(s.elapsed()));
             let opts = if shaper {
-                CheckOptions::wait(budget)
+                CheckOptions::wait(left())
             } else {
                 CheckOptions::default()
             };
@@ -620,10 +621,10 @@ where
             }
             attempts += 1;
             let retry = verdict.strictest().and_then(|(_, d)| d.retry_after);
-            // What is left after the check itself, which may have taken a while.
-            let left = started.map_or(Duration::ZERO, |s| max_wait.saturating_sub(s.elapsed()));
+            // The retry must fit in what is left after the check itself, which may have taken
+            // a while.
             match retry {
-                Some(retry) if attempts < MAX_DELAY_ATTEMPTS && retry <= left => {
+                Some(retry) if attempts < MAX_DELAY_ATTEMPTS && retry <= left() => {
                     tokio::time::sleep(retry).await;
                 }
                 _ => {
@@ -792,16 +793,17 @@ where
     }
 
     fn release(self: Arc<Self>, job: LeaseJob) {
-        if job.fallback {
-            if let Some(fallback) = &self.shared.fallback {
-                let checks = lease_checks(&self.shared, &job);
-                fallback.release_sync(&checks, job.lease);
-            }
-            return;
-        }
-        // The in-memory limiter releases at once, runtime or not.
-        if let Some(memory) = (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>() {
+        // A lease of the fallback, or of the in-memory limiter: released at once, runtime or
+        // not.
+        let memory = if job.fallback {
+            self.shared.fallback.as_ref()
+        } else {
+            (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>()
+        };
+        if let Some(memory) = memory {
             memory.release_sync(&lease_checks(&self.shared, &job), job.lease);
+        }
+        if job.fallback || memory.is_some() {
             return;
         }
         // Other stores' futures may need a runtime even to be polled once (timers, I/O): a

@@ -610,12 +610,10 @@ async fn delay_mode_spaces_requests_out() {
     let arrivals = Arrivals::default();
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(
-            Rule::new(
-                Policy::shaper(10, Duration::from_secs(1))
-                    .expect("policy")
-                    .named("shaper")
-                    .expect("name"),
-            )
+            Rule::new(policy_named(
+                Policy::shaper(10, Duration::from_secs(1)),
+                "shaper",
+            ))
             .key(GlobalKey),
         )
         .delay(Duration::from_secs(2))
@@ -636,12 +634,10 @@ async fn delay_mode_spaces_requests_out() {
     let arrivals = Arrivals::default();
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(
-            Rule::new(
-                Policy::gcra(0, 10, Duration::from_secs(1))
-                    .expect("policy")
-                    .named("gcra")
-                    .expect("name"),
-            )
+            Rule::new(policy_named(
+                Policy::gcra(0, 10, Duration::from_secs(1)),
+                "gcra",
+            ))
             .key(GlobalKey),
         )
         .delay(Duration::from_secs(2))
@@ -660,12 +656,10 @@ async fn delay_mode_spaces_requests_out() {
     let arrivals = Arrivals::default();
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(
-            Rule::new(
-                Policy::shaper(4, Duration::from_secs(1))
-                    .expect("policy")
-                    .named("slow")
-                    .expect("name"),
-            )
+            Rule::new(policy_named(
+                Policy::shaper(4, Duration::from_secs(1)),
+                "slow",
+            ))
             .key(GlobalKey),
         )
         .delay(Duration::from_millis(300))
@@ -740,12 +734,10 @@ fn policy_named(p: Result<Policy, floodgate_core::PolicyError>, name: &str) -> P
 async fn a_concurrency_lease_lasts_until_the_body_ends() {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(
-            Rule::new(
-                Policy::concurrency(1, Duration::from_secs(60))
-                    .expect("policy")
-                    .named("one-at-a-time")
-                    .expect("name"),
-            )
+            Rule::new(policy_named(
+                Policy::concurrency(1, Duration::from_secs(60)),
+                "one-at-a-time",
+            ))
             .key(GlobalKey),
         )
         .headers_on_allowed(true)

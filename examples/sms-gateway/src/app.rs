@@ -325,37 +325,36 @@ async fn send_sms<S: Shared>(
             }
         }
     }
-    let Some(key) = idem else {
-        return Ok(match accept_sms(&app, peer, &headers, &phone, text).await {
-            Ok((response, _)) => response,
-            Err(refused) => refused,
-        });
-    };
-    // With a key, accepting and recording run in a task of their own: a client that hangs up
-    // mid-send (hyper then drops this handler) must not leave the key "in progress".
-    let text = text.to_owned();
-    let in_flight = app.sends.enter();
-    let task = tokio::spawn(async move {
-        let _in_flight = in_flight;
-        let answer = accept_sms(&app, peer, &headers, &phone, &text).await;
-        let recorded = match &answer {
-            Ok((_, body)) => app.shared.idempotency_finish(&key, &request, body).await,
-            // Not accepted: the same key may be retried.
-            Err(_) => app.shared.idempotency_abort(&key).await,
-        };
-        if let Err(e) = recorded {
-            tracing::warn!(error = %e, "could not record an idempotency key");
+    let answer = match idem {
+        None => accept_sms(&app, peer, &headers, &phone, text).await,
+        // With a key, accepting and recording run in a task of their own: a client that hangs
+        // up mid-send (hyper then drops this handler) must not leave the key "in progress".
+        Some(key) => {
+            let text = text.to_owned();
+            let in_flight = app.sends.enter();
+            let task = tokio::spawn(async move {
+                let _in_flight = in_flight;
+                let answer = accept_sms(&app, peer, &headers, &phone, &text).await;
+                let recorded = match &answer {
+                    Ok((_, body)) => app.shared.idempotency_finish(&key, &request, body).await,
+                    // Not accepted: the same key may be retried.
+                    Err(_) => app.shared.idempotency_abort(&key).await,
+                };
+                if let Err(e) = recorded {
+                    tracing::warn!(error = %e, "could not record an idempotency key");
+                }
+                answer
+            });
+            task.await.map_err(|e| {
+                tracing::error!(error = %e, "the task sending an SMS failed");
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "the message may or may not have been sent; retry with the same Idempotency-Key",
+                )
+            })?
         }
-        answer
-    });
-    let answer = task.await.map_err(|e| {
-        tracing::error!(error = %e, "the task sending an SMS failed");
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "the message may or may not have been sent; retry with the same Idempotency-Key",
-        )
-    })?;
+    };
     Ok(match answer {
         Ok((response, _)) => response,
         Err(refused) => refused,

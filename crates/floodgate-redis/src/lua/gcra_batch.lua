@@ -79,7 +79,7 @@ for c = 1, nk, 256 do
     local tat = 0
     if raw then
       tat = tonum(raw)
-      if tat == nil or tat < 0 or tat ~= floor(tat) or tat > 9007199254740991 then
+      if not exact(tat) then
         reply[i + 1] = 'FLOODGATE_CORRUPT 0 tat is ' .. shown(raw)
         tat = nil
       end

@@ -63,22 +63,24 @@ ALG.log = {
       -- Members of one microsecond are told apart by a number one past the largest there,
       -- not by their count: after an undo removed one, a count would name an entry that is
       -- still there, and ZADD would overwrite it (its units lost).
+      local at = fmt(now)
       local n = 0
-      for _, m in ipairs(redis.call('ZRANGEBYSCORE', key, fmt(now), fmt(now))) do
+      for _, m in ipairs(redis.call('ZRANGEBYSCORE', key, at, at)) do
         local k = tonumber(string.match(m, ':(%d+)$') or '')
         if k and k >= n then
           n = k + 1
         end
       end
-      redis.call('ZADD', key, fmt(now), fmt(now) .. ':' .. fmt(st.added) .. ':' .. fmt(n))
+      redis.call('ZADD', key, at, at .. ':' .. fmt(st.added) .. ':' .. fmt(n))
       newest = math.max(newest, now)
     end
     expire(key, newest + window, now)
   end,
 
   undo = function(idx, key, p, now, cost)
-    local members = read(idx, 'ZRANGEBYSCORE', key, fmt(now), fmt(now))
-    local prefix = fmt(now) .. ':' .. fmt(cost) .. ':'
+    local at = fmt(now)
+    local members = read(idx, 'ZRANGEBYSCORE', key, at, at)
+    local prefix = at .. ':' .. fmt(cost) .. ':'
     for i = #members, 1, -1 do
       if string.sub(members[i], 1, #prefix) == prefix then
         redis.call('ZREM', key, members[i])

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use floodgate_redis::{ConnectionKind, RedisConfig, RedisLimiter};
+use floodgate_redis::{BatchConfig, ConnectionKind, RedisConfig, RedisConn, RedisLimiter};
 use floodgate_testkit::RedisCluster;
 pub use floodgate_testkit::{cluster, run, server};
 
@@ -14,6 +14,12 @@ pub async fn limiter(url: &str, kind: ConnectionKind) -> RedisLimiter {
         .connection(kind)
         .timeout(Duration::from_secs(2));
     RedisLimiter::connect(&config).await.expect("connect")
+}
+
+/// A limiter over `config` with these batching settings.
+pub async fn limiter_batching(config: &RedisConfig, batching: BatchConfig) -> RedisLimiter {
+    let conn = RedisConn::connect(config).await.expect("connect");
+    RedisLimiter::with_batching(conn, config.get_key_prefix(), batching)
 }
 
 pub async fn cluster_limiter(cluster: &RedisCluster) -> RedisLimiter {
