@@ -81,7 +81,8 @@ impl RedisArgs {
         let conn = RedisConn::connect(&config)
             .await
             .map_err(CliError::Connect)?;
-        Ok(RedisLimiter::with_batching(conn, &self.prefix, batch))
+        RedisLimiter::with_batching(conn, &self.prefix, batch)
+            .map_err(|e| CliError::usage(e.to_string()))
     }
 
     /// Whether the connection is to a cluster.

@@ -464,7 +464,7 @@ pub(crate) fn redact_url(raw: &str) -> String {
     }
 }
 
-fn validate_key_prefix(prefix: &str) -> Result<(), Error> {
+pub(crate) fn validate_key_prefix(prefix: &str) -> Result<(), Error> {
     if prefix.is_empty() {
         return Err(Error::Config("the key prefix must not be empty".to_owned()));
     }

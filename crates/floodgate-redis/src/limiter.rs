@@ -17,6 +17,7 @@ use smallvec::SmallVec;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::batch::{self, BatchConfig, Checked, Job};
+use crate::config::validate_key_prefix;
 use crate::gcra_batch::{GCRA_BATCH, GcraBatch};
 use crate::keys::{key_slot, state_key};
 use crate::{ConnectionKind, Error, RedisConfig, RedisConn};
@@ -210,25 +211,30 @@ impl RedisLimiter {
     /// Connects with `config`, batching with the default settings.
     pub async fn connect(config: &RedisConfig) -> Result<Self, Error> {
         let conn = RedisConn::connect(config).await?;
-        Ok(RedisLimiter::new(conn, config.get_key_prefix()))
+        RedisLimiter::new(conn, config.get_key_prefix())
     }
 
     /// A limiter over an existing connection, with its keys under `prefix`.
-    pub fn new(conn: RedisConn, prefix: &str) -> Self {
+    ///
+    /// The prefix is checked as [`RedisConfig::key_prefix`] checks it: an empty or overlong
+    /// prefix, or one with a brace (it would change every key's cluster hash tag), whitespace or
+    /// a control character, is a [`Error::Config`].
+    pub fn new(conn: RedisConn, prefix: &str) -> Result<Self, Error> {
         RedisLimiter::with_batching(conn, prefix, BatchConfig::default())
     }
 
     /// A limiter with explicit batching settings (`BatchConfig::disabled()` sends every check
-    /// on its own).
-    pub fn with_batching(conn: RedisConn, prefix: &str, batch: BatchConfig) -> Self {
-        RedisLimiter {
+    /// on its own). The prefix is checked as by [`RedisLimiter::new`].
+    pub fn with_batching(conn: RedisConn, prefix: &str, batch: BatchConfig) -> Result<Self, Error> {
+        validate_key_prefix(prefix)?;
+        Ok(RedisLimiter {
             inner: Arc::new(Inner {
                 conn,
                 prefix: prefix.into(),
                 batch,
                 jobs: OnceLock::new(),
             }),
-        }
+        })
     }
 
     /// The connection.

@@ -6,8 +6,8 @@ use std::future::Future;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use floodgate_redis::{
-    ConnectionKind, DEFAULT_SINGLE_NODE_KIND, Error, RedisConfig, RedisConn, ScriptCall,
-    display_key,
+    BatchConfig, ConnectionKind, DEFAULT_SINGLE_NODE_KIND, Error, RedisConfig, RedisConn,
+    RedisLimiter, ScriptCall, display_key,
 };
 use floodgate_testkit::{RedisCluster, RedisServer};
 use redis::{Script, Value};
@@ -220,6 +220,35 @@ fn key_prefix_is_validated() {
         let message = config_error(base().key_prefix(prefix));
         assert!(message.contains(says), "{prefix:?}: {message}");
     }
+}
+
+#[test]
+fn a_limiter_over_an_existing_connection_checks_its_prefix() {
+    let server = RedisServer::start().expect("start redis-server");
+    run(async {
+        let conn = connect(
+            &server.url(),
+            ConnectionKind::Multiplexed,
+            Duration::from_secs(1),
+        )
+        .await;
+        let limiter = RedisLimiter::new(conn.clone(), "sms:v2").expect("valid prefix");
+        assert_eq!(limiter.prefix(), "sms:v2");
+        for (prefix, says) in [("", "empty"), ("a{b", "brace"), ("a b", "whitespace")] {
+            for made in [
+                RedisLimiter::new(conn.clone(), prefix),
+                RedisLimiter::with_batching(conn.clone(), prefix, BatchConfig::disabled()),
+            ] {
+                match made {
+                    Err(Error::Config(message)) => {
+                        assert!(message.contains(says), "{prefix:?}: {message}");
+                    }
+                    Err(other) => panic!("{prefix:?}: {other:?}"),
+                    Ok(_) => panic!("{prefix:?} accepted"),
+                }
+            }
+        }
+    });
 }
 
 #[test]

@@ -443,7 +443,7 @@ impl RedisShared {
             .and_then(|c| c.key_prefix(prefix))
             .map_err(err)?;
         let conn = RedisConn::connect(&config).await.map_err(err)?;
-        let limiter = DenyCache::new(RedisLimiter::new(conn.clone(), prefix));
+        let limiter = DenyCache::new(RedisLimiter::new(conn.clone(), prefix).map_err(err)?);
         let locks = RedisLocks::builder(conn.clone())
             .notifications([url])
             .map_err(err)?

@@ -181,3 +181,38 @@ async fn per_ip_limit_and_graceful_shutdown() {
     tokio::time::sleep(Duration::from_millis(10)).await;
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_creating_campaigns_spends_the_global_budget() {
+    let dir = temp_dir("global");
+    let gw = Gateway::start(
+        &dir,
+        "global",
+        &[("GLOBAL_PER_SECOND", "1"), ("IP_PER_MINUTE", "1000")],
+    );
+    let http = Http::new();
+    let campaign = r#"{"text":"sale","phones":["+8613855555555"]}"#;
+    let created = http.post(&gw.url("/v1/campaigns"), campaign).await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    // The global budget (one per second) is spent; requests that send nothing still pass,
+    // and their headers do not mention it.
+    for i in 0..5 {
+        let r = http
+            .post(
+                &gw.url("/v1/opt-outs"),
+                &format!(r#"{{"phone":"+86138666666{i:02}"}}"#),
+            )
+            .await;
+        assert_eq!(r.status, 201, "opt-out {i}: {}", r.body);
+        let ratelimit = r.headers["ratelimit"].to_str().expect("ascii");
+        assert!(!ratelimit.contains("global"), "{ratelimit}");
+        let r = http.get(&gw.url("/v1/campaigns/nosuchcampaign")).await;
+        assert_eq!(r.status, 404, "read {i}: {}", r.body);
+    }
+    // Creating another campaign within the second is turned away by the global limit.
+    let again = http.post(&gw.url("/v1/campaigns"), campaign).await;
+    assert_eq!(again.status, 429, "{}", again.body);
+    let ratelimit = again.headers["ratelimit"].to_str().expect("ascii");
+    assert!(ratelimit.contains("\"global\";r=0"), "{ratelimit}");
+    let _ = std::fs::remove_dir_all(dir);
+}

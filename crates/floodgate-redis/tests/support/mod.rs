@@ -19,7 +19,7 @@ pub async fn limiter(url: &str, kind: ConnectionKind) -> RedisLimiter {
 /// A limiter over `config` with these batching settings.
 pub async fn limiter_batching(config: &RedisConfig, batching: BatchConfig) -> RedisLimiter {
     let conn = RedisConn::connect(config).await.expect("connect");
-    RedisLimiter::with_batching(conn, config.get_key_prefix(), batching)
+    RedisLimiter::with_batching(conn, config.get_key_prefix(), batching).expect("valid prefix")
 }
 
 pub async fn cluster_limiter(cluster: &RedisCluster) -> RedisLimiter {
