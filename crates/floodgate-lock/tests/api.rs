@@ -140,20 +140,48 @@ fn fencing_tokens_survive_the_loss_of_the_counter() {
             .expect("after restart");
         assert!(g.fence() > last, "{} after {last}", g.fence());
         g.release().await.expect("release");
-        // A corrupted counter is reported, not overwritten.
-        server
-            .cmd(&[
-                &b"SET"[..],
-                locks.fence_key(b"fence").as_slice(),
-                &b"garbage"[..],
-            ])
-            .expect("SET");
-        let e = lock.try_acquire().await.expect_err("corrupt counter");
-        assert!(matches!(e, Error::Redis(ref r) if r.is_corrupted()), "{e}");
-        assert!(
-            lock.try_acquire().await.is_err(),
-            "the lock was not taken meanwhile"
-        );
+        // A corrupted counter is reported, not overwritten, and the lock is not taken: values
+        // that are not a number, and numbers past which `counter + 1` is not exact or which
+        // the script never writes.
+        for corrupt in [
+            "garbage",
+            "inf",
+            "nan",
+            "1e400",
+            "1e300",
+            "1.5",
+            "0x10",
+            " 12 ",
+            "9007199254740991",
+            "9007199254740993",
+        ] {
+            let key = locks.fence_key(b"fence");
+            server
+                .cmd(&[&b"SET"[..], key.as_slice(), corrupt.as_bytes()])
+                .expect("SET");
+            let e = lock.try_acquire().await.expect_err(corrupt);
+            assert!(
+                matches!(e, Error::Redis(ref r) if r.is_corrupted()),
+                "{corrupt}: {e}"
+            );
+            let lock_key = locks.lock_key(b"fence");
+            assert_eq!(
+                server
+                    .cmd(&[&b"EXISTS"[..], lock_key.as_slice()])
+                    .expect("EXISTS")
+                    .as_int(),
+                Some(0),
+                "{corrupt}: the lock was taken"
+            );
+            assert_eq!(
+                server
+                    .cmd(&[&b"GET"[..], key.as_slice()])
+                    .expect("GET")
+                    .as_bytes(),
+                Some(corrupt.as_bytes()),
+                "the counter was overwritten"
+            );
+        }
     });
 }
 

@@ -219,3 +219,30 @@ fn scripts_run(server: &floodgate_testkit::RedisServer) -> u64 {
         .filter_map(|n| n.parse::<u64>().ok())
         .sum()
 }
+
+#[test]
+fn raising_a_corrupt_fencing_counter_is_an_error_that_writes_nothing() {
+    let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
+    let script = include_str!("../src/redis_locks/raise_fence.lua");
+    server.cmd(&["SET", "lock", "mine"]).expect("SET");
+    for corrupt in ["garbage", "nan", "inf", "1e300", "9007199254740993"] {
+        server.cmd(&["SET", "fence", corrupt]).expect("SET");
+        let reply = server
+            .cmd(&["EVAL", script, "2", "lock", "fence", "mine", "42", "60000"])
+            .expect("EVAL");
+        assert!(
+            matches!(&reply, floodgate_testkit::Resp::Error(e) if e.starts_with("FLOODGATE_CORRUPT")),
+            "{corrupt}: {reply:?}"
+        );
+        let now = server.cmd(&["GET", "fence"]).expect("GET");
+        assert_eq!(now.as_bytes(), Some(corrupt.as_bytes()), "overwritten");
+    }
+    // A sound counter is raised.
+    server.cmd(&["SET", "fence", "7"]).expect("SET");
+    let reply = server
+        .cmd(&["EVAL", script, "2", "lock", "fence", "mine", "42", "60000"])
+        .expect("EVAL");
+    assert_eq!(reply.as_int(), Some(1));
+    let now = server.cmd(&["GET", "fence"]).expect("GET");
+    assert_eq!(now.as_bytes(), Some(&b"42"[..]));
+}

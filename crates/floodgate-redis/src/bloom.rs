@@ -4,7 +4,7 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::{Arc, LazyLock};
 
-use floodgate_core::bloom::{BloomError, BloomFilter, BloomParams};
+use floodgate_core::bloom::{BloomError, BloomFilter, BloomParams, MAX_PARTS};
 use redis::{Script, Value};
 
 use crate::error::describe_value;
@@ -347,7 +347,10 @@ impl RedisBloom {
                 Value::Array(v) => match v.as_slice() {
                     [Value::Int(d), Value::Int(p)] => {
                         deleted += d;
-                        recorded = recorded.max(u32::try_from(*p).unwrap_or(0));
+                        // A filter never has more than MAX_PARTS parts: a larger count is
+                        // corrupt, and would have the caller delete billions of keys.
+                        let parts = u32::try_from(*p).unwrap_or(0).min(MAX_PARTS);
+                        recorded = recorded.max(parts);
                     }
                     _ => {
                         return Err(Error::UnexpectedReply {

@@ -367,6 +367,29 @@ async fn damaged_keys_are_typed_errors() -> TestResult {
         server.cmd(&[&b"GET"[..], &bits])?.as_bytes(),
         Some(&b"foreign"[..])
     );
+    // A config with a corrupt part count: delete goes no further than the most parts a filter
+    // can have (it would otherwise send a call for each of 100,000 parts, or billions).
+    server.cmd(&[&b"HSET"[..], &cfg, b"parts", b"100000"])?;
+    server.cmd(&["CONFIG", "RESETSTAT"])?;
+    filter.delete().await?;
+    let stats = server.cmd(&["INFO", "commandstats"])?;
+    let calls: u64 = stats
+        .as_str()
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum();
+    // One call per part, and one EVAL after the first EVALSHA found the script not loaded.
+    let most = u64::from(floodgate_core::bloom::MAX_PARTS) + 1;
+    assert!((1..=most).contains(&calls), "{calls} delete calls");
     Ok(())
 }
 

@@ -315,6 +315,9 @@ fn scores_and_costs_lua_cannot_hold_exactly_are_corruption() {
             (&log, &b"inf"[..], &b"1:1:0"[..]),
             (&log, b"9000000000000000", b"1:99999999999999999999:0"),
             (&log, b"18014398509481984", b"1:1:0"),
+            // The number after which the next entry of that microsecond is numbered.
+            (&log, b"9000000000000000", b"1:1:99999999999999999999"),
+            (&log, b"9000000000000000", b"1:1:9007199254740991"),
             (&conc, b"inf", b"lease:1"),
             (&conc, b"9000000000000000", b"lease:99999999999999999999"),
         ] {
@@ -415,5 +418,73 @@ fn sliding_log_entries_of_one_microsecond_never_overwrite_each_other() {
         // Two more units in the same microsecond: 4 counted in all, none overwritten.
         assert!(check(2).await.allowed());
         assert_eq!(check(0).await.decisions[0].remaining, 6);
+    });
+}
+
+#[test]
+fn a_hash_state_missing_a_field_is_corruption_and_stays_as_it_was() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let minute = Duration::from_secs(60);
+        for (policy, field, value) in [
+            (Policy::fixed_window(5, minute), "count", "100"),
+            (Policy::fixed_window(5, minute), "start", "1700000000000000"),
+            (Policy::sliding_window(5, minute), "curr", "100"),
+            (Policy::token_bucket(5, 1, minute), "tokens", "0"),
+            (
+                Policy::token_bucket(5, 1, minute),
+                "last",
+                "1700000000000000",
+            ),
+            (Policy::funnel(5, minute), "level", "0"),
+        ] {
+            let policy = policy.expect("valid");
+            let key = redis.state_key(&policy, b"k");
+            server.cmd(&[b"DEL".as_slice(), &key]).expect("del");
+            server
+                .cmd(&[b"HSET".as_slice(), &key, field.as_bytes(), value.as_bytes()])
+                .expect("hset");
+            let err = match redis.check_one(b"k", &policy, 1).await {
+                Err(e) => e,
+                Ok(d) => panic!("{} with only {field} decided {d:?}", policy.name()),
+            };
+            assert!(err.is_corrupted(), "{}: {err:?}", policy.name());
+            assert!(err.to_string().contains("missing"), "{err}");
+            let fields = server.cmd(&[b"HGETALL".as_slice(), &key]).expect("hgetall");
+            let fields = fields.as_array().expect("array");
+            assert_eq!(fields.len(), 2, "{}: {fields:?}", policy.name());
+        }
+    });
+}
+
+#[test]
+fn releasing_beside_a_corrupt_lease_end_keeps_every_lease() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let conc = Policy::concurrency(5, Duration::from_secs(60)).expect("valid");
+        let checks = [Check::new(b"k", &conc)];
+        let verdict = redis
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("check");
+        let lease = verdict.lease.expect("a lease");
+        let key = redis.state_key(&conc, b"k");
+        for corrupt in [&b"inf"[..], b"1e300"] {
+            server
+                .cmd(&[b"ZADD".as_slice(), &key, corrupt, b"other:1"])
+                .expect("zadd");
+            let err = redis
+                .release(&checks, lease)
+                .await
+                .expect_err("a corrupt lease end");
+            assert!(err.is_corrupted(), "{err:?}");
+            let held = server
+                .cmd(&[b"ZCARD".as_slice(), &key])
+                .expect("zcard")
+                .as_int();
+            assert_eq!(held, Some(2), "our lease and the other member are kept");
+        }
     });
 }

@@ -69,7 +69,7 @@ end
 
 ALG.fw = {
   load = function(idx, key)
-    local r = read(idx, 'HMGET', key, 'start', 'count')
+    local r = hash_fields(idx, key, 'start', 'count')
     return { start = int_field(idx, 'start', r[1], 0), count = int_field(idx, 'count', r[2], 0) }
   end,
 

@@ -7,7 +7,7 @@ end
 
 ALG.lb = {
   load = function(idx, key)
-    local r = read(idx, 'HMGET', key, 'level', 'at')
+    local r = hash_fields(idx, key, 'level', 'at')
     return { level = int_field(idx, 'level', r[1], 0), at = int_field(idx, 'at', r[2], 0) }
   end,
 

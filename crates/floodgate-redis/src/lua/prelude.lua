@@ -101,6 +101,24 @@ local function int_field(idx, name, raw, default)
   return v
 end
 
+-- The fields `...` of hash state `key`, as HMGET reads them: all of them or none (no state).
+-- The scripts always write every field, so a hash with only some is corrupt.
+local function hash_fields(idx, key, ...)
+  local r = read(idx, 'HMGET', key, ...)
+  local missing, present = nil, false
+  for i, name in ipairs({ ... }) do
+    if r[i] then
+      present = true
+    else
+      missing = missing or name
+    end
+  end
+  if present and missing then
+    fail('FLOODGATE_CORRUPT', idx, missing .. ' is missing')
+  end
+  return r
+end
+
 -- Keeps a key until its state stops mattering; drops it once it already has.
 local function expire(key, expires_at, now)
   if expires_at <= now then

@@ -6,9 +6,12 @@ ALG.log = {
     local r = read(idx, 'ZRANGEBYSCORE', key, '(' .. fmt(now - p[2]), '+inf', 'WITHSCORES')
     local entries = {}
     for i = 1, #r, 2 do
-      local cost = tonumber(string.match(r[i], '^%d+:(%d+):%d+$') or '')
-      local at = tonumber(r[i + 1])
-      if not (exact(cost) and exact(at)) then
+      local c, n = string.match(r[i], '^%d+:(%d+):(%d+)$')
+      local cost, at = tonumber(c or ''), tonumber(r[i + 1])
+      -- The number tells members of one microsecond apart; the next is one past it, so it
+      -- must stay exact.
+      n = tonumber(n or '')
+      if not (exact(cost) and exact(at) and exact(n) and n < 9007199254740991) then
         fail('FLOODGATE_CORRUPT', idx, 'log entry ' .. shown(r[i]))
       end
       entries[#entries + 1] = { at = at, cost = cost }

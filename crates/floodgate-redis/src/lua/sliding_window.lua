@@ -17,7 +17,7 @@ end
 
 ALG.sw = {
   load = function(idx, key)
-    local r = read(idx, 'HMGET', key, 'start', 'curr', 'prev')
+    local r = hash_fields(idx, key, 'start', 'curr', 'prev')
     return {
       start = int_field(idx, 'start', r[1], 0),
       curr = int_field(idx, 'curr', r[2], 0),

@@ -20,7 +20,7 @@ end
 
 ALG.tb = {
   load = function(idx, key, p)
-    local r = read(idx, 'HMGET', key, 'tokens', 'last')
+    local r = hash_fields(idx, key, 'tokens', 'last')
     return { tokens = int_field(idx, 'tokens', r[1], p[1]), last = int_field(idx, 'last', r[2], 0) }
   end,
 

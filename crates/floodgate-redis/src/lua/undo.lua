@@ -17,6 +17,9 @@ if #KEYS > 0 then
   -- time since, so keep the slack that injected times get.
   TTL_SLACK = 60000
 end
+-- Every check is parsed and every key read and checked (its algorithm's load) before any is
+-- written: a malformed check or a corrupt key undoes nothing.
+local undos = {}
 for i, key in ipairs(KEYS) do
   local b = 2 + (i - 1) * 6
   local alg = ALG[ARGV[b + 1]]
@@ -25,6 +28,11 @@ for i, key in ipairs(KEYS) do
   if alg == nil or cost == nil or p[1] == nil then
     fail('FLOODGATE_BADARG', i - 1, 'malformed undo check')
   end
-  alg.undo(i - 1, key, p, now, cost, lease)
+  alg.load(i - 1, key, p, now)
+  undos[i] = { alg = alg, p = p, cost = cost }
+end
+for i, key in ipairs(KEYS) do
+  local u = undos[i]
+  u.alg.undo(i - 1, key, u.p, now, u.cost, lease)
 end
 return #KEYS
