@@ -210,8 +210,16 @@ impl<C: Clock> MemoryLocks<C> {
                 now,
             )?;
         }
-        let fence = self.inner.fence.fetch_add(1, Ordering::SeqCst) + 1;
-        Ok(LockAttempt::Acquired { fence })
+        // As the Redis store does: one more than the last token, and never below the clock's
+        // microseconds, so that tokens keep growing across a restart of the process (or a new
+        // store), for resources that remember the highest token they saw.
+        let next = |last: u64| last.saturating_add(1).max(now);
+        let last = self
+            .inner
+            .fence
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |last| Some(next(last)))
+            .unwrap_or_else(|last| last);
+        Ok(LockAttempt::Acquired { fence: next(last) })
     }
 
     /// See [`LockStore::unlock`].
@@ -375,6 +383,34 @@ mod tests {
         assert!(f2 > f1);
         assert!(!locks.unlock_sync(b"campaign-7", b"alice"));
         assert!(locks.unlock_sync(b"campaign-7", b"bob"));
+    }
+
+    #[test]
+    fn fencing_tokens_keep_growing_across_a_new_store() {
+        let (clock, locks) = locks();
+        let ttl = Duration::from_secs(1);
+        let fence = |locks: &MemoryLocks<ManualClock>, name: &[u8]| match locks
+            .try_lock_sync(name, b"t", ttl)
+            .expect("ok")
+        {
+            LockAttempt::Acquired { fence } => fence,
+            held => panic!("{held:?}"),
+        };
+        let first = fence(&locks, b"a");
+        let second = fence(&locks, b"b");
+        assert!(second > first);
+        // A process restart: a new store, whose counter starts again, on a clock that went on.
+        clock.advance(Duration::from_millis(1));
+        let restarted = MemoryLocks::with_clock(clock.clone(), 1_000);
+        let third = fence(&restarted, b"a");
+        assert!(third > second, "{third} after {second}");
+        // Many acquisitions within one microsecond still get distinct, growing tokens.
+        let mut last = third;
+        for i in 0..100u8 {
+            let next = fence(&restarted, &[b'n', i]);
+            assert!(next > last, "{next} after {last}");
+            last = next;
+        }
     }
 
     #[test]

@@ -175,7 +175,7 @@ impl Redlock {
     /// Redlock over these lock clients, one per independent server.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for no node.
+    /// [`Error::Invalid`] for no node, or a server given twice (the same URL).
     pub fn new(nodes: Vec<RedisLocks>) -> Result<Self, Error> {
         let nodes: Vec<Node> = nodes
             .into_iter()
@@ -192,7 +192,8 @@ impl Redlock {
     /// a quorum is reachable now.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for no URL; [`Error::NoQuorum`] when fewer than a majority connect.
+    /// [`Error::Invalid`] for no URL or a URL given twice; [`Error::NoQuorum`] when fewer than a
+    /// majority connect.
     pub async fn connect<I, U>(urls: I) -> Result<Self, Error>
     where
         I: IntoIterator<Item = U>,
@@ -229,6 +230,15 @@ impl Redlock {
     fn from_nodes(nodes: Vec<Node>) -> Result<Self, Error> {
         if nodes.is_empty() {
             return Err(Error::Invalid("Redlock needs at least one node".to_owned()));
+        }
+        // One server given twice votes twice: with ["a", "a", "b"], "a" alone is a quorum.
+        for (i, node) in nodes.iter().enumerate() {
+            if nodes[..i].iter().any(|earlier| earlier.shown == node.shown) {
+                return Err(Error::Invalid(format!(
+                    "Redlock node {} is given twice: each node must be an independent server",
+                    node.shown
+                )));
+            }
         }
         Ok(Self {
             quorum: nodes.len() / 2 + 1,
@@ -354,6 +364,31 @@ impl Redlock {
         Ok(ok)
     }
 
+    /// [`Redlock::tally`] of answers about a lock we hold, where `ours` says whether a node
+    /// still holds it for us. Too few nodes saying so is a definite "not ours" only when the
+    /// nodes that said otherwise leave no quorum possible; when the nodes that failed could
+    /// have made one, nobody can tell, and that is [`Error::NoQuorum`] (transient: a watchdog
+    /// tries again) rather than a lock reported lost while a quorum may still hold it.
+    fn settle<T>(
+        &self,
+        results: Vec<Result<T, Error>>,
+        ours: impl Fn(&T) -> bool,
+    ) -> Result<Vec<(usize, T)>, Error> {
+        let failed = results.iter().filter(|r| r.is_err()).count();
+        let said_ours = results
+            .iter()
+            .filter(|r| r.as_ref().is_ok_and(&ours))
+            .count();
+        if said_ours < self.quorum && said_ours + failed >= self.quorum {
+            let first = results
+                .into_iter()
+                .find_map(Result::err)
+                .unwrap_or_else(|| Error::Invalid("no node".to_owned()));
+            return Err(self.no_quorum(failed, first));
+        }
+        self.tally(results)
+    }
+
     fn no_quorum(&self, failed: usize, first: Error) -> Error {
         Error::NoQuorum {
             nodes: self.nodes.len(),
@@ -449,7 +484,11 @@ impl LockStore for Redlock {
 
     async fn unlock(&self, name: &[u8], token: &[u8]) -> Result<bool, Error> {
         let results = self.unlock_all(name, token).await;
-        let released = self.tally(results)?.iter().filter(|(_, r)| *r).count();
+        let released = self
+            .settle(results, |r| *r)?
+            .iter()
+            .filter(|(_, r)| *r)
+            .count();
         Ok(released >= self.quorum)
     }
 
@@ -458,7 +497,11 @@ impl LockStore for Redlock {
         let results = self
             .on_all(|locks| async move { locks.extend(name, token, ttl).await })
             .await;
-        let extended = self.tally(results)?.iter().filter(|(_, r)| *r).count();
+        let extended = self
+            .settle(results, |r| *r)?
+            .iter()
+            .filter(|(_, r)| *r)
+            .count();
         Ok(extended >= self.quorum && started.elapsed() + self.clock_drift(ttl) < ttl)
     }
 
@@ -467,7 +510,7 @@ impl LockStore for Redlock {
             .on_all(|locks| async move { locks.remaining(name, token).await })
             .await;
         let mut left: Vec<Duration> = self
-            .tally(results)?
+            .settle(results, Option::is_some)?
             .into_iter()
             .filter_map(|(_, r)| r)
             .collect();

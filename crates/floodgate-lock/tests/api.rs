@@ -39,6 +39,22 @@ fn redlock_refuses_a_lease_shorter_than_its_drift_allowance() {
     let server = server();
     run(Duration::from_secs(20), async {
         let redlock = Redlock::new(vec![redis_locks(&server.url()).await]).expect("one node");
+        // The same server twice would vote twice.
+        let twice = Redlock::new(vec![
+            redis_locks(&server.url()).await,
+            redis_locks(&server.url()).await,
+            redis_locks(&server.url()).await,
+        ]);
+        assert!(
+            matches!(&twice, Err(Error::Invalid(m)) if m.contains("given twice")),
+            "{twice:?}"
+        );
+        let urls = [server.url(), server.url(), server.url()];
+        let twice = Redlock::connect(urls.iter()).await;
+        assert!(
+            matches!(&twice, Err(Error::Invalid(m)) if m.contains("given twice")),
+            "{twice:?}"
+        );
         // drift = ttl / 100 + 2 ms
         assert!(matches!(
             Lock::new(redlock.clone(), "n", Duration::from_millis(2)),

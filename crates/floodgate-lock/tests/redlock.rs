@@ -246,3 +246,29 @@ fn raising_a_corrupt_fencing_counter_is_an_error_that_writes_nothing() {
     let now = server.cmd(&["GET", "fence"]).expect("GET");
     assert_eq!(now.as_bytes(), Some(&b"42"[..]));
 }
+
+#[test]
+fn a_node_that_cannot_answer_makes_a_renewal_undecided_not_lost() {
+    let servers = servers(3);
+    run(Duration::from_secs(60), async {
+        let redlock = redlock(&servers).await;
+        let lock = Lock::new(redlock, "undecided", TTL).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        // Node 2 lost our key (a restart without persistence); node 1 hangs.
+        let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
+        let key = node.lock_key(b"undecided");
+        servers.servers()[2].cmd(&[&b"DEL"[..], &key]).expect("DEL");
+        servers.servers()[1].pause().expect("pause");
+        // One node says ours, one not, one cannot say: a quorum of two may still hold it.
+        let e = guard.extend().await.expect_err("undecided");
+        servers.servers()[1].resume().expect("resume");
+        assert!(matches!(e, Error::NoQuorum { failed: 1, .. }), "{e}");
+        assert!(e.is_transient(), "{e}");
+        assert!(!guard.is_lost(), "not reported lost");
+        // Node 1 answers again, once its cool-off after the timeout is over: still ours on a
+        // quorum.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        guard.extend().await.expect("extended on nodes 0 and 1");
+        guard.release().await.expect("released on the quorum");
+    });
+}
