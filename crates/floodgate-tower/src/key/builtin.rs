@@ -58,18 +58,25 @@ impl KeyExtractor for PeerIp {
 
 /// The value of a request header: an API key, a tenant id, ...
 ///
-/// Any bytes are accepted (binary, non-UTF-8); an empty or absent header is a missing key, and
-/// a value longer than the layer's maximum key length counts as missing too. Only the first
-/// instance of the header is used.
+/// Any bytes are accepted (binary, non-UTF-8), without the spaces and tabs around them (HTTP/1
+/// drops them, HTTP/2 does not: `K` and `K ` are one key either way). An absent header is a
+/// missing key; an empty one, or one longer than the layer's maximum key length, is an
+/// invalid key, and so is a header sent more than once: which instance a proxy added and
+/// which one the client wrote cannot be told apart, and the client must not pick its own key.
+///
+/// For a gRPC binary metadata key (a name ending in `-bin`), the value is base64 that gRPC
+/// decodes with or without `=` padding; the padding is dropped, so that one value has one key.
 #[derive(Clone, Debug)]
 pub struct HeaderKey {
     name: HeaderName,
+    binary: bool,
 }
 
 impl HeaderKey {
     /// The value of header `name`.
     pub fn new(name: HeaderName) -> Self {
-        HeaderKey { name }
+        let binary = name.as_str().ends_with("-bin");
+        HeaderKey { name, binary }
     }
 
     /// The value of the header named `name` (case-insensitive).
@@ -85,29 +92,94 @@ impl HeaderKey {
 
 impl KeyExtractor for HeaderKey {
     fn extract(&self, req: &RequestView<'_>) -> Result<Key, KeyError> {
-        match req.headers().get(&self.name) {
-            Some(v) if !v.is_empty() => Ok(Key::new(v.as_bytes())),
-            Some(_) => Err(KeyError::Invalid {
-                what: "empty key header",
-            }),
-            None => Err(KeyError::Missing { what: "key header" }),
+        let mut all = req.headers().get_all(&self.name).iter();
+        let Some(value) = all.next() else {
+            return Err(KeyError::Missing { what: "key header" });
+        };
+        if all.next().is_some() {
+            return Err(KeyError::Invalid {
+                what: "key header sent more than once",
+            });
         }
+        let mut bytes = value.as_bytes().trim_ascii();
+        if self.binary {
+            while let [rest @ .., b'='] = bytes {
+                bytes = rest;
+            }
+        }
+        if bytes.is_empty() {
+            return Err(KeyError::Invalid {
+                what: "empty key header",
+            });
+        }
+        Ok(Key::new(bytes))
     }
 }
 
 /// gRPC metadata is carried in headers: a metadata key is a [`HeaderKey`] (use lowercase
-/// names; a `-bin` key's value is keyed on its base64 text).
+/// names; a `-bin` key's value is keyed on its base64 text without padding).
 pub type MetadataKey = HeaderKey;
 
 /// The request path. Every distinct path is a key: with path parameters prefer
 /// [`RouteKey`] (feature `axum`), which keys on the route pattern.
+///
+/// The path is keyed as a router decodes it: `/files/report`, `/files/%72eport` and
+/// `/files/%72%65port` are one key, so a client cannot escape its
+/// limit by spelling one path many ways.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PathKey;
 
 impl KeyExtractor for PathKey {
     fn extract(&self, req: &RequestView<'_>) -> Result<Key, KeyError> {
-        Ok(Key::from(req.path()))
+        Ok(Key::new(&normalized_path(req.path())))
     }
+}
+
+/// `path` with its percent-escapes decoded, except those of `/` and `%`, which stay escaped
+/// (in capitals) so that segments stay apart and the result stays one-to-one; a `%` that
+/// starts no escape becomes `%25`, as the router reads it. Every spelling of one decoded path
+/// gives the same bytes (which need not be UTF-8), and different decoded paths different ones.
+fn normalized_path(path: &str) -> std::borrow::Cow<'_, [u8]> {
+    fn hex(b: u8) -> Option<u8> {
+        (b as char).to_digit(16).and_then(|d| u8::try_from(d).ok())
+    }
+    const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
+    let raw = path.as_bytes();
+    if !raw.contains(&b'%') {
+        return std::borrow::Cow::Borrowed(raw);
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while let Some(&b) = raw.get(i) {
+        if b != b'%' {
+            out.push(b);
+            i += 1;
+            continue;
+        }
+        match (
+            raw.get(i + 1).and_then(|&h| hex(h)),
+            raw.get(i + 2).and_then(|&l| hex(l)),
+        ) {
+            (Some(high), Some(low)) => {
+                let c = high << 4 | low;
+                if c == b'/' || c == b'%' {
+                    out.extend_from_slice(&[
+                        b'%',
+                        DIGITS[usize::from(high)],
+                        DIGITS[usize::from(low)],
+                    ]);
+                } else {
+                    out.push(c);
+                }
+                i += 3;
+            }
+            _ => {
+                out.extend_from_slice(b"%25");
+                i += 1;
+            }
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// The route pattern axum matched (`/users/{id}`), from `MatchedPath`. Missing when the layer
@@ -220,3 +292,100 @@ macro_rules! tuple_extractor {
 tuple_extractor!(A 0, B 1);
 tuple_extractor!(A 0, B 1, C 2);
 tuple_extractor!(A 0, B 1, C 2, D 3);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(path: &str, headers: &[(&str, &[u8])]) -> http::Request<()> {
+        let mut req = http::Request::builder().uri(path);
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        req.body(()).expect("request")
+    }
+
+    fn header_key(name: &str, headers: &[(&str, &[u8])]) -> Result<Key, KeyError> {
+        let req = request("/", headers);
+        HeaderKey::named(name)
+            .expect("name")
+            .extract(&RequestView::from_request(&req))
+    }
+
+    fn path_key(path: &str) -> Vec<u8> {
+        let req = request(path, &[]);
+        let key = PathKey
+            .extract(&RequestView::from_request(&req))
+            .expect("key");
+        key.as_bytes().to_vec()
+    }
+
+    #[test]
+    fn header_keys_ignore_surrounding_blanks_and_refuse_ambiguity() {
+        let key = |v: &[u8]| header_key("x-api-key", &[("x-api-key", v)]);
+        let plain = key(b"K").expect("key");
+        for spelled in [&b"K "[..], b" K", b"\tK\t", b"  K  "] {
+            assert_eq!(key(spelled).expect("key"), plain, "{spelled:?}");
+        }
+        assert_eq!(key(b"a b").expect("key").as_bytes(), b"a b");
+        for blank in [&b""[..], b" ", b"\t \t"] {
+            assert!(
+                matches!(key(blank), Err(KeyError::Invalid { .. })),
+                "{blank:?}"
+            );
+        }
+        assert!(matches!(
+            header_key("x-api-key", &[]),
+            Err(KeyError::Missing { .. })
+        ));
+        // A client's value and a proxy's appended one: neither is used.
+        let twice = header_key(
+            "x-user-id",
+            &[("x-user-id", b"victim"), ("x-user-id", b"attacker")],
+        );
+        assert!(
+            matches!(twice, Err(KeyError::Invalid { what }) if what.contains("more than once")),
+            "{twice:?}"
+        );
+    }
+
+    #[test]
+    fn binary_metadata_keys_ignore_base64_padding() {
+        let key = |v: &[u8]| header_key("x-token-bin", &[("x-token-bin", v)]);
+        assert_eq!(key(b"YWI=").expect("key"), key(b"YWI").expect("key"));
+        assert_eq!(key(b"YQ==").expect("key"), key(b"YQ").expect("key"));
+        assert_ne!(key(b"YWI").expect("key"), key(b"YWJj").expect("key"));
+        assert!(matches!(key(b"=="), Err(KeyError::Invalid { .. })));
+        // Padding matters only to binary keys.
+        let text = |v: &[u8]| header_key("x-token", &[("x-token", v)]);
+        assert_ne!(text(b"a=").expect("key"), text(b"a").expect("key"));
+    }
+
+    #[test]
+    fn every_spelling_of_a_path_is_one_key() {
+        let plain = path_key("/files/report");
+        for spelled in [
+            "/files/%72eport",
+            "/files/r%65port",
+            "/files/%72%65port",
+            "/files/%72%65%70%6f%72%74",
+            "/files/%72%65%70%6F%72%74",
+            "/%66iles/report",
+        ] {
+            assert_eq!(path_key(spelled), plain, "{spelled}");
+        }
+        // Escaped slashes and percent signs stay escaped, in one case: segments stay apart.
+        assert_eq!(path_key("/a%2fb"), b"/a%2Fb");
+        assert_eq!(path_key("/a%2Fb"), b"/a%2Fb");
+        assert_ne!(path_key("/a%2Fb"), path_key("/a/b"));
+        assert_eq!(path_key("/a%2541"), b"/a%2541");
+        assert_ne!(path_key("/a%2541"), path_key("/a%41"));
+        assert_eq!(path_key("/a%41"), b"/aA");
+        // A percent sign that starts no escape is read as itself.
+        assert_eq!(path_key("/100%"), b"/100%25");
+        assert_eq!(path_key("/100%25"), b"/100%25");
+        assert_eq!(path_key("/%zz"), path_key("/%25zz"));
+        // Bytes that are not UTF-8 are keys too.
+        assert_eq!(path_key("/%ff"), b"/\xff");
+    }
+}

@@ -30,10 +30,12 @@ impl TrustedProxies {
         TrustedProxies::default()
     }
 
-    /// These networks.
+    /// These networks. An IPv4-mapped IPv6 network (`::ffff:10.0.0.0/104`, how peers look on
+    /// a dual-stack listener) is taken as the IPv4 network it maps (`10.0.0.0/8`): addresses
+    /// are compared in their IPv4 form.
     pub fn new(nets: impl IntoIterator<Item = IpNet>) -> Self {
         TrustedProxies {
-            nets: nets.into_iter().collect(),
+            nets: nets.into_iter().map(canonical_net).collect(),
         }
     }
 
@@ -70,7 +72,7 @@ impl TrustedProxies {
                     }
                 },
             };
-            nets.push(net);
+            nets.push(canonical_net(net));
         }
         Ok(TrustedProxies { nets })
     }
@@ -78,7 +80,7 @@ impl TrustedProxies {
     /// Adds a network.
     #[must_use]
     pub fn with(mut self, net: IpNet) -> Self {
-        self.nets.push(net);
+        self.nets.push(canonical_net(net));
         self
     }
 
@@ -86,6 +88,19 @@ impl TrustedProxies {
     pub fn contains(&self, ip: IpAddr) -> bool {
         let ip = canonical_ip(ip);
         self.nets.iter().any(|n| n.contains(&ip))
+    }
+}
+
+/// `net`, or the IPv4 network an IPv4-mapped IPv6 network (`::ffff:0:0/96` and within) maps.
+/// A shorter IPv6 prefix that covers the mapped range stays IPv6: its IPv4 part is all of
+/// IPv4 and more, which no IPv4 network says.
+fn canonical_net(net: IpNet) -> IpNet {
+    match net {
+        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.network().to_ipv4_mapped() {
+            Some(v4) => ipnet::Ipv4Net::new(v4, v6.prefix_len() - 96).map_or(net, IpNet::V4),
+            None => net,
+        },
+        _ => net,
     }
 }
 
@@ -482,6 +497,36 @@ mod tests {
         );
         // Trusting nobody: always the peer.
         assert_eq!(xff("", "10.0.0.1", &[b"1.1.1.1"]), ip("10.0.0.1"));
+    }
+
+    #[test]
+    fn ipv4_mapped_trusted_networks_match_ipv4_peers() {
+        // As written for a dual-stack listener, whose peers look like ::ffff:10.0.0.5.
+        for trusted in ["::ffff:10.0.0.5", "::ffff:10.0.0.0/104", "::ffff:0:0/96"] {
+            for peer in ["10.0.0.5", "::ffff:10.0.0.5"] {
+                assert_eq!(
+                    xff(trusted, peer, &[b"203.0.113.9"]),
+                    ip("203.0.113.9"),
+                    "{trusted} trusts {peer}"
+                );
+            }
+        }
+        // Only the mapped network: 10.0.0.6 is not in ::ffff:10.0.0.5/128.
+        assert_eq!(
+            xff("::ffff:10.0.0.5", "10.0.0.6", &[b"203.0.113.9"]),
+            ip("10.0.0.6")
+        );
+        let built = TrustedProxies::new(["::ffff:10.0.0.0/104".parse().expect("net")]);
+        assert!(built.contains(ip("10.1.2.3")));
+        let added = TrustedProxies::none().with("::ffff:192.0.2.0/120".parse().expect("net"));
+        assert!(added.contains(ip("192.0.2.77")));
+        assert!(!added.contains(ip("192.0.3.1")));
+        // Plain IPv6 networks stay as they are.
+        assert!(
+            TrustedProxies::parse("2001:db8::/32")
+                .expect("net")
+                .contains(ip("2001:db8::1"))
+        );
     }
 
     #[test]
