@@ -120,10 +120,17 @@ async fn dispatch<S: Shared>(
             }
         }
         cursor += phones.len() as u64;
+        if guard.is_lost() {
+            return;
+        }
         if let Err(e) = app.shared.campaign_progress(id, cursor, instance).await {
             tracing::warn!(campaign = %id, error = %e, "cannot record progress");
             return;
         }
+    }
+    // Completing is for the holder: another replica may have taken over and still be sending.
+    if guard.is_lost() {
+        return;
     }
     match app.shared.campaign_complete(id).await {
         Ok(()) => tracing::info!(campaign = %id, "campaign completed"),

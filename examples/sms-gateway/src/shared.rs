@@ -20,6 +20,22 @@ pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
 /// How long a key stays "in progress" without an answer recorded (a replica that died
 /// mid-send): then the key may be used again.
 pub const IN_PROGRESS_TTL: Duration = Duration::from_secs(60);
+
+/// A campaign's progress (KEYS[1]: its hash; ARGV: cursor, dispatcher): the cursor only moves
+/// forward, and a completed campaign stays completed. 1 when written, 0 when not.
+const PROGRESS_SCRIPT: &str = r"
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'completed' then
+  return 0
+end
+local stored = tonumber(redis.call('HGET', KEYS[1], 'cursor') or '0') or 0
+local cursor = tonumber(ARGV[1])
+if cursor > stored then
+  redis.call('HSET', KEYS[1], 'cursor', ARGV[1])
+end
+redis.call('HSET', KEYS[1], 'status', 'running', 'dispatcher', ARGV[2])
+return 1
+";
 /// The most idempotency keys kept in memory (the oldest expire first).
 const MAX_MEMORY_IDEMPOTENCY_KEYS: usize = 200_000;
 
@@ -389,10 +405,13 @@ impl Shared for MemoryShared {
         cursor: u64,
         dispatcher: &str,
     ) -> Result<(), StoreError> {
+        // As the Redis store: never back, never reopened.
         if let Some(c) = locked(&self.campaigns).get_mut(id) {
-            c.campaign.cursor = cursor;
-            c.campaign.status = "running".into();
-            c.campaign.dispatcher = Some(dispatcher.to_owned());
+            if c.campaign.status != "completed" {
+                c.campaign.cursor = c.campaign.cursor.max(cursor);
+                c.campaign.status = "running".into();
+                c.campaign.dispatcher = Some(dispatcher.to_owned());
+            }
         }
         Ok(())
     }
@@ -674,13 +693,15 @@ impl Shared for RedisShared {
         cursor: u64,
         dispatcher: &str,
     ) -> Result<(), StoreError> {
-        let mut set = redis::cmd("HSET");
-        set.arg(self.campaign_key(id, "")).arg(&[
-            ("cursor", cursor.to_string()),
-            ("status", "running".to_owned()),
-            ("dispatcher", dispatcher.to_owned()),
-        ]);
-        let _: i64 = self.query(set).await?;
+        // A dispatcher that lost its lock may still be running: its progress never moves the
+        // cursor back nor reopens a completed campaign.
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(PROGRESS_SCRIPT)
+            .arg(1)
+            .arg(self.campaign_key(id, ""))
+            .arg(cursor)
+            .arg(dispatcher);
+        let _: i64 = self.query(eval).await?;
         Ok(())
     }
 
@@ -701,6 +722,63 @@ impl Shared for RedisShared {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a dispatcher that lost its lock (and still runs) may write: nothing that moves a
+    /// campaign's cursor back or reopens it.
+    async fn stale_progress_is_ignored<S: Shared>(store: &S) {
+        let campaign = Campaign {
+            id: "c1".into(),
+            status: "pending".into(),
+            total: 3,
+            text: "hi".into(),
+            ..Campaign::default()
+        };
+        let phones = ["+8613800000001", "+8613800000002", "+8613800000003"].map(String::from);
+        store
+            .campaign_create(&campaign, &phones)
+            .await
+            .expect("create");
+        store
+            .campaign_progress("c1", 2, "b")
+            .await
+            .expect("progress");
+        store
+            .campaign_progress("c1", 1, "a")
+            .await
+            .expect("stale progress");
+        let c = store
+            .campaign_get("c1")
+            .await
+            .expect("get")
+            .expect("stored");
+        assert_eq!((c.cursor, c.status.as_str()), (2, "running"));
+        store.campaign_complete("c1").await.expect("complete");
+        store
+            .campaign_progress("c1", 3, "a")
+            .await
+            .expect("late progress");
+        let c = store
+            .campaign_get("c1")
+            .await
+            .expect("get")
+            .expect("stored");
+        assert_eq!(c.status, "completed", "{c:?}");
+        assert!(store.campaigns_pending().await.expect("pending").is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_stale_dispatcher_cannot_reopen_a_campaign_in_memory() {
+        stale_progress_is_ignored(&MemoryShared::new().expect("store")).await;
+    }
+
+    #[tokio::test]
+    async fn a_stale_dispatcher_cannot_reopen_a_campaign_in_redis() {
+        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
+        let store = RedisShared::connect(&server.url(), "stale")
+            .await
+            .expect("connect");
+        stale_progress_is_ignored(&store).await;
+    }
 
     #[tokio::test]
     async fn a_full_memory_store_keeps_the_keys_still_being_sent() {
