@@ -192,8 +192,8 @@ impl Redlock {
     /// a quorum is reachable now.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for no URL or a URL given twice; [`Error::NoQuorum`] when fewer than a
-    /// majority connect.
+    /// [`Error::Invalid`] for no URL, an invalid URL or one given twice; [`Error::NoQuorum`]
+    /// when fewer than a majority connect.
     pub async fn connect<I, U>(urls: I) -> Result<Self, Error>
     where
         I: IntoIterator<Item = U>,
@@ -204,8 +204,10 @@ impl Redlock {
         let mut nodes = Vec::with_capacity(urls.len());
         let mut errors = Vec::new();
         for (url, connected) in urls.into_iter().zip(connected) {
+            // An unparsable URL is a configuration error, never a node that is merely down.
             let shown = floodgate_redis::RedisConfig::new(&url)
-                .map_or_else(|_| "(invalid URL)".to_owned(), |c| c.redacted_url());
+                .map_err(|e| Error::Invalid(format!("Redlock node URL: {e}")))?
+                .redacted_url();
             let locks = match connected {
                 Ok(locks) => OnceCell::new_with(Some(locks)),
                 Err(e) => {
@@ -386,7 +388,16 @@ impl Redlock {
                 .unwrap_or_else(|| Error::Invalid("no node".to_owned()));
             return Err(self.no_quorum(failed, first));
         }
-        self.tally(results)
+        // Decided either way, however many failed (with an even number of nodes, half failing
+        // and half saying "not ours" is a definite "not ours").
+        let mut answers = Vec::with_capacity(results.len() - failed);
+        for (i, result) in results.into_iter().enumerate() {
+            match result {
+                Ok(answer) => answers.push((i, answer)),
+                Err(e) => tracing::debug!(error = %e, "Redlock node failed (the others decided)"),
+            }
+        }
+        Ok(answers)
     }
 
     fn no_quorum(&self, failed: usize, first: Error) -> Error {

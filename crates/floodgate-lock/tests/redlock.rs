@@ -223,7 +223,10 @@ fn scripts_run(server: &floodgate_testkit::RedisServer) -> u64 {
 #[test]
 fn raising_a_corrupt_fencing_counter_is_an_error_that_writes_nothing() {
     let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
-    let script = include_str!("../src/redis_locks/raise_fence.lua");
+    let script = concat!(
+        include_str!("../src/redis_locks/fence.lua"),
+        include_str!("../src/redis_locks/raise_fence.lua")
+    );
     server.cmd(&["SET", "lock", "mine"]).expect("SET");
     for corrupt in ["garbage", "nan", "inf", "1e300", "9007199254740993"] {
         server.cmd(&["SET", "fence", corrupt]).expect("SET");
@@ -270,5 +273,42 @@ fn a_node_that_cannot_answer_makes_a_renewal_undecided_not_lost() {
         tokio::time::sleep(Duration::from_millis(1100)).await;
         guard.extend().await.expect("extended on nodes 0 and 1");
         guard.release().await.expect("released on the quorum");
+    });
+}
+
+#[test]
+fn half_the_nodes_saying_not_ours_is_lost_even_when_the_others_fail() {
+    let servers = servers(4);
+    run(Duration::from_secs(60), async {
+        let redlock = redlock(&servers).await;
+        let lock = Lock::new(redlock, "halves", TTL).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
+        let key = node.lock_key(b"halves");
+        for i in [0, 1] {
+            servers.servers()[i].cmd(&[&b"DEL"[..], &key]).expect("DEL");
+        }
+        for i in [2, 3] {
+            servers.servers()[i].pause().expect("pause");
+        }
+        // Two of four say "not ours": the other two cannot make a quorum of three.
+        let e = guard.extend().await.expect_err("lost");
+        for i in [2, 3] {
+            servers.servers()[i].resume().expect("resume");
+        }
+        assert!(e.is_lost(), "{e}");
+        assert!(guard.is_lost());
+    });
+}
+
+#[test]
+fn an_invalid_node_url_is_a_configuration_error() {
+    let servers = servers(1);
+    run(Duration::from_secs(20), async {
+        let urls = [servers.servers()[0].url(), "not a url".to_owned()];
+        let e = Redlock::connect(urls.iter())
+            .await
+            .expect_err("invalid URL");
+        assert!(matches!(&e, Error::Invalid(m) if m.contains("URL")), "{e}");
     });
 }

@@ -257,6 +257,10 @@ impl Shared {
     /// `None`: let the request through this rule; `Some(UseKey)`: count under that key;
     /// `Some(Reject)`: turn it away.
     fn missing_key<'a>(&'a self, entry: &'a RuleEntry, e: &KeyError) -> Option<&'a OnMissingKey> {
+        static REJECT: OnMissingKey = OnMissingKey::Reject;
+        if matches!(e, KeyError::Ambiguous { .. }) {
+            return Some(&REJECT);
+        }
         let action = entry
             .rule
             .on_missing_key

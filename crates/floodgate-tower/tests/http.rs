@@ -213,6 +213,12 @@ async fn missing_keys_follow_the_configured_behaviour() {
         assert_eq!(res.status, StatusCode::OK);
         assert!(res.headers.get("ratelimit").is_none());
     }
+    // But a key header sent twice is turned away, whatever the setting: the application may
+    // read the first instance while a proxy appended the last.
+    let twice = [("x-api-key", &b"k1"[..]), ("x-api-key", &b"k2"[..])];
+    let res = client.get_with("/", &twice).await;
+    assert_eq!(res.status, StatusCode::BAD_REQUEST);
+    assert_eq!(res.json()["policy"], "api-key");
 
     // A fallback key: every keyless request shares one bucket.
     let client = HttpClient::new(serve(app(OnMissingKey::UseKey(Key::from("anonymous")))).await);

@@ -21,19 +21,17 @@ pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
 /// mid-send): then the key may be used again.
 pub const IN_PROGRESS_TTL: Duration = Duration::from_secs(60);
 
-/// A campaign's progress (KEYS[1]: its hash; ARGV: cursor, dispatcher): the cursor only moves
-/// forward, and a completed campaign stays completed. 1 when written, 0 when not.
+/// A campaign's progress (KEYS[1]: its hash; ARGV: cursor, dispatcher), written only when it
+/// moves the cursor forward on a campaign that exists and is not completed. 1 when written.
 const PROGRESS_SCRIPT: &str = r"
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'completed' then
+local c = redis.call('HMGET', KEYS[1], 'status', 'cursor')
+if not c[1] or c[1] == 'completed' then
   return 0
 end
-local stored = tonumber(redis.call('HGET', KEYS[1], 'cursor') or '0') or 0
-local cursor = tonumber(ARGV[1])
-if cursor > stored then
-  redis.call('HSET', KEYS[1], 'cursor', ARGV[1])
+if tonumber(ARGV[1]) <= (tonumber(c[2] or '0') or 0) then
+  return 0
 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'dispatcher', ARGV[2])
+redis.call('HSET', KEYS[1], 'cursor', ARGV[1], 'status', 'running', 'dispatcher', ARGV[2])
 return 1
 ";
 /// The most idempotency keys kept in memory (the oldest expire first).
@@ -405,10 +403,10 @@ impl Shared for MemoryShared {
         cursor: u64,
         dispatcher: &str,
     ) -> Result<(), StoreError> {
-        // As the Redis store: never back, never reopened.
+        // As the Redis store: only forward, never on a completed campaign.
         if let Some(c) = locked(&self.campaigns).get_mut(id) {
-            if c.campaign.status != "completed" {
-                c.campaign.cursor = c.campaign.cursor.max(cursor);
+            if c.campaign.status != "completed" && cursor > c.campaign.cursor {
+                c.campaign.cursor = cursor;
                 c.campaign.status = "running".into();
                 c.campaign.dispatcher = Some(dispatcher.to_owned());
             }
@@ -751,7 +749,16 @@ mod tests {
             .await
             .expect("get")
             .expect("stored");
-        assert_eq!((c.cursor, c.status.as_str()), (2, "running"));
+        assert_eq!(
+            (c.cursor, c.status.as_str(), c.dispatcher.as_deref()),
+            (2, "running", Some("b"))
+        );
+        // No campaign: nothing is written.
+        store
+            .campaign_progress("c2", 1, "a")
+            .await
+            .expect("progress");
+        assert!(store.campaign_get("c2").await.expect("get").is_none());
         store.campaign_complete("c1").await.expect("complete");
         store
             .campaign_progress("c1", 3, "a")

@@ -12,17 +12,8 @@ if holder and holder ~= ARGV[1] then
   return {0, redis.call('PTTL', KEYS[1])}
 end
 
--- The counter is the decimal digits of a whole number below 2^53 - 1, so that counter + 1 is
--- exact: anything else (a float, 'inf', hex, a number past 2^53) is corrupt, and nothing is
--- written, the lock included.
-local previous = 0
-local stored = redis.call('GET', KEYS[2])
-if stored then
-  previous = string.find(stored, '^%d+$') and tonumber(stored)
-  if not previous or previous >= 9007199254740991 then
-    return redis.error_reply('FLOODGATE_CORRUPT 1 the fencing counter is not a whole number below 2^53 - 1')
-  end
-end
+-- A corrupt counter (fence.lua) is an error before anything is written, the lock included.
+local previous = fence_counter()
 
 if holder then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])

@@ -27,12 +27,19 @@ use redis::{Script, Value};
 use crate::Error;
 use notifier::Notifier;
 
-static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("acquire.lua")));
+/// The scripts that read the fencing counter, after the check they share.
+macro_rules! with_fence {
+    ($script:literal) => {
+        concat!(include_str!("fence.lua"), include_str!($script))
+    };
+}
+
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(with_fence!("acquire.lua")));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("release.lua")));
 static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("extend.lua")));
 static REMAINING: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("remaining.lua")));
 pub(crate) static RAISE_FENCE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("raise_fence.lua")));
+    LazyLock::new(|| Script::new(with_fence!("raise_fence.lua")));
 
 /// The shortest life of a fencing counter. With the server-time floor, fencing tokens keep
 /// increasing after the counter expires; the counter only covers the server clock stepping back

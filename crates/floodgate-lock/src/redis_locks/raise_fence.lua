@@ -5,13 +5,8 @@
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
--- A corrupt counter (see acquire.lua) is reported, never overwritten.
-local stored = redis.call('GET', KEYS[2]) or '0'
-local value = string.find(stored, '^%d+$') and tonumber(stored)
-if not value or value >= 9007199254740991 then
-  return redis.error_reply('FLOODGATE_CORRUPT 1 the fencing counter is not a whole number below 2^53 - 1')
-end
-if tonumber(ARGV[2]) > value then
+-- A corrupt counter (fence.lua) is reported, never overwritten.
+if tonumber(ARGV[2]) > fence_counter() then
   redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 end
 return 1

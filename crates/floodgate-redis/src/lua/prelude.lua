@@ -85,8 +85,9 @@ end
 
 -- Whether a number read from Redis is a whole number Lua holds exactly (not nil, NaN, inf,
 -- negative, fractional or past 2^53).
+local MAX_EXACT = 9007199254740991
 local function exact(v)
-  return v ~= nil and v >= 0 and v == math.floor(v) and v <= 9007199254740991
+  return v ~= nil and v >= 0 and v == math.floor(v) and v <= MAX_EXACT
 end
 
 -- A non-negative integer field of a stored state, or a typed error naming the key.
@@ -106,11 +107,11 @@ end
 local function hash_fields(idx, key, ...)
   local r = read(idx, 'HMGET', key, ...)
   local missing, present = nil, false
-  for i, name in ipairs({ ... }) do
+  for i = 1, select('#', ...) do
     if r[i] then
       present = true
-    else
-      missing = missing or name
+    elseif not missing then
+      missing = select(i, ...)
     end
   end
   if present and missing then

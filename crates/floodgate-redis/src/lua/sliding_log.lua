@@ -11,7 +11,7 @@ ALG.log = {
       -- The number tells members of one microsecond apart; the next is one past it, so it
       -- must stay exact.
       n = tonumber(n or '')
-      if not (exact(cost) and exact(at) and exact(n) and n < 9007199254740991) then
+      if not (exact(cost) and exact(at) and exact(n) and n < MAX_EXACT) then
         fail('FLOODGATE_CORRUPT', idx, 'log entry ' .. shown(r[i]))
       end
       entries[#entries + 1] = { at = at, cost = cost }

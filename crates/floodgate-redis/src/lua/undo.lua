@@ -25,7 +25,7 @@ for i, key in ipairs(KEYS) do
   local alg = ALG[ARGV[b + 1]]
   local p = { tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]) }
   local cost = tonumber(ARGV[b + 6])
-  if alg == nil or cost == nil or p[1] == nil then
+  if alg == nil or cost == nil or p[1] == nil or p[2] == nil or p[3] == nil or p[4] == nil then
     fail('FLOODGATE_BADARG', i - 1, 'malformed undo check')
   end
   alg.load(i - 1, key, p, now)

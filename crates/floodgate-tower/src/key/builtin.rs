@@ -60,9 +60,11 @@ impl KeyExtractor for PeerIp {
 ///
 /// Any bytes are accepted (binary, non-UTF-8), without the spaces and tabs around them (HTTP/1
 /// drops them, HTTP/2 does not: `K` and `K ` are one key either way). An absent header is a
-/// missing key; an empty one, or one longer than the layer's maximum key length, is an
-/// invalid key, and so is a header sent more than once: which instance a proxy added and
-/// which one the client wrote cannot be told apart, and the client must not pick its own key.
+/// missing key and an empty one an invalid key: both follow the layer's
+/// [`OnMissingKey`](crate::OnMissingKey), as does a value longer than its maximum key length.
+/// A header sent more than once is [`KeyError::Ambiguous`], always turned away: which
+/// instance a proxy added and which one the client wrote cannot be told apart, and the client
+/// must not pick its own key nor skip the rule.
 ///
 /// For a gRPC binary metadata key (a name ending in `-bin`), the value is base64 that gRPC
 /// decodes with or without `=` padding; the padding is dropped, so that one value has one key.
@@ -97,7 +99,7 @@ impl KeyExtractor for HeaderKey {
             return Err(KeyError::Missing { what: "key header" });
         };
         if all.next().is_some() {
-            return Err(KeyError::Invalid {
+            return Err(KeyError::Ambiguous {
                 what: "key header sent more than once",
             });
         }
@@ -123,9 +125,10 @@ pub type MetadataKey = HeaderKey;
 /// The request path. Every distinct path is a key: with path parameters prefer
 /// [`RouteKey`] (feature `axum`), which keys on the route pattern.
 ///
-/// The path is keyed as a router decodes it: `/files/report`, `/files/%72eport` and
-/// `/files/%72%65port` are one key, so a client cannot escape its
-/// limit by spelling one path many ways.
+/// The path is keyed with its percent-escapes decoded, as a router decodes path parameters:
+/// `/files/report`, `/files/%72eport` and `/files/%72%65port`, one `name` to a
+/// `/files/{name}` route, are one key, so a client cannot escape its limit by spelling one
+/// path many ways.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PathKey;
 
@@ -344,7 +347,7 @@ mod tests {
             &[("x-user-id", b"victim"), ("x-user-id", b"attacker")],
         );
         assert!(
-            matches!(twice, Err(KeyError::Invalid { what }) if what.contains("more than once")),
+            matches!(twice, Err(KeyError::Ambiguous { what }) if what.contains("more than once")),
             "{twice:?}"
         );
     }

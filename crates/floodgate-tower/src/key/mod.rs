@@ -309,6 +309,15 @@ pub enum KeyError {
         /// What was wrong.
         what: &'static str,
     },
+    /// The request has several values where one is expected (a key header sent twice), and
+    /// which one the client wrote cannot be told. Always turned away (400), whatever
+    /// [`OnMissingKey`](crate::OnMissingKey) says: letting it through would let a client
+    /// escape a rule set to `Allow` by repeating a header its application reads once.
+    #[error("ambiguous {what}")]
+    Ambiguous {
+        /// What was sent more than once.
+        what: &'static str,
+    },
 }
 
 /// Finds the key of a request, synchronously.
