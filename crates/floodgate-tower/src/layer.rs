@@ -46,6 +46,9 @@ pub enum Mode {
 
 /// What to do with a request that has no key (no peer address, no API key header, a key longer
 /// than the maximum, ...).
+///
+/// An ambiguous key ([`KeyError::Ambiguous`](crate::key::KeyError::Ambiguous), such as a key
+/// header sent twice) is always turned away, whatever this says.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OnMissingKey {
