@@ -795,95 +795,7 @@ fn fault_cluster_failover_of_a_master() {
 
 #[cfg(feature = "tls")]
 mod tls {
-    use std::path::Path;
-    use std::process::Command;
-
     use super::*;
-
-    const OPENSSL: &str = "openssl";
-
-    fn openssl(dir: &Path, args: &[&str]) {
-        let output = Command::new(OPENSSL)
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot run the `openssl` command ({e}); the TLS test generates its certificates \
-                     with it: install it (Debian: apt-get install openssl)"
-                )
-            });
-        assert!(
-            output.status.success(),
-            "openssl {args:?} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-
-    /// A throwaway CA, and a server certificate it signed for 127.0.0.1 and localhost.
-    fn certificates(dir: &Path) {
-        let ec = [
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-        ];
-        let mut ca = vec!["req", "-x509"];
-        ca.extend(ec);
-        ca.extend([
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=floodgate test CA",
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign,cRLSign",
-        ]);
-        openssl(dir, &ca);
-        let mut csr = vec!["req"];
-        csr.extend(ec);
-        csr.extend([
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=localhost",
-        ]);
-        openssl(dir, &csr);
-        std::fs::write(
-            dir.join("server.ext"),
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
-             keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
-        )
-        .expect("write server.ext");
-        openssl(
-            dir,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                "server.csr",
-                "-CA",
-                "ca.crt",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-out",
-                "server.crt",
-                "-days",
-                "2",
-                "-extfile",
-                "server.ext",
-            ],
-        );
-    }
 
     fn free_port() -> u16 {
         std::net::TcpListener::bind("127.0.0.1:0")
@@ -895,7 +807,7 @@ mod tls {
     #[test]
     fn tls_with_a_private_ca_and_the_insecure_escape_hatch() {
         let dir = tempfile::tempdir().expect("temporary directory");
-        certificates(dir.path());
+        floodgate_testkit::tls_certificates(dir.path()).expect("certificates");
         let path = |name: &str| dir.path().join(name).display().to_string();
         let tls_port = free_port();
         let _server = RedisServer::builder()

@@ -43,6 +43,15 @@ pub enum TestkitError {
         source: io::Error,
     },
 
+    /// A command ran and failed.
+    #[error("{command} failed: {detail}")]
+    CommandFailed {
+        /// The command and its arguments.
+        command: String,
+        /// What it printed on stderr.
+        detail: String,
+    },
+
     /// A process could not be spawned.
     #[error("could not run {binary}: {source}")]
     Spawn {

@@ -42,6 +42,7 @@ mod resp;
 mod server;
 mod servers;
 mod slot;
+mod tls;
 
 pub use binary::{REDIS_CLI_ENV, REDIS_SERVER_ENV, redis_cli_binary, redis_server_binary};
 pub use cluster::{FailoverMode, RedisCluster, RedisClusterBuilder, Role};
@@ -53,3 +54,4 @@ pub use server::{
 };
 pub use servers::RedisServers;
 pub use slot::{SLOT_COUNT, crc16, hash_tag, key_slot};
+pub use tls::tls_certificates;

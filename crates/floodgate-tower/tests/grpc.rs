@@ -178,3 +178,36 @@ async fn peer_ip_from_tonic_connect_info() {
     let status = say_hello(channel, "a", &[]).await.expect_err("limited");
     assert_eq!(status.code(), Code::ResourceExhausted);
 }
+
+#[cfg(feature = "tonic")]
+#[tokio::test]
+async fn peer_ip_when_tonic_terminates_tls() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
+    let dir = tempfile::tempdir().expect("temporary directory");
+    floodgate_testkit::tls_certificates(dir.path()).expect("certificates");
+    let read = |name: &str| std::fs::read(dir.path().join(name)).expect("read");
+    let identity = Identity::from_pem(read("server.crt"), read("server.key"));
+    // tonic puts `TlsConnectInfo<TcpConnectInfo>` on the request, and the `TcpConnectInfo`
+    // inside it too: the layer finds the peer without knowing about TLS. Were it missing,
+    // every call would be turned away (the default for a missing key).
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(1, "per-peer")).key(floodgate_tower::key::PeerIp::new()))
+        .build()
+        .expect("layer");
+    let addr = greeter::serve_tls(layer, identity).await;
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read("ca.crt")))
+        .domain_name("localhost");
+    let channel = Endpoint::from_shared(format!("https://{addr}"))
+        .expect("endpoint")
+        .tls_config(tls)
+        .expect("client TLS")
+        .connect()
+        .await
+        .expect("connect over TLS");
+    let first = say_hello(channel.clone(), "a", &[]).await;
+    assert!(first.is_ok(), "{first:?}");
+    let status = say_hello(channel, "a", &[]).await.expect_err("limited");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+}

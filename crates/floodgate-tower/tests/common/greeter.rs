@@ -131,6 +131,27 @@ pub async fn serve(layer: RateLimitLayer) -> SocketAddr {
     addr
 }
 
+/// Serves the greeter behind `layer` on a free port, over TLS with `identity`.
+pub async fn serve_tls(layer: RateLimitLayer, identity: tonic::transport::Identity) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let server = tonic::transport::Server::builder()
+        .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+        .expect("TLS config");
+    tokio::spawn(async move {
+        server
+            .layer(layer)
+            .add_service(Greeter)
+            .serve_with_incoming(incoming)
+            .await
+            .expect("serve");
+    });
+    addr
+}
+
 pub async fn channel(addr: SocketAddr) -> tonic::transport::Channel {
     tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .expect("endpoint")
