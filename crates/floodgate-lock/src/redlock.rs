@@ -220,11 +220,7 @@ impl Redlock {
         }
         let redlock = Self::from_nodes(nodes)?;
         if errors.len() > redlock.nodes.len() - redlock.quorum {
-            let mut errors = errors.into_iter();
-            let first = errors
-                .next()
-                .unwrap_or_else(|| Error::Invalid("no node".to_owned()));
-            return Err(redlock.no_quorum(errors.len() + 1, first));
+            return Err(redlock.no_quorum(errors));
         }
         Ok(redlock)
     }
@@ -342,8 +338,8 @@ impl Redlock {
         .await
     }
 
-    /// Splits results into successes and errors; too many errors is [`Error::NoQuorum`].
-    fn tally<T>(&self, results: Vec<Result<T, Error>>) -> Result<Vec<(usize, T)>, Error> {
+    /// Splits results into the answers, each with its node's index, and the errors.
+    fn split<T>(results: Vec<Result<T, Error>>) -> (Vec<(usize, T)>, Vec<Error>) {
         let mut ok = Vec::with_capacity(results.len());
         let mut errors = Vec::new();
         for (i, result) in results.into_iter().enumerate() {
@@ -352,13 +348,14 @@ impl Redlock {
                 Err(e) => errors.push(e),
             }
         }
+        (ok, errors)
+    }
+
+    /// The answers; too many errors to leave a quorum is [`Error::NoQuorum`].
+    fn tally<T>(&self, results: Vec<Result<T, Error>>) -> Result<Vec<(usize, T)>, Error> {
+        let (ok, errors) = Self::split(results);
         if errors.len() > self.nodes.len() - self.quorum {
-            let failed = errors.len();
-            let first = errors
-                .into_iter()
-                .next()
-                .unwrap_or_else(|| Error::Invalid("no node".to_owned()));
-            return Err(self.no_quorum(failed, first));
+            return Err(self.no_quorum(errors));
         }
         for e in &errors {
             tracing::debug!(error = %e, "Redlock node failed (tolerated: a minority)");
@@ -366,41 +363,35 @@ impl Redlock {
         Ok(ok)
     }
 
-    /// [`Redlock::tally`] of answers about a lock we hold, where `ours` says whether a node
-    /// still holds it for us. Too few nodes saying so is a definite "not ours" only when the
-    /// nodes that said otherwise leave no quorum possible; when the nodes that failed could
-    /// have made one, nobody can tell, and that is [`Error::NoQuorum`] (transient: a watchdog
-    /// tries again) rather than a lock reported lost while a quorum may still hold it.
+    /// The answers about a lock we hold, where `ours` says whether a node still holds it for
+    /// us. Too few nodes saying so is a definite "not ours" only when the nodes that said
+    /// otherwise leave no quorum possible, however many failed (half of an even number of
+    /// nodes saying "not ours" is enough). When the nodes that failed could have made one,
+    /// nobody can tell, and that is [`Error::NoQuorum`] (transient: a watchdog tries again)
+    /// rather than a lock reported lost while a quorum may still hold it.
     fn settle<T>(
         &self,
         results: Vec<Result<T, Error>>,
         ours: impl Fn(&T) -> bool,
     ) -> Result<Vec<(usize, T)>, Error> {
-        let failed = results.iter().filter(|r| r.is_err()).count();
-        let said_ours = results
-            .iter()
-            .filter(|r| r.as_ref().is_ok_and(&ours))
-            .count();
-        if said_ours < self.quorum && said_ours + failed >= self.quorum {
-            let first = results
-                .into_iter()
-                .find_map(Result::err)
-                .unwrap_or_else(|| Error::Invalid("no node".to_owned()));
-            return Err(self.no_quorum(failed, first));
+        let (ok, errors) = Self::split(results);
+        let said_ours = ok.iter().filter(|(_, answer)| ours(answer)).count();
+        if said_ours < self.quorum && said_ours + errors.len() >= self.quorum {
+            return Err(self.no_quorum(errors));
         }
-        // Decided either way, however many failed (with an even number of nodes, half failing
-        // and half saying "not ours" is a definite "not ours").
-        let mut answers = Vec::with_capacity(results.len() - failed);
-        for (i, result) in results.into_iter().enumerate() {
-            match result {
-                Ok(answer) => answers.push((i, answer)),
-                Err(e) => tracing::debug!(error = %e, "Redlock node failed (the others decided)"),
-            }
+        for e in &errors {
+            tracing::debug!(error = %e, "Redlock node failed (the others decided)");
         }
-        Ok(answers)
+        Ok(ok)
     }
 
-    fn no_quorum(&self, failed: usize, first: Error) -> Error {
+    /// [`Error::NoQuorum`] for these node errors (the first is its source).
+    fn no_quorum(&self, errors: Vec<Error>) -> Error {
+        let failed = errors.len();
+        let first = errors
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| Error::Invalid("no node".to_owned()));
         Error::NoQuorum {
             nodes: self.nodes.len(),
             quorum: self.quorum,

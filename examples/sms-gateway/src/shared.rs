@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{LazyLock, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use floodgate::lock::RedisLocks;
@@ -23,7 +23,9 @@ pub const IN_PROGRESS_TTL: Duration = Duration::from_secs(60);
 
 /// A campaign's progress (KEYS[1]: its hash; ARGV: cursor, dispatcher), written only when it
 /// moves the cursor forward on a campaign that exists and is not completed. 1 when written.
-const PROGRESS_SCRIPT: &str = r"
+static PROGRESS: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"
 local c = redis.call('HMGET', KEYS[1], 'status', 'cursor')
 if not c[1] or c[1] == 'completed' then
   return 0
@@ -33,7 +35,9 @@ if tonumber(ARGV[1]) <= (tonumber(c[2] or '0') or 0) then
 end
 redis.call('HSET', KEYS[1], 'cursor', ARGV[1], 'status', 'running', 'dispatcher', ARGV[2])
 return 1
-";
+",
+    )
+});
 /// The most idempotency keys kept in memory (the oldest expire first).
 const MAX_MEMORY_IDEMPOTENCY_KEYS: usize = 200_000;
 
@@ -693,13 +697,16 @@ impl Shared for RedisShared {
     ) -> Result<(), StoreError> {
         // A dispatcher that lost its lock may still be running: its progress never moves the
         // cursor back nor reopens a completed campaign.
-        let mut eval = redis::cmd("EVAL");
-        eval.arg(PROGRESS_SCRIPT)
-            .arg(1)
-            .arg(self.campaign_key(id, ""))
-            .arg(cursor)
-            .arg(dispatcher);
-        let _: i64 = self.query(eval).await?;
+        let key = self.campaign_key(id, "");
+        let cursor = cursor.to_string();
+        self.conn
+            .invoke_script(
+                &PROGRESS,
+                &[key.as_bytes()],
+                &[cursor.as_bytes(), dispatcher.as_bytes()],
+            )
+            .await
+            .map_err(err)?;
         Ok(())
     }
 

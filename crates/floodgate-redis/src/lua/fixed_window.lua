@@ -109,8 +109,7 @@ ALG.fw = {
     expire(key, expires_at, now)
   end,
 
-  undo = function(idx, key, p, now, cost)
-    local st = ALG.fw.load(idx, key)
+  undo = function(idx, key, p, now, cost, _, st)
     local s = fw_current({ start = st.start, count = math.max(st.count, 1) }, p, now)
     if st.start == s and st.count > 0 then
       st.count = math.max(0, st.count - cost)

@@ -88,8 +88,7 @@ ALG.gcra = {
   end,
 
   -- Gives back `cost` units taken at `now` (a check across cluster slots that failed later).
-  undo = function(idx, key, p, now, cost)
-    local st = ALG.gcra.load(idx, key)
+  undo = function(idx, key, p, now, cost, _, st)
     st.tat = math.max(now, st.tat - p[1] * cost)
     ALG.gcra.save(key, st, p, now)
   end,

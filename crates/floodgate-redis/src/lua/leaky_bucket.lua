@@ -35,8 +35,7 @@ ALG.lb = {
     expire(key, st.at + st.level, now)
   end,
 
-  undo = function(idx, key, p, now, cost)
-    local st = ALG.lb.load(idx, key)
+  undo = function(idx, key, p, now, cost, _, st)
     st.level = math.max(0, st.level - p[1] * cost)
     ALG.lb.save(key, st, p, math.max(now, st.at))
   end,

@@ -69,8 +69,7 @@ ALG.sw = {
     expire(key, expires_at, now)
   end,
 
-  undo = function(idx, key, p, now, cost)
-    local st = ALG.sw.load(idx, key)
+  undo = function(idx, key, p, now, cost, _, st)
     local w = p[2] * 1000
     local start = now - now % w
     if st.start == start then

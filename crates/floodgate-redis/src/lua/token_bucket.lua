@@ -51,8 +51,7 @@ ALG.tb = {
     expire(key, expires_at, now)
   end,
 
-  undo = function(idx, key, p, now, cost)
-    local st = ALG.tb.load(idx, key, p)
+  undo = function(idx, key, p, now, cost, _, st)
     st.tokens = math.min(p[1], st.tokens + cost)
     ALG.tb.save(key, st, p, now)
   end,

@@ -28,11 +28,11 @@ for i, key in ipairs(KEYS) do
   if alg == nil or cost == nil or p[1] == nil or p[2] == nil or p[3] == nil or p[4] == nil then
     fail('FLOODGATE_BADARG', i - 1, 'malformed undo check')
   end
-  alg.load(i - 1, key, p, now)
-  undos[i] = { alg = alg, p = p, cost = cost }
+  undos[i] = { alg = alg, p = p, cost = cost, st = alg.load(i - 1, key, p, now) }
 end
+-- Each algorithm's undo starts from the state its load read (and checked) above.
 for i, key in ipairs(KEYS) do
   local u = undos[i]
-  u.alg.undo(i - 1, key, u.p, now, u.cost, lease)
+  u.alg.undo(i - 1, key, u.p, now, u.cost, lease, u.st)
 end
 return #KEYS

@@ -146,7 +146,6 @@ fn normalized_path(path: &str) -> std::borrow::Cow<'_, [u8]> {
     fn hex(b: u8) -> Option<u8> {
         (b as char).to_digit(16).and_then(|d| u8::try_from(d).ok())
     }
-    const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
     let raw = path.as_bytes();
     if !raw.contains(&b'%') {
         return std::borrow::Cow::Borrowed(raw);
@@ -164,15 +163,10 @@ fn normalized_path(path: &str) -> std::borrow::Cow<'_, [u8]> {
             raw.get(i + 2).and_then(|&l| hex(l)),
         ) {
             (Some(high), Some(low)) => {
-                let c = high << 4 | low;
-                if c == b'/' || c == b'%' {
-                    out.extend_from_slice(&[
-                        b'%',
-                        DIGITS[usize::from(high)],
-                        DIGITS[usize::from(low)],
-                    ]);
-                } else {
-                    out.push(c);
+                match high << 4 | low {
+                    b'/' => out.extend_from_slice(b"%2F"),
+                    b'%' => out.extend_from_slice(b"%25"),
+                    c => out.push(c),
                 }
                 i += 3;
             }

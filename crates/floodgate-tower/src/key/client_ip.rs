@@ -72,9 +72,9 @@ impl TrustedProxies {
                     }
                 },
             };
-            nets.push(canonical_net(net));
+            nets.push(net);
         }
-        Ok(TrustedProxies { nets })
+        Ok(TrustedProxies::new(nets))
     }
 
     /// Adds a network.
