@@ -19,6 +19,20 @@ pub enum ConfigError {
         /// The text given.
         value: String,
     },
+    /// A rule's fixed cost is more than its policy ever admits at once: every request would
+    /// be turned away, with no time after which a retry could succeed.
+    #[error(
+        "rule {policy:?} costs {cost} per request, more than its policy admits at once ({limit}): every request would be refused"
+    )]
+    CostAboveLimit {
+        /// The policy's name.
+        policy: String,
+        /// The rule's cost.
+        cost: u64,
+        /// The most the policy admits at once (in delay mode, a shaper's burst plus what
+        /// `max_wait` lets it reserve).
+        limit: u64,
+    },
     /// A duration that must be positive was zero.
     #[error("{field} must be greater than zero")]
     Zero {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate_core::{
-    DenyCache, Leasing, LeasingConfig, Limiter, MemoryLimiter, Policy, SystemClock,
+    DenyCache, Kind, Leasing, LeasingConfig, Limiter, MemoryLimiter, Policy, SystemClock,
 };
 use tower::Layer;
 
@@ -317,6 +317,14 @@ where
                     name: rule.policy().name().to_owned(),
                 });
             }
+            let limit = most_at_once(rule.policy(), self.mode);
+            if let Some(cost) = rule.fixed_cost().filter(|&c| c > limit) {
+                return Err(ConfigError::CostAboveLimit {
+                    policy: rule.policy().name().to_owned(),
+                    cost,
+                    limit,
+                });
+            }
         }
         let on_store_error = self.on_store_error.unwrap_or_default();
         let table: Arc<[RuleEntry]> = self
@@ -361,5 +369,90 @@ where
             (false, None) => Arc::new(Engine::new(self.limiter, shared)),
         };
         Ok(RateLimitLayer { engine })
+    }
+}
+
+/// The most units `policy` admits to one request in `mode`: its limit, and for a shaper in
+/// delay mode, what its burst and the longest wait can reserve.
+fn most_at_once(policy: &Policy, mode: Mode) -> u64 {
+    match (policy.kind(), mode) {
+        (Kind::Shaper(s), Mode::Delay { max_wait }) => {
+            s.limit(u64::try_from(max_wait.as_micros()).unwrap_or(u64::MAX))
+        }
+        _ => policy.limit(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build(rules: Vec<Rule>, mode: Mode) -> Result<RateLimitLayer, ConfigError> {
+        rules
+            .into_iter()
+            .fold(RateLimitLayer::builder(MemoryLimiter::new()), |b, r| {
+                b.rule(r)
+            })
+            .mode(mode)
+            .build()
+    }
+
+    fn policy(p: Result<Policy, floodgate_core::PolicyError>, name: &str) -> Policy {
+        p.and_then(|p| p.named(name)).expect("valid policy")
+    }
+
+    #[test]
+    fn a_layer_needs_rules_with_distinct_names() {
+        assert_eq!(build(vec![], Mode::Reject).err(), Some(ConfigError::NoRules));
+        let rules = vec![
+            Rule::new(policy(Policy::per_second(5), "a")),
+            Rule::new(policy(Policy::per_minute(50), "a")),
+        ];
+        assert_eq!(
+            build(rules, Mode::Reject).err(),
+            Some(ConfigError::DuplicatePolicy { name: "a".into() })
+        );
+    }
+
+    #[test]
+    fn a_fixed_cost_above_what_the_policy_admits_at_once_is_refused() {
+        let five = || policy(Policy::per_second(5), "five");
+        assert!(build(vec![Rule::new(five()).cost(5)], Mode::Reject).is_ok());
+        let err = build(vec![Rule::new(five()).cost(6)], Mode::Reject).err();
+        assert_eq!(
+            err,
+            Some(ConfigError::CostAboveLimit {
+                policy: "five".into(),
+                cost: 6,
+                limit: 5
+            })
+        );
+        let message = err.map(|e| e.to_string()).unwrap_or_default();
+        assert!(message.contains("\"five\" costs 6") && message.contains("(5)"), "{message}");
+        // A cost known only per request is not checked here: it may fit.
+        assert!(build(vec![Rule::new(five()).cost_fn(|_| 6)], Mode::Reject).is_ok());
+    }
+
+    #[test]
+    fn a_shaper_in_delay_mode_admits_what_its_wait_can_reserve() {
+        // 10 per second, burst 1: one every 100 ms; waiting up to 1 s reserves 10 more.
+        let shaper = || policy(Policy::shaper(10, Duration::from_secs(1)), "shaper");
+        let delay = Mode::Delay {
+            max_wait: Duration::from_secs(1),
+        };
+        assert!(build(vec![Rule::new(shaper()).cost(11)], delay).is_ok());
+        assert_eq!(
+            build(vec![Rule::new(shaper()).cost(12)], delay).err(),
+            Some(ConfigError::CostAboveLimit {
+                policy: "shaper".into(),
+                cost: 12,
+                limit: 11
+            })
+        );
+        // Without waiting, only its burst.
+        assert!(matches!(
+            build(vec![Rule::new(shaper()).cost(2)], Mode::Reject),
+            Err(ConfigError::CostAboveLimit { limit: 1, .. })
+        ));
     }
 }

@@ -189,6 +189,15 @@ impl Rule {
         false
     }
 
+    /// The cost of every request, when it is fixed ([`Rule::cost`]); `None` for
+    /// [`Rule::cost_fn`].
+    pub(crate) fn fixed_cost(&self) -> Option<u64> {
+        match &self.cost {
+            Cost::Fixed(c) => Some(*c),
+            Cost::Dynamic(_) => None,
+        }
+    }
+
     /// The cost of `req`.
     pub fn cost_of(&self, req: &RequestView<'_>) -> u64 {
         match &self.cost {
