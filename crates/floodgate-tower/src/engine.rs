@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use floodgate_core::{
-    Check, CheckOptions, Decision, Kind, LeaseId, Limiter, MemoryLimiter, Verdict,
+    CacheStats, Check, CheckOptions, Decision, Kind, LeaseId, Limiter, MemoryLimiter, Verdict,
 };
 use http::{HeaderValue, Response};
 use smallvec::SmallVec;
@@ -199,6 +199,8 @@ pub(crate) trait DynEngine: Send + Sync + 'static {
     ) -> Called;
     fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided>;
     fn release(self: Arc<Self>, job: LeaseJob);
+    /// The limiter's deny cache and leasing counters (also copied into their metrics).
+    fn cache_stats(&self) -> CacheStats;
 }
 
 pub(crate) struct Engine<L> {
@@ -653,6 +655,8 @@ where
             let started = Instant::now();
             let result = timeout_unless_ready(sh.timeout, self.limiter.check(checks, opts)).await;
             sh.metrics.check_duration(started.elapsed().as_secs_f64());
+            sh.metrics
+                .copy_caches_soon(started, || self.limiter.cache_stats());
             match result {
                 Some(Ok(verdict)) => {
                     sh.health.succeeded();
@@ -794,6 +798,12 @@ where
 
     fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided> {
         Box::pin(self.run(job))
+    }
+
+    fn cache_stats(&self) -> CacheStats {
+        let stats = self.limiter.cache_stats();
+        self.shared.metrics.copy_caches(&stats);
+        stats
     }
 
     fn release(self: Arc<Self>, job: LeaseJob) {

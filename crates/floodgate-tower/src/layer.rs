@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate_core::{
-    DenyCache, Kind, Leasing, LeasingConfig, Limiter, MemoryLimiter, Policy, SystemClock,
+    CacheStats, DenyCache, Kind, Leasing, LeasingConfig, Limiter, MemoryLimiter, Policy,
+    SystemClock,
 };
 use tower::Layer;
 
@@ -139,6 +140,18 @@ impl RateLimitLayer {
         RateLimitLayer::builder(limiter)
             .rule(Rule::new(policy).key(key))
             .build()
+    }
+
+    /// The counters of the layer's deny cache and local leasing
+    /// ([`RateLimitLayerBuilder::deny_cache`], [`RateLimitLayerBuilder::leasing`]): how many
+    /// checks they answered without the store. `None` for one the layer does not have (a
+    /// [`MemoryLimiter`] has neither).
+    ///
+    /// The same counters are metrics (`floodgate_deny_cache_*`, `floodgate_leasing_*`, see
+    /// [`crate::telemetry`]), copied at most once a second while requests flow and at each
+    /// call of this method: call it before rendering metrics to have them exact.
+    pub fn stats(&self) -> CacheStats {
+        self.engine.cache_stats()
     }
 }
 
@@ -403,7 +416,10 @@ mod tests {
 
     #[test]
     fn a_layer_needs_rules_with_distinct_names() {
-        assert_eq!(build(vec![], Mode::Reject).err(), Some(ConfigError::NoRules));
+        assert_eq!(
+            build(vec![], Mode::Reject).err(),
+            Some(ConfigError::NoRules)
+        );
         let rules = vec![
             Rule::new(policy(Policy::per_second(5), "a")),
             Rule::new(policy(Policy::per_minute(50), "a")),
@@ -428,7 +444,10 @@ mod tests {
             })
         );
         let message = err.map(|e| e.to_string()).unwrap_or_default();
-        assert!(message.contains("\"five\" costs 6") && message.contains("(5)"), "{message}");
+        assert!(
+            message.contains("\"five\" costs 6") && message.contains("(5)"),
+            "{message}"
+        );
         // A cost known only per request is not checked here: it may fit.
         assert!(build(vec![Rule::new(five()).cost_fn(|_| 6)], Mode::Reject).is_ok());
     }

@@ -1,9 +1,12 @@
 //! Metrics, tracing helpers, and keys made safe to log.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Once, OnceLock};
+use std::time::Instant;
 
-use metrics::{Counter, Histogram};
+use floodgate_core::CacheStats;
+use metrics::{Counter, Gauge, Histogram};
 
 /// Requests decided, by `outcome` (`allowed`, `denied`, `error`, `fallback`) and `policy`
 /// (the strictest policy of the decision).
@@ -12,6 +15,26 @@ pub const REQUESTS_TOTAL: &str = "floodgate_requests_total";
 pub const CHECK_DURATION_SECONDS: &str = "floodgate_check_duration_seconds";
 /// Store errors and timeouts, by `kind` (`error`, `timeout`).
 pub const STORE_ERRORS_TOTAL: &str = "floodgate_store_errors_total";
+
+/// Checks the deny cache answered locally (denied without the store). Like every cache and
+/// leasing metric, copied from the layer's counters at most once a second while requests
+/// flow, and whenever [`crate::RateLimitLayer::stats`] is called.
+pub const DENY_CACHE_HITS_TOTAL: &str = "floodgate_deny_cache_hits_total";
+/// Checks the deny cache passed to the store.
+pub const DENY_CACHE_MISSES_TOTAL: &str = "floodgate_deny_cache_misses_total";
+/// Checks that waited for another request's probe of the same check instead of asking the
+/// store.
+pub const DENY_CACHE_COALESCED_TOTAL: &str = "floodgate_deny_cache_coalesced_total";
+/// Denials the deny cache holds.
+pub const DENY_CACHE_ENTRIES: &str = "floodgate_deny_cache_entries";
+/// Checks answered from a local lease, without the store.
+pub const LEASING_LOCAL_TOTAL: &str = "floodgate_leasing_local_total";
+/// Checks local leasing passed to the store.
+pub const LEASING_STORE_TOTAL: &str = "floodgate_leasing_store_total";
+/// Leases taken from the store.
+pub const LEASING_LEASES_TOTAL: &str = "floodgate_leasing_leases_total";
+/// Units taken in leases and never spent.
+pub const LEASING_WASTED_UNITS_TOTAL: &str = "floodgate_leasing_wasted_units_total";
 
 /// The outcome label of [`REQUESTS_TOTAL`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +63,30 @@ fn describe() {
             STORE_ERRORS_TOTAL,
             "Rate-limit store errors and timeouts, by kind"
         );
+        for (name, help) in [
+            (
+                DENY_CACHE_HITS_TOTAL,
+                "Checks the deny cache denied without the store",
+            ),
+            (
+                DENY_CACHE_MISSES_TOTAL,
+                "Checks the deny cache passed to the store",
+            ),
+            (
+                DENY_CACHE_COALESCED_TOTAL,
+                "Checks that waited for another's probe",
+            ),
+            (LEASING_LOCAL_TOTAL, "Checks answered from a local lease"),
+            (
+                LEASING_STORE_TOTAL,
+                "Checks local leasing passed to the store",
+            ),
+            (LEASING_LEASES_TOTAL, "Leases taken from the store"),
+            (LEASING_WASTED_UNITS_TOTAL, "Leased units never spent"),
+        ] {
+            metrics::describe_counter!(name, help);
+        }
+        metrics::describe_gauge!(DENY_CACHE_ENTRIES, "Denials held by the deny cache");
     });
 }
 
@@ -62,10 +109,36 @@ impl PolicyMetrics {
 }
 
 /// Layer-wide metrics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct LayerMetrics {
     duration: OnceLock<Histogram>,
     store_errors: OnceLock<[Counter; 2]>,
+    caches: OnceLock<CacheMetrics>,
+    /// When the cache counters are next copied, in milliseconds after `base`.
+    next_copy_ms: AtomicU64,
+    base: Instant,
+}
+
+impl Default for LayerMetrics {
+    fn default() -> Self {
+        LayerMetrics {
+            duration: OnceLock::new(),
+            store_errors: OnceLock::new(),
+            caches: OnceLock::new(),
+            next_copy_ms: AtomicU64::new(0),
+            base: Instant::now(),
+        }
+    }
+}
+
+/// The deny cache's and leasing's metrics.
+#[derive(Debug)]
+struct CacheMetrics {
+    /// Hits, misses, coalesced.
+    deny: [Counter; 3],
+    entries: Gauge,
+    /// Local, store, leases, wasted.
+    leasing: [Counter; 4],
 }
 
 impl LayerMetrics {
@@ -87,6 +160,65 @@ impl LayerMetrics {
             ]
         });
         c[usize::from(timeout)].increment(1);
+    }
+
+    /// Copies `stats` (of the deny cache and leasing) into their metrics if a second has
+    /// passed since the last copy (`now` is about now).
+    pub(crate) fn copy_caches_soon(&self, now: Instant, stats: impl FnOnce() -> CacheStats) {
+        let ms =
+            u64::try_from(now.saturating_duration_since(self.base).as_millis()).unwrap_or(u64::MAX);
+        let next = self.next_copy_ms.load(Ordering::Relaxed);
+        if ms < next
+            || self
+                .next_copy_ms
+                .compare_exchange(
+                    next,
+                    ms.saturating_add(1000),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return;
+        }
+        self.copy_caches(&stats());
+    }
+
+    /// Copies `stats` into their metrics now.
+    pub(crate) fn copy_caches(&self, stats: &CacheStats) {
+        if stats.deny_cache.is_none() && stats.leasing.is_none() {
+            return;
+        }
+        let m = self.caches.get_or_init(|| {
+            describe();
+            CacheMetrics {
+                deny: [
+                    metrics::counter!(DENY_CACHE_HITS_TOTAL),
+                    metrics::counter!(DENY_CACHE_MISSES_TOTAL),
+                    metrics::counter!(DENY_CACHE_COALESCED_TOTAL),
+                ],
+                entries: metrics::gauge!(DENY_CACHE_ENTRIES),
+                leasing: [
+                    metrics::counter!(LEASING_LOCAL_TOTAL),
+                    metrics::counter!(LEASING_STORE_TOTAL),
+                    metrics::counter!(LEASING_LEASES_TOTAL),
+                    metrics::counter!(LEASING_WASTED_UNITS_TOTAL),
+                ],
+            }
+        });
+        // Counters only move forward (`absolute` keeps the larger value): copies racing each
+        // other cannot set one back.
+        if let Some(d) = &stats.deny_cache {
+            for (c, v) in m.deny.iter().zip([d.hits, d.misses, d.coalesced]) {
+                c.absolute(v);
+            }
+            m.entries.set(d.entries as f64);
+        }
+        if let Some(l) = &stats.leasing {
+            for (c, v) in m.leasing.iter().zip([l.local, l.store, l.leases, l.wasted]) {
+                c.absolute(v);
+            }
+        }
     }
 }
 

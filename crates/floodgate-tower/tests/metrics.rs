@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use floodgate_core::{MemoryLimiter, Policy};
+use floodgate_core::{DenyCacheStats, MemoryLimiter, Policy};
+use floodgate_redis::{RedisConfig, RedisLimiter};
+use floodgate_testkit::RedisServer;
 use floodgate_tower::key::GlobalKey;
 use floodgate_tower::{RateLimitLayer, Rule};
 use http::{Request, Response, StatusCode};
@@ -131,4 +133,131 @@ async fn decisions_are_counted() {
         .get("floodgate_check_duration_seconds{}")
         .expect("histogram");
     assert_eq!(samples.0.lock().expect("lock").len(), 3);
+}
+
+/// Sends `n` requests through `svc` and returns their statuses.
+async fn send<S>(svc: &mut S, n: usize) -> Vec<StatusCode>
+where
+    S: Service<Request<()>, Response = Response<floodgate_tower::ResponseBody<String>>>,
+    S::Error: std::fmt::Debug,
+{
+    let mut statuses = Vec::new();
+    for _ in 0..n {
+        svc.ready().await.expect("ready");
+        statuses.push(svc.call(Request::new(())).await.expect("response").status());
+    }
+    statuses
+}
+
+#[tokio::test]
+async fn the_deny_cache_is_counted_in_stats_and_metrics() {
+    let redis = RedisServer::start().expect("redis-server (run scripts/install-redis)");
+    let config = RedisConfig::new(&redis.url()).expect("url");
+    let limiter = RedisLimiter::connect(&config).await.expect("connect");
+    let layer = RateLimitLayer::builder(limiter)
+        .rule(
+            Rule::new(
+                Policy::per_minute(1)
+                    .expect("policy")
+                    .named("one")
+                    .expect("name"),
+            )
+            .key(GlobalKey),
+        )
+        .build()
+        .expect("layer");
+    let recorder = Recorded::default();
+    // Registers the metrics with this recorder (a service installs its recorder first).
+    let stats = metrics::with_local_recorder(&recorder, || layer.stats());
+    assert_eq!(
+        stats.deny_cache,
+        Some(DenyCacheStats::default()),
+        "a Redis layer has a deny cache by default"
+    );
+    assert_eq!(stats.leasing, None);
+    let mut svc = layer.layer(tower::service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+
+    // The allowed request spends the only unit: GCRA knows when the next comes, so the ten
+    // after it are denied locally.
+    let statuses = send(&mut svc, 11).await;
+    assert_eq!(statuses[0], StatusCode::OK);
+    assert!(
+        statuses[1..]
+            .iter()
+            .all(|s| *s == StatusCode::TOO_MANY_REQUESTS),
+        "{statuses:?}"
+    );
+    // The first request copied the counters (one store call, nothing local yet); the next
+    // copy waits a second.
+    assert_eq!(recorder.counter("floodgate_deny_cache_misses_total{}"), 1);
+    assert_eq!(recorder.counter("floodgate_deny_cache_hits_total{}"), 0);
+
+    let stats = layer.stats().deny_cache.expect("deny cache");
+    assert_eq!((stats.hits, stats.misses, stats.entries), (10, 1, 1));
+    assert_eq!(recorder.counter("floodgate_deny_cache_hits_total{}"), 10);
+
+    // A second later, the next request copies them on its way.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(send(&mut svc, 1).await, [StatusCode::TOO_MANY_REQUESTS]);
+    assert_eq!(recorder.counter("floodgate_deny_cache_hits_total{}"), 11);
+    assert_eq!(recorder.counter("floodgate_deny_cache_misses_total{}"), 1);
+}
+
+#[tokio::test]
+async fn local_leasing_is_counted_in_stats_and_metrics() {
+    let redis = RedisServer::start().expect("redis-server (run scripts/install-redis)");
+    let config = RedisConfig::new(&redis.url()).expect("url");
+    let limiter = RedisLimiter::connect(&config).await.expect("connect");
+    let layer = RateLimitLayer::builder(limiter)
+        .rule(
+            Rule::new(
+                Policy::per_second(1000)
+                    .expect("policy")
+                    .named("hot")
+                    .expect("name"),
+            )
+            .key(GlobalKey),
+        )
+        .leasing(floodgate_core::LeasingConfig::default())
+        .build()
+        .expect("layer");
+    let recorder = Recorded::default();
+    metrics::with_local_recorder(&recorder, || layer.stats());
+    let mut svc = layer.layer(tower::service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let statuses = send(&mut svc, 40).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    let stats = layer.stats();
+    let leasing = stats.leasing.expect("leasing");
+    // The key turns hot after 16 checks; from then on it spends leases of 10 units.
+    assert!(leasing.leases >= 1 && leasing.local >= 10, "{leasing:?}");
+    assert!(stats.deny_cache.is_some(), "the deny cache stays in front");
+    assert_eq!(
+        recorder.counter("floodgate_leasing_local_total{}"),
+        leasing.local
+    );
+    assert_eq!(
+        recorder.counter("floodgate_leasing_leases_total{}"),
+        leasing.leases
+    );
+    assert_eq!(
+        recorder.counter("floodgate_leasing_store_total{}"),
+        leasing.store
+    );
+}
+
+#[tokio::test]
+async fn a_memory_layer_has_no_cache_stats() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(Policy::per_second(5).expect("policy")).key(GlobalKey))
+        .build()
+        .expect("layer");
+    let stats = layer.stats();
+    assert_eq!((stats.deny_cache, stats.leasing), (None, None));
 }

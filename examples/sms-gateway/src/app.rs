@@ -141,7 +141,11 @@ pub fn router<S: Shared>(app: Arc<App<S>>) -> Result<Router, floodgate::tower::C
         .on_store_error(OnStoreError::FailClosed)
         // Clients see their remaining budget before they are turned away.
         .headers_on_allowed(true)
+        // The shared limiter has its deny cache already (`POST /v1/sms` uses it too).
+        .deny_cache(false)
         .build()?;
+    // `/metrics` brings the deny cache's counters up to date before rendering.
+    let stats = layer.clone();
     let limited = Router::new()
         .route("/v1/campaigns", post(create_campaign::<S>))
         .route("/v1/campaigns/{id}", get(get_campaign::<S>))
@@ -154,7 +158,13 @@ pub fn router<S: Shared>(app: Arc<App<S>>) -> Result<Router, floodgate::tower::C
             post(send_sms::<S>).layer(DefaultBodyLimit::max(MAX_SMS_BODY)),
         )
         .route("/healthz", get(healthz::<S>))
-        .route("/metrics", get(metrics::<S>))
+        .route(
+            "/metrics",
+            get(move |state| {
+                stats.stats();
+                metrics::<S>(state)
+            }),
+        )
         .merge(limited)
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")

@@ -60,7 +60,25 @@ async fn two_replicas_200_requests_for_one_phone_accept_exactly_one() {
     assert_eq!((accepted, by_phone), (1, 199));
     let lines = a.outbox_lines().len() + b.outbox_lines().len();
     assert_eq!(lines, 1);
+    // Each of the 200 checks went through a replica's deny cache once, answered there (a hit)
+    // or passed to Redis (a miss); once the phone's budget was spent, repeats stayed local.
+    let (mut hits, mut misses) = (0, 0);
+    for gw in [&a, &b] {
+        let text = http.get(&gw.url("/metrics")).await.body;
+        let text = text.as_str().expect("metrics text");
+        hits += metric(text, "floodgate_deny_cache_hits_total");
+        misses += metric(text, "floodgate_deny_cache_misses_total");
+    }
+    assert_eq!(hits + misses, 200, "hits {hits}, misses {misses}");
+    assert!(hits > 0, "hits {hits}, misses {misses}");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The value of an unlabelled metric in Prometheus text.
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::sharded::{NewSlot, OnFull, ShardedMap};
-use super::{Check, CheckOptions, Limiter};
+use super::{CacheStats, Check, CheckOptions, Limiter};
 use crate::clock::{Clock, SystemClock, duration_micros};
 use crate::policy::Kind;
 use crate::{Decision, LeaseId, Policy, Verdict};
@@ -306,6 +306,13 @@ impl<L: Limiter, C: Clock> DenyCache<L, C> {
 
 impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
     type Error = L::Error;
+
+    fn cache_stats(&self) -> CacheStats {
+        CacheStats {
+            deny_cache: Some(self.stats()),
+            ..self.inner.cache_stats()
+        }
+    }
 
     fn is_unavailable(error: &L::Error) -> bool {
         L::is_unavailable(error)

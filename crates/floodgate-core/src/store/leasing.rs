@@ -8,7 +8,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 
 use super::sharded::{NewSlot, OnFull, ShardedMap};
-use super::{Check, CheckOptions, Limiter};
+use super::{CacheStats, Check, CheckOptions, Limiter};
 use crate::clock::{Clock, SystemClock, duration_micros};
 use crate::policy::Kind;
 use crate::{Decision, LeaseId, Policy, Verdict};
@@ -350,6 +350,13 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
 
 impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
     type Error = L::Error;
+
+    fn cache_stats(&self) -> CacheStats {
+        CacheStats {
+            leasing: Some(self.stats()),
+            ..self.inner.cache_stats()
+        }
+    }
 
     fn is_unavailable(error: &L::Error) -> bool {
         L::is_unavailable(error)

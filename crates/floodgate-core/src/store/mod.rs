@@ -71,6 +71,17 @@ impl CheckOptions {
     }
 }
 
+/// The counters of the local layers in front of a store, as [`Limiter::cache_stats`] gives
+/// them: `None` for a layer the limiter does not have.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CacheStats {
+    /// The deny cache's counters.
+    pub deny_cache: Option<DenyCacheStats>,
+    /// Local token leasing's counters.
+    pub leasing: Option<LeasingStats>,
+}
+
 /// A store of rate-limit state: in memory, or in Redis.
 ///
 /// A check of several policies is **all-or-nothing**: either every policy allows and every one
@@ -109,6 +120,12 @@ pub trait Limiter: Send + Sync {
     fn is_unavailable(error: &Self::Error) -> bool {
         let _ = error;
         true
+    }
+
+    /// The counters of the local layers in front of the store ([`DenyCache`], [`Leasing`]),
+    /// for monitoring: how many checks they answered without it. Empty for a plain store.
+    fn cache_stats(&self) -> CacheStats {
+        CacheStats::default()
     }
 
     /// Checks one policy for one key.
