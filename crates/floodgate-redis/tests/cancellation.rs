@@ -6,7 +6,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use floodgate_core::{Check, CheckOptions, Limiter, Policy};
+use floodgate_core::{Check, CheckOptions, Lease, Limiter, Policy};
 use floodgate_redis::{BatchConfig, ConnectionKind, RedisLimiter};
 use support::{limiter, run, server};
 
@@ -126,5 +126,52 @@ fn a_limiter_keeps_working_after_its_first_runtime_is_gone() {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    });
+}
+
+/// A [`Lease`] held by a task that ends without releasing it (dropped by a panic, an early
+/// return, a cancelled request) is released in the background, not held for its 30 s.
+#[test]
+fn a_dropped_lease_guard_gives_the_slot_back() {
+    let server = Arc::new(server());
+    run(Duration::from_secs(30), async {
+        let limiter = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let p = Policy::concurrency(1, Duration::from_secs(30)).expect("valid");
+        let task = {
+            let limiter = limiter.clone();
+            let p = p.clone();
+            tokio::spawn(async move {
+                let checks = [Check::new(b"slot", &p)];
+                let (_, lease) = Lease::check(&limiter, &checks, CheckOptions::default())
+                    .await
+                    .expect("up");
+                let _lease = lease.expect("the slot was free");
+                panic!("the holder dies");
+            })
+        };
+        assert!(task.await.is_err(), "the holder panicked");
+        slot_comes_back(&limiter, &p, "the dead holder's lease").await;
+
+        // (`slot_comes_back` holds the slot now.) Released explicitly, a lease is free at once.
+        let checks = [Check::new(b"another", &p)];
+        let (_, lease) = Lease::check(&limiter, &checks, CheckOptions::default())
+            .await
+            .expect("up");
+        let lease = lease.expect("free");
+        assert!(
+            !limiter
+                .check_one(b"another", &p, 1)
+                .await
+                .expect("up")
+                .allowed
+        );
+        lease.release().await.expect("release");
+        assert!(
+            limiter
+                .check_one(b"another", &p, 1)
+                .await
+                .expect("up")
+                .allowed
+        );
     });
 }

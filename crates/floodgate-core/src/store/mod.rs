@@ -1,6 +1,7 @@
 //! The store interface every backend implements, and the in-memory stores.
 
 mod deny_cache;
+mod lease;
 mod leasing;
 mod memory;
 pub(crate) mod sharded;
@@ -9,6 +10,7 @@ use std::future::Future;
 use std::time::Duration;
 
 pub use deny_cache::{DenyCache, DenyCacheStats};
+pub use lease::Lease;
 pub use leasing::{Leasing, LeasingConfig, LeasingStats};
 pub use memory::{DEFAULT_MAX_KEYS, MemoryLimiter, MemoryLimiterBuilder};
 pub use sharded::{OnFull, StoreStats};
