@@ -269,9 +269,13 @@ where
     /// releases. If the lease is lost first, `critical` is dropped (cancelled at its next
     /// await) and the result is [`Error::Lost`].
     ///
+    /// Once `critical` has finished under the lease, its output is returned even if the
+    /// store cannot be reached to release the lock (logged as a warning): the work was done
+    /// while the lock was held, and the lock frees itself when its lease ends.
+    ///
     /// # Errors
     /// As [`acquire`](Lock::acquire); [`Error::Lost`] if the lease was lost before `critical`
-    /// finished or was found lost on release.
+    /// finished or was found lost on release (another holder may have overlapped with it).
     pub async fn run<F, Fut, T>(&self, wait: Duration, critical: F) -> Result<T, Error>
     where
         F: FnOnce(u64) -> Fut,
@@ -284,8 +288,19 @@ where
             reason = lost => return Err(Error::lost(&self.name, reason)),
             output = critical(guard.fence()) => output,
         };
-        guard.release().await?;
-        Ok(output)
+        match guard.release().await {
+            Err(e) if e.is_lost() => Err(e),
+            Err(e) => {
+                tracing::warn!(
+                    lock = %floodgate_redis::display_key(&self.name),
+                    error = %e,
+                    "the critical section finished but the lock could not be released; it frees \
+                     itself when its lease ends"
+                );
+                Ok(output)
+            }
+            Ok(()) => Ok(output),
+        }
     }
 
     async fn attempt(&self, token: &Token) -> Result<Attempt<S>, Error> {

@@ -260,6 +260,31 @@ fn fault_a_release_that_times_out_is_retried_within_the_lease() {
     });
 }
 
+/// `run` returns the critical section's output when only the release fails (the store is
+/// unreachable after the work was done under the lease): the lock lapses at the end of its
+/// lease, and the caller does not lose what the work produced.
+#[test]
+fn fault_run_keeps_the_output_when_only_the_release_fails() {
+    let server = std::sync::Arc::new(server());
+    run(Duration::from_secs(30), async {
+        let locks = redis_locks_with(&server.url(), Duration::from_millis(100)).await;
+        let lock = Lock::new(locks, "unreleasable", TTL).expect("valid");
+        let output = lock
+            .run(Duration::from_secs(1), |fence| {
+                let server = std::sync::Arc::clone(&server);
+                async move {
+                    // The store goes away as the work ends, before the release.
+                    server.pause().expect("pause");
+                    fence
+                }
+            })
+            .await;
+        server.resume().expect("resume");
+        let fence = output.expect("the output, not the release's timeout");
+        assert!(fence > 0);
+    });
+}
+
 /// A release whose caller gives up before the store answers (a timeout around it, a cancelled
 /// task) still releases: the guard's drop does it in the background.
 #[test]
