@@ -185,6 +185,10 @@ where
     /// jittered backoff that never outlasts the holder's lease. Transient store errors
     /// (timeouts, lost connections, no Redlock quorum) are retried until the deadline.
     ///
+    /// At least one attempt is made, even with a zero `wait`, and an attempt begun before the
+    /// deadline runs until the store answers or its own timeout: with a hung store, the call
+    /// can return up to one store timeout after `wait`.
+    ///
     /// # Errors
     /// [`Error::Timeout`] if another owner held the lock the whole time; the last store error
     /// if the store failed until the deadline; a non-transient store error at once.
