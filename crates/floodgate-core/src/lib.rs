@@ -35,6 +35,7 @@ pub use error::{MemoryError, PolicyError};
 pub use lock::{LockAttempt, LockStore, MemoryLocks};
 pub use policy::{AlgorithmKind, Kind, MAX_NAME_LEN, Policy, State};
 pub use store::{
-    CacheStats, Check, CheckOptions, DEFAULT_MAX_KEYS, DenyCache, DenyCacheStats, Lease, Leasing,
-    LeasingConfig, LeasingStats, Limiter, MemoryLimiter, MemoryLimiterBuilder, OnFull, StoreStats,
+    CacheStats, Check, CheckOptions, ConcurrencyLease, DEFAULT_MAX_KEYS, DenyCache, DenyCacheStats,
+    Leasing, LeasingConfig, LeasingStats, Limiter, MemoryLimiter, MemoryLimiterBuilder, OnFull,
+    StoreStats,
 };

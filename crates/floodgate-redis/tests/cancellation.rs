@@ -6,7 +6,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use floodgate_core::{Check, CheckOptions, Lease, Limiter, Policy};
+use floodgate_core::{Check, CheckOptions, ConcurrencyLease, Limiter, Policy};
 use floodgate_redis::{BatchConfig, ConnectionKind, RedisLimiter};
 use support::{limiter, run, server};
 
@@ -129,7 +129,7 @@ fn a_limiter_keeps_working_after_its_first_runtime_is_gone() {
     });
 }
 
-/// A [`Lease`] held by a task that ends without releasing it (dropped by a panic, an early
+/// A [`ConcurrencyLease`] held by a task that ends without releasing it (dropped by a panic, an early
 /// return, a cancelled request) is released in the background, not held for its 30 s.
 #[test]
 fn a_dropped_lease_guard_gives_the_slot_back() {
@@ -142,9 +142,10 @@ fn a_dropped_lease_guard_gives_the_slot_back() {
             let p = p.clone();
             tokio::spawn(async move {
                 let checks = [Check::new(b"slot", &p)];
-                let (_, lease) = Lease::check(&limiter, &checks, CheckOptions::default())
-                    .await
-                    .expect("up");
+                let (_, lease) =
+                    ConcurrencyLease::check(&limiter, &checks, CheckOptions::default())
+                        .await
+                        .expect("up");
                 let _lease = lease.expect("the slot was free");
                 panic!("the holder dies");
             })
@@ -154,7 +155,7 @@ fn a_dropped_lease_guard_gives_the_slot_back() {
 
         // (`slot_comes_back` holds the slot now.) Released explicitly, a lease is free at once.
         let checks = [Check::new(b"another", &p)];
-        let (_, lease) = Lease::check(&limiter, &checks, CheckOptions::default())
+        let (_, lease) = ConcurrencyLease::check(&limiter, &checks, CheckOptions::default())
             .await
             .expect("up");
         let lease = lease.expect("free");

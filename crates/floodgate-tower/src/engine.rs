@@ -593,8 +593,10 @@ where
         // What is left of `max_wait`.
         let left = || started.map_or(Duration::ZERO, |s| max_wait.saturating_sub(s.elapsed()));
         loop {
+            // The first attempt waits up to `max_wait` itself: time measured since `started`
+            // would cut the last microsecond off, and the largest turn that fits with it.
             let opts = if shaper {
-                CheckOptions::wait(left())
+                CheckOptions::wait(if attempts == 0 { max_wait } else { left() })
             } else {
                 CheckOptions::default()
             };

@@ -474,4 +474,33 @@ mod tests {
             Err(ConfigError::CostAboveLimit { limit: 1, .. })
         ));
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_largest_cost_a_delayed_shaper_accepts_is_admitted() {
+        use tower::{Service, ServiceExt};
+        let shaper = policy(Policy::shaper(10, Duration::from_secs(1)), "shaper");
+        let delay = Mode::Delay {
+            max_wait: Duration::from_secs(1),
+        };
+        let rule = Rule::new(shaper).key(crate::key::GlobalKey).cost(11);
+        let layer = build(vec![rule], delay).expect("the largest cost that fits");
+        let mut svc = layer.layer(tower::service_fn(|_: http::Request<()>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+        }));
+        let started = tokio::time::Instant::now();
+        let response = svc
+            .ready()
+            .await
+            .expect("ready")
+            .call(http::Request::new(()))
+            .await
+            .expect("response");
+        assert_eq!(response.status(), http::StatusCode::OK);
+        // It waited its whole turn: one burst now, ten more at 100 ms each.
+        assert!(
+            started.elapsed() >= Duration::from_millis(999),
+            "{:?}",
+            started.elapsed()
+        );
+    }
 }

@@ -93,7 +93,9 @@ impl Rule {
         self
     }
 
-    /// Each request costs `cost` units (0 only peeks).
+    /// Each request costs `cost` units (0 only peeks). A cost above what the policy admits at
+    /// once makes [`build`](crate::RateLimitLayerBuilder::build) fail with
+    /// [`ConfigError::CostAboveLimit`](crate::ConfigError::CostAboveLimit).
     #[must_use]
     pub fn cost(mut self, cost: u64) -> Self {
         self.cost = Cost::Fixed(cost);

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Once, OnceLock};
+use std::sync::{Mutex, Once, OnceLock, PoisonError};
 use std::time::Instant;
 
 use floodgate_core::CacheStats;
@@ -18,14 +18,17 @@ pub const STORE_ERRORS_TOTAL: &str = "floodgate_store_errors_total";
 
 /// Checks the deny cache answered locally (denied without the store). Like every cache and
 /// leasing metric, copied from the layer's counters at most once a second while requests
-/// flow, and whenever [`crate::RateLimitLayer::stats`] is called.
+/// flow, and whenever [`crate::RateLimitLayer::stats`] is called; each layer adds its own
+/// (a limiter with a deny cache of its own, shared by several layers, is counted by each).
 pub const DENY_CACHE_HITS_TOTAL: &str = "floodgate_deny_cache_hits_total";
-/// Checks the deny cache passed to the store.
+/// Checks the deny cache passed to the store. Checks it never caches (of a concurrency
+/// policy, of cost 0) are not counted.
 pub const DENY_CACHE_MISSES_TOTAL: &str = "floodgate_deny_cache_misses_total";
 /// Checks that waited for another request's probe of the same check instead of asking the
 /// store.
 pub const DENY_CACHE_COALESCED_TOTAL: &str = "floodgate_deny_cache_coalesced_total";
-/// Denials the deny cache holds.
+/// Denials the deny cache holds (with those that ran out a moment ago, kept while the next
+/// call to the store is answered).
 pub const DENY_CACHE_ENTRIES: &str = "floodgate_deny_cache_entries";
 /// Checks answered from a local lease, without the store.
 pub const LEASING_LOCAL_TOTAL: &str = "floodgate_leasing_local_total";
@@ -114,6 +117,8 @@ pub(crate) struct LayerMetrics {
     duration: OnceLock<Histogram>,
     store_errors: OnceLock<[Counter; 2]>,
     caches: OnceLock<CacheMetrics>,
+    /// The cache counters as last copied: each copy adds what they gained since.
+    copied: Mutex<CacheStats>,
     /// When the cache counters are next copied, in milliseconds after `base`.
     next_copy_ms: AtomicU64,
     base: Instant,
@@ -125,6 +130,7 @@ impl Default for LayerMetrics {
             duration: OnceLock::new(),
             store_errors: OnceLock::new(),
             caches: OnceLock::new(),
+            copied: Mutex::new(CacheStats::default()),
             next_copy_ms: AtomicU64::new(0),
             base: Instant::now(),
         }
@@ -206,19 +212,34 @@ impl LayerMetrics {
                 ],
             }
         });
-        // Counters only move forward (`absolute` keeps the larger value): copies racing each
-        // other cannot set one back.
+        // Each layer adds what its own counters gained since its last copy, so that several
+        // layers' counts add up (a limiter shared by several layers is counted by each).
+        let mut copied = self.copied.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(d) = &stats.deny_cache {
-            for (c, v) in m.deny.iter().zip([d.hits, d.misses, d.coalesced]) {
-                c.absolute(v);
+            let was = copied.deny_cache.unwrap_or_default();
+            let gained = [
+                d.hits.saturating_sub(was.hits),
+                d.misses.saturating_sub(was.misses),
+                d.coalesced.saturating_sub(was.coalesced),
+            ];
+            for (c, n) in m.deny.iter().zip(gained) {
+                c.increment(n);
             }
-            m.entries.set(d.entries as f64);
+            m.entries.increment(d.entries as f64 - was.entries as f64);
         }
         if let Some(l) = &stats.leasing {
-            for (c, v) in m.leasing.iter().zip([l.local, l.store, l.leases, l.wasted]) {
-                c.absolute(v);
+            let was = copied.leasing.unwrap_or_default();
+            let gained = [
+                l.local.saturating_sub(was.local),
+                l.store.saturating_sub(was.store),
+                l.leases.saturating_sub(was.leases),
+                l.wasted.saturating_sub(was.wasted),
+            ];
+            for (c, n) in m.leasing.iter().zip(gained) {
+                c.increment(n);
             }
         }
+        *copied = *stats;
     }
 }
 

@@ -26,7 +26,8 @@ const PROBE_PATIENCE: Duration = Duration::from_secs(1);
 pub struct DenyCacheStats {
     /// Checks answered locally.
     pub hits: u64,
-    /// Checks passed to the store.
+    /// Checks passed to the store (of those it caches: not of a concurrency policy, nor of
+    /// cost 0, nor decided at an injected time).
     pub misses: u64,
     /// Checks that waited for another caller's probe of the same check.
     pub coalesced: u64,

@@ -1,7 +1,7 @@
 //! The store interface every backend implements, and the in-memory stores.
 
+mod concurrency_lease;
 mod deny_cache;
-mod lease;
 mod leasing;
 mod memory;
 pub(crate) mod sharded;
@@ -9,8 +9,8 @@ pub(crate) mod sharded;
 use std::future::Future;
 use std::time::Duration;
 
+pub use concurrency_lease::ConcurrencyLease;
 pub use deny_cache::{DenyCache, DenyCacheStats};
-pub use lease::Lease;
 pub use leasing::{Leasing, LeasingConfig, LeasingStats};
 pub use memory::{DEFAULT_MAX_KEYS, MemoryLimiter, MemoryLimiterBuilder};
 pub use sharded::{OnFull, StoreStats};
@@ -125,7 +125,9 @@ pub trait Limiter: Send + Sync {
     }
 
     /// The counters of the local layers in front of the store ([`DenyCache`], [`Leasing`]),
-    /// for monitoring: how many checks they answered without it. Empty for a plain store.
+    /// for monitoring: how many checks they answered without it. Empty for a plain store. A
+    /// limiter that wraps another should return its inner limiter's (the default returns
+    /// nothing).
     fn cache_stats(&self) -> CacheStats {
         CacheStats::default()
     }

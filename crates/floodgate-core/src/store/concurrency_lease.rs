@@ -1,18 +1,23 @@
-//! [`Lease`]: a concurrency lease that gives itself back when dropped.
+//! [`ConcurrencyLease`]: a concurrency lease that gives itself back when dropped.
 
+use std::any::Any;
 use std::fmt;
 
 use super::{Check, CheckOptions, Limiter};
-use crate::{LeaseId, Policy, Verdict};
+use crate::{LeaseId, MemoryLimiter, Policy, Verdict};
 
-/// A concurrency lease held for the life of a value: released by [`Lease::release`], or when
-/// dropped (in the background, on the Tokio runtime the drop happens in). A lease that could
-/// not be released, because its holder died or no runtime was there at the drop, lapses after
-/// its policy's lease TTL.
+/// A concurrency lease held for the life of a value: released by
+/// [`ConcurrencyLease::release`], or when dropped: at once for a [`MemoryLimiter`], otherwise
+/// in the background, on the Tokio runtime the drop happens in. A lease that could not be
+/// released (its process died, the store failed, or no runtime was left to run the release:
+/// a lease dropped as `main` returns) lapses after its policy's lease TTL. Call
+/// [`release`](ConcurrencyLease::release) where the work ends to have it back at once.
+///
+/// Binding the lease to `_` (`let (verdict, _) = ...`) drops it, and releases it, at once.
 ///
 /// ```
 /// use std::time::Duration;
-/// use floodgate_core::{Check, CheckOptions, Lease, MemoryLimiter, Policy};
+/// use floodgate_core::{Check, CheckOptions, ConcurrencyLease, MemoryLimiter, Policy};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -20,7 +25,7 @@ use crate::{LeaseId, Policy, Verdict};
 /// // At most 2 exports at once per tenant.
 /// let exports = Policy::concurrency(2, Duration::from_secs(600))?.named("exports")?;
 /// let checks = [Check::new(b"tenant-7", &exports)];
-/// let (verdict, lease) = Lease::check(&limiter, &checks, CheckOptions::default()).await?;
+/// let (verdict, lease) = ConcurrencyLease::check(&limiter, &checks, CheckOptions::default()).await?;
 /// if let Some(lease) = lease {
 ///     // ... run the export ...
 ///     lease.release().await?;
@@ -31,10 +36,12 @@ use crate::{LeaseId, Policy, Verdict};
 /// # }
 /// ```
 #[must_use = "dropping the lease releases it at once"]
-pub struct Lease<L>
+pub struct ConcurrencyLease<L>
 where
     L: Limiter + Clone + 'static,
 {
+    id: LeaseId,
+    /// `None` once released or forgotten.
     held: Option<Held<L>>,
 }
 
@@ -42,7 +49,6 @@ struct Held<L> {
     limiter: L,
     /// The concurrency checks the lease was taken with: (key, policy, cost).
     checks: Vec<(Box<[u8]>, Policy, u64)>,
-    id: LeaseId,
 }
 
 impl<L> Held<L> {
@@ -54,12 +60,13 @@ impl<L> Held<L> {
     }
 }
 
-impl<L> Lease<L>
+impl<L> ConcurrencyLease<L>
 where
     L: Limiter + Clone + 'static,
 {
     /// Checks `checks` as [`Limiter::check`] does. When they are allowed and take a
-    /// concurrency lease, the lease comes back as a [`Lease`] holding a clone of `limiter`.
+    /// concurrency lease, the lease comes back as a [`ConcurrencyLease`] holding a clone of
+    /// `limiter`.
     ///
     /// # Errors
     /// The limiter's error.
@@ -67,9 +74,10 @@ where
         limiter: &L,
         checks: &[Check<'_>],
         opts: CheckOptions,
-    ) -> Result<(Verdict, Option<Lease<L>>), L::Error> {
+    ) -> Result<(Verdict, Option<ConcurrencyLease<L>>), L::Error> {
         let verdict = limiter.check(checks, opts).await?;
-        let lease = verdict.lease.map(|id| Lease {
+        let lease = verdict.lease.map(|id| ConcurrencyLease {
+            id,
             held: Some(Held {
                 limiter: limiter.clone(),
                 checks: checks
@@ -77,15 +85,14 @@ where
                     .filter(|c| matches!(c.policy.kind(), crate::Kind::Concurrency(_)))
                     .map(|c| (Box::from(c.key), c.policy.clone(), c.cost))
                     .collect(),
-                id,
             }),
         });
         Ok((verdict, lease))
     }
 
     /// The lease's id.
-    pub fn id(&self) -> Option<LeaseId> {
-        self.held.as_ref().map(|h| h.id)
+    pub fn id(&self) -> LeaseId {
+        self.id
     }
 
     /// Releases the lease now.
@@ -94,19 +101,20 @@ where
     /// The limiter's error; the lease then lapses after its TTL.
     pub async fn release(mut self) -> Result<(), L::Error> {
         match self.held.take() {
-            Some(held) => held.limiter.release(&held.checks(), held.id).await,
+            Some(held) => held.limiter.release(&held.checks(), self.id).await,
             None => Ok(()),
         }
     }
 
     /// Gives up the guard without releasing: the lease is held until its TTL, or until
     /// released by id ([`Limiter::release`]).
-    pub fn forget(mut self) -> Option<LeaseId> {
-        self.held.take().map(|h| h.id)
+    pub fn forget(mut self) -> LeaseId {
+        self.held = None;
+        self.id
     }
 }
 
-impl<L> Drop for Lease<L>
+impl<L> Drop for ConcurrencyLease<L>
 where
     L: Limiter + Clone + 'static,
 {
@@ -114,21 +122,31 @@ where
         let Some(held) = self.held.take() else {
             return;
         };
+        let id = self.id;
+        if let Some(memory) = (&held.limiter as &dyn Any).downcast_ref::<MemoryLimiter>() {
+            memory.release_sync(&held.checks(), id);
+            return;
+        }
         // A store's futures may need a runtime even to be polled once (timers, I/O).
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(async move {
-                let _ = held.limiter.release(&held.checks(), held.id).await;
+                // A failed release lapses with the lease's TTL; the store's own timeout bounds
+                // the wait.
+                let _ = held.limiter.release(&held.checks(), id).await;
             });
         }
     }
 }
 
-impl<L> fmt::Debug for Lease<L>
+impl<L> fmt::Debug for ConcurrencyLease<L>
 where
     L: Limiter + Clone + 'static,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lease").field("id", &self.id()).finish()
+        f.debug_struct("ConcurrencyLease")
+            .field("id", &self.id)
+            .field("held", &self.held.is_some())
+            .finish()
     }
 }
 
@@ -145,13 +163,45 @@ mod tests {
             .expect("policy")
     }
 
-    async fn take(limiter: &MemoryLimiter, policy: &Policy) -> Option<Lease<MemoryLimiter>> {
+    async fn take(
+        limiter: &MemoryLimiter,
+        policy: &Policy,
+    ) -> Option<ConcurrencyLease<MemoryLimiter>> {
         let checks = [Check::new(b"k", policy)];
-        let (verdict, lease) = Lease::check(limiter, &checks, CheckOptions::default())
+        let (verdict, lease) = ConcurrencyLease::check(limiter, &checks, CheckOptions::default())
             .await
             .expect("check");
         assert_eq!(verdict.allowed(), lease.is_some());
         lease
+    }
+
+    #[test]
+    fn a_memory_lease_dropped_outside_a_runtime_is_given_back() {
+        let (limiter, policy) = (MemoryLimiter::new(), one_at_a_time());
+        let checks = [Check::new(b"k", &policy)];
+        let verdict = limiter
+            .check_sync(&checks, CheckOptions::default())
+            .expect("check");
+        let lease = ConcurrencyLease {
+            id: verdict.lease.expect("a lease"),
+            held: Some(Held {
+                limiter: limiter.clone(),
+                checks: vec![(Box::from(&b"k"[..]), policy.clone(), 1)],
+            }),
+        };
+        assert!(
+            !limiter
+                .check_sync(&checks, CheckOptions::default())
+                .expect("check")
+                .allowed()
+        );
+        drop(lease);
+        assert!(
+            limiter
+                .check_sync(&checks, CheckOptions::default())
+                .expect("check")
+                .allowed()
+        );
     }
 
     #[tokio::test]
@@ -176,8 +226,7 @@ mod tests {
         let lease = take(&limiter, &policy).await.expect("admitted");
         lease.release().await.expect("release");
         let lease = take(&limiter, &policy).await.expect("admitted again");
-        let id = lease.forget().expect("an id");
-        tokio::task::yield_now().await;
+        let id = lease.forget();
         assert!(take(&limiter, &policy).await.is_none(), "still held");
         limiter
             .release(&[Check::new(b"k", &policy)], id)
@@ -190,7 +239,7 @@ mod tests {
     async fn a_check_without_a_concurrency_policy_has_no_lease() {
         let limiter = MemoryLimiter::new();
         let policy = Policy::per_second(5).expect("policy");
-        let (verdict, lease) = Lease::check(
+        let (verdict, lease) = ConcurrencyLease::check(
             &limiter,
             &[Check::new(b"k", &policy)],
             CheckOptions::default(),
