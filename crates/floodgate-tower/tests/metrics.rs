@@ -169,18 +169,8 @@ where
 #[tokio::test]
 async fn the_deny_cache_is_counted_in_stats_and_metrics() {
     let redis = RedisServer::start().expect("redis-server (run scripts/install-redis)");
-    let config = RedisConfig::new(&redis.url()).expect("url");
-    let limiter = RedisLimiter::connect(&config).await.expect("connect");
-    let layer = RateLimitLayer::builder(limiter)
-        .rule(
-            Rule::new(
-                Policy::per_minute(1)
-                    .expect("policy")
-                    .named("one")
-                    .expect("name"),
-            )
-            .key(GlobalKey),
-        )
+    let layer = RateLimitLayer::builder(limiter_of(&redis).await)
+        .rule(Rule::new(one_per_minute("one")).key(GlobalKey))
         .build()
         .expect("layer");
     let recorder = Recorded::default();
@@ -254,18 +244,11 @@ fn one_per_minute(name: &str) -> Policy {
 #[tokio::test]
 async fn local_leasing_is_counted_in_stats_and_metrics() {
     let redis = RedisServer::start().expect("redis-server (run scripts/install-redis)");
-    let config = RedisConfig::new(&redis.url()).expect("url");
-    let limiter = RedisLimiter::connect(&config).await.expect("connect");
-    let layer = RateLimitLayer::builder(limiter)
-        .rule(
-            Rule::new(
-                Policy::per_second(1000)
-                    .expect("policy")
-                    .named("hot")
-                    .expect("name"),
-            )
-            .key(GlobalKey),
-        )
+    let hot = Policy::per_second(1000)
+        .and_then(|p| p.named("hot"))
+        .expect("policy");
+    let layer = RateLimitLayer::builder(limiter_of(&redis).await)
+        .rule(Rule::new(hot).key(GlobalKey))
         .leasing(floodgate_core::LeasingConfig::default())
         .build()
         .expect("layer");
