@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, Once, OnceLock, PoisonError};
 use std::time::Instant;
 
-use floodgate_core::CacheStats;
+use floodgate_core::{CacheStats, DenyCacheStats, LeasingStats};
 use metrics::{Counter, Gauge, Histogram};
 
 /// Requests decided, by `outcome` (`allowed`, `denied`, `error`, `fallback`) and `policy`
@@ -217,29 +217,23 @@ impl LayerMetrics {
         let mut copied = self.copied.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(d) = &stats.deny_cache {
             let was = copied.deny_cache.unwrap_or_default();
-            let gained = [
-                d.hits.saturating_sub(was.hits),
-                d.misses.saturating_sub(was.misses),
-                d.coalesced.saturating_sub(was.coalesced),
-            ];
-            for (c, n) in m.deny.iter().zip(gained) {
-                c.increment(n);
-            }
+            let counts = |s: &DenyCacheStats| [s.hits, s.misses, s.coalesced];
+            add_gains(&m.deny, counts(d), counts(&was));
             m.entries.increment(d.entries as f64 - was.entries as f64);
         }
         if let Some(l) = &stats.leasing {
             let was = copied.leasing.unwrap_or_default();
-            let gained = [
-                l.local.saturating_sub(was.local),
-                l.store.saturating_sub(was.store),
-                l.leases.saturating_sub(was.leases),
-                l.wasted.saturating_sub(was.wasted),
-            ];
-            for (c, n) in m.leasing.iter().zip(gained) {
-                c.increment(n);
-            }
+            let counts = |s: &LeasingStats| [s.local, s.store, s.leases, s.wasted];
+            add_gains(&m.leasing, counts(l), counts(&was));
         }
         *copied = *stats;
+    }
+}
+
+/// Adds to each counter what its count gained since `was`.
+fn add_gains<const N: usize>(counters: &[Counter; N], now: [u64; N], was: [u64; N]) {
+    for ((c, n), w) in counters.iter().zip(now).zip(was) {
+        c.increment(n.saturating_sub(w));
     }
 }
 
