@@ -1,7 +1,8 @@
 //! A tiny HTTP server for `scripts/bench-http`: `GET /` answers "ok", behind nothing, the
 //! floodgate layer (memory or Redis), or tower_governor, with the same policy: 1,000,000
 //! requests per second per client IP (GCRA, burst 1,000,000), so that almost everything is
-//! allowed and the benchmark measures the limiter's overhead.
+//! allowed and the benchmark measures the limiter's overhead. The layer answers with axum's own
+//! body type (`RateLimitLayer::native_body`), as an axum application should have it.
 //!
 //! `memory-bare` is `memory` without rate-limit headers on allowed responses and without
 //! `RateLimitInfo` in the request extensions: the cost of the decision alone.
@@ -18,6 +19,7 @@ use axum::Router;
 use axum::routing::get;
 use floodgate_core::{MemoryLimiter, Policy};
 use floodgate_redis::{RedisConfig, RedisLimiter};
+use floodgate_tower::body::Native;
 use floodgate_tower::key::PeerIp;
 use floodgate_tower::{RateLimitLayer, Rule};
 
@@ -67,7 +69,7 @@ fn policy() -> Policy {
         .unwrap_or_else(|e| usage(&format!("policy: {e}")))
 }
 
-fn floodgate<L>(limiter: L, leasing: bool, bare: bool) -> RateLimitLayer
+fn floodgate<L>(limiter: L, leasing: bool, bare: bool) -> RateLimitLayer<Native>
 where
     L: floodgate_core::Limiter + Clone + 'static,
 {
@@ -85,6 +87,7 @@ where
     builder
         .build()
         .unwrap_or_else(|e| usage(&format!("layer: {e}")))
+        .native_body()
 }
 
 #[tokio::main]

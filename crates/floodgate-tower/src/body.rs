@@ -1,5 +1,7 @@
-//! [`ResponseBody`]: the inner service's body, or the body of a rejection; holds a
-//! concurrency lease until the body ends.
+//! Response bodies: [`ResponseBody`], the inner service's body or the body of a rejection,
+//! which holds a concurrency lease until the body ends; and the markers that choose whether the
+//! layer's service answers with it ([`Wrapped`]) or with the inner service's own body type
+//! ([`Native`]).
 
 use std::fmt;
 use std::pin::Pin;
@@ -10,6 +12,23 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 use crate::engine::LeaseGuard;
+
+/// The layer's service answers with [`ResponseBody`] around any inner body type: the default.
+///
+/// Each response body is wrapped, so a framework that boxes foreign body types (axum's
+/// `IntoResponse` does) boxes it once more per request. See [`Native`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Wrapped;
+
+/// The layer's service answers with the inner service's own body type, made by
+/// [`crate::RateLimitLayer::native_body`].
+///
+/// An allowed response's body passes through untouched: nothing is wrapped or boxed. A
+/// rejection's body, and a body that must carry a concurrency lease to its end, are converted
+/// with `From<ResponseBody<B>>`, which axum's `Body` (feature `axum`) and tonic's `Body`
+/// (feature `tonic`) implement; so does any body type of yours for which you write it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Native;
 
 pin_project! {
     /// The body of a rate-limited service's responses.
@@ -91,6 +110,28 @@ where
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
         }
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<B> From<ResponseBody<B>> for axum::body::Body
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
+    fn from(body: ResponseBody<B>) -> Self {
+        axum::body::Body::new(body)
+    }
+}
+
+#[cfg(feature = "tonic")]
+impl<B> From<ResponseBody<B>> for tonic::body::Body
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    fn from(body: ResponseBody<B>) -> Self {
+        tonic::body::Body::new(body)
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
@@ -10,19 +11,29 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower::Service;
 
-use crate::body::ResponseBody;
+use crate::body::{Native, ResponseBody, Wrapped};
 use crate::engine::{Allowed, BoxFuture, Decided, LeaseGuard};
 use crate::headers::{self, HeaderBlock};
 
 pin_project! {
-    /// The response future of [`crate::RateLimit`].
-    pub struct ResponseFuture<S, B>
+    /// The response future of [`crate::RateLimit`]; `K` is its body kind ([`Wrapped`] or
+    /// [`Native`]).
+    pub struct ResponseFuture<S, B, K = Wrapped>
     where
         S: Service<Request<B>>,
     {
         #[pin]
         state: State<S, B>,
+        kind: PhantomData<fn() -> K>,
     }
+}
+
+/// What a finished [`ResponseFuture`] has, before its body is shaped for the body kind.
+enum Finished<B> {
+    /// The inner service's response, with the lease its body must hold.
+    Inner(Response<B>, Option<LeaseGuard>),
+    /// A response of the layer's own.
+    Early(Response<Bytes>),
 }
 
 /// What an allowed response gets on its way out: rate-limit headers, a concurrency lease. Boxed,
@@ -70,10 +81,17 @@ pin_project! {
     }
 }
 
-impl<S, B> ResponseFuture<S, B>
+impl<S, B, K> ResponseFuture<S, B, K>
 where
     S: Service<Request<B>>,
 {
+    fn new(state: State<S, B>) -> Self {
+        ResponseFuture {
+            state,
+            kind: PhantomData,
+        }
+    }
+
     /// Calls `inner` with an allowed `request`. The call is made in place, so that the inner
     /// future (often the largest part) is written once.
     #[inline]
@@ -83,43 +101,37 @@ where
         headers: HeaderBlock,
         lease: Option<LeaseGuard>,
     ) -> Self {
-        ResponseFuture {
-            state: State::Calling {
-                future: inner.call(request),
-                after: After::boxed(headers, lease),
-            },
-        }
+        Self::new(State::Calling {
+            future: inner.call(request),
+            after: After::boxed(headers, lease),
+        })
     }
 
     #[inline]
     pub(crate) fn early(response: Response<Bytes>) -> Self {
-        ResponseFuture {
-            state: State::Early {
-                response: Some(response),
-            },
-        }
+        Self::new(State::Early {
+            response: Some(response),
+        })
     }
 
     pub(crate) fn deciding(decide: BoxFuture<Decided>, request: Request<B>, inner: S) -> Self {
-        ResponseFuture {
-            state: State::Deciding {
-                decide,
-                call: Some((request, inner)),
-            },
-        }
+        Self::new(State::Deciding {
+            decide,
+            call: Some((request, inner)),
+        })
     }
 }
 
-impl<S, B, ResBody> Future for ResponseFuture<S, B>
+impl<S, B, ResBody> State<S, B>
 where
     S: Service<Request<B>, Response = Response<ResBody>>,
 {
-    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut this = self.project();
+    fn poll_finish(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Finished<ResBody>, S::Error>> {
         loop {
-            match this.state.as_mut().project() {
+            match self.as_mut().project() {
                 StateProj::Deciding { decide, call } => {
                     let decided = ready!(decide.as_mut().poll(cx));
                     let (mut request, mut inner) =
@@ -133,15 +145,15 @@ where
                             if let Some(info) = info {
                                 request.extensions_mut().insert(info);
                             }
-                            this.state.set(State::Calling {
+                            self.set(State::Calling {
                                 future: inner.call(request),
                                 after: After::boxed(headers, lease),
                             });
                         }
                         Decided::Reject(response) => {
                             // Done: polled again, it says so instead of polling `decide`.
-                            this.state.set(State::Early { response: None });
-                            return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                            self.set(State::Early { response: None });
+                            return Poll::Ready(Ok(Finished::Early(response)));
                         }
                     }
                 }
@@ -152,20 +164,57 @@ where
                         headers::apply(headers, response.headers_mut());
                         lease
                     });
-                    return Poll::Ready(Ok(response.map(|body| ResponseBody::new(body, lease))));
+                    return Poll::Ready(Ok(Finished::Inner(response, lease)));
                 }
                 StateProj::Early { response } => {
                     let response = response
                         .take()
                         .expect("ResponseFuture polled after completion");
-                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                    return Poll::Ready(Ok(Finished::Early(response)));
                 }
             }
         }
     }
 }
 
-impl<S, B> fmt::Debug for ResponseFuture<S, B>
+impl<S, B, ResBody> Future for ResponseFuture<S, B, Wrapped>
+where
+    S: Service<Request<B>, Response = Response<ResBody>>,
+{
+    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
+
+    #[inline]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Poll::Ready(Ok(match ready!(self.project().state.poll_finish(cx))? {
+            Finished::Inner(response, lease) => response.map(|body| ResponseBody::new(body, lease)),
+            Finished::Early(response) => response.map(ResponseBody::full),
+        }))
+    }
+}
+
+impl<S, B, ResBody> Future for ResponseFuture<S, B, Native>
+where
+    S: Service<Request<B>, Response = Response<ResBody>>,
+    ResBody: From<ResponseBody<ResBody>>,
+{
+    type Output = Result<Response<ResBody>, S::Error>;
+
+    #[inline]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Poll::Ready(Ok(match ready!(self.project().state.poll_finish(cx))? {
+            // The body as it is, unless a lease must ride with it to its end.
+            Finished::Inner(response, None) => response,
+            Finished::Inner(response, lease) => {
+                response.map(|body| ResBody::from(ResponseBody::new(body, lease)))
+            }
+            Finished::Early(response) => {
+                response.map(|bytes| ResBody::from(ResponseBody::full(bytes)))
+            }
+        }))
+    }
+}
+
+impl<S, B, K> fmt::Debug for ResponseFuture<S, B, K>
 where
     S: Service<Request<B>>,
 {

@@ -2,6 +2,7 @@
 
 use std::collections::HashSet;
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use floodgate_core::{
 };
 use tower::Layer;
 
+use crate::body::{Native, Wrapped};
 use crate::engine::{DynEngine, Engine, Shared};
 use crate::error::ConfigError;
 use crate::headers::{HeaderOptions, policy_item};
@@ -100,9 +102,21 @@ impl OnStoreError {
 ///
 /// Cheap to clone; every service it makes shares the limiter, the rules and the store's health.
 /// See the [crate docs](crate) for an example.
-#[derive(Clone)]
-pub struct RateLimitLayer {
+///
+/// `K` is the body kind of its services' responses: [`Wrapped`] (the default) or, after
+/// [`RateLimitLayer::native_body`], [`Native`].
+pub struct RateLimitLayer<K = Wrapped> {
     engine: Arc<dyn DynEngine>,
+    kind: PhantomData<fn() -> K>,
+}
+
+impl<K> Clone for RateLimitLayer<K> {
+    fn clone(&self) -> Self {
+        RateLimitLayer {
+            engine: Arc::clone(&self.engine),
+            kind: PhantomData,
+        }
+    }
 }
 
 impl RateLimitLayer {
@@ -142,6 +156,40 @@ impl RateLimitLayer {
             .build()
     }
 
+    /// Makes services that answer with the inner service's own body type instead of a
+    /// [`crate::ResponseBody`] around it.
+    ///
+    /// Behind axum this saves a box per request: axum's `IntoResponse` boxes every body that
+    /// is not its own `Body`, while an allowed response's body now passes through as it is.
+    /// The body type must implement `From<ResponseBody<Self>>` (axum's and tonic's `Body` do,
+    /// with features `axum` and `tonic`), for rejections and for bodies that carry a
+    /// concurrency lease to their end.
+    ///
+    /// ```
+    /// # #[cfg(feature = "axum")]
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use floodgate_core::{MemoryLimiter, Policy};
+    /// use floodgate_tower::{RateLimitLayer, key::PeerIp};
+    ///
+    /// let layer = RateLimitLayer::new(MemoryLimiter::new(), Policy::per_second(20)?, PeerIp::new())?
+    ///     .native_body();
+    /// let app: axum::Router = axum::Router::new()
+    ///     .route("/", axum::routing::get(|| async { "hello" }))
+    ///     .layer(layer);
+    /// # Ok(())
+    /// # }
+    /// # #[cfg(not(feature = "axum"))]
+    /// # fn main() {}
+    /// ```
+    pub fn native_body(self) -> RateLimitLayer<Native> {
+        RateLimitLayer {
+            engine: self.engine,
+            kind: PhantomData,
+        }
+    }
+}
+
+impl<K> RateLimitLayer<K> {
     /// The counters of the layer's deny cache and local leasing
     /// ([`RateLimitLayerBuilder::deny_cache`], [`RateLimitLayerBuilder::leasing`]): how many
     /// checks they answered without the store. `None` for one the layer does not have (a
@@ -155,7 +203,7 @@ impl RateLimitLayer {
     }
 }
 
-impl fmt::Debug for RateLimitLayer {
+impl<K> fmt::Debug for RateLimitLayer<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
             .field("config", self.engine.shared())
@@ -163,8 +211,8 @@ impl fmt::Debug for RateLimitLayer {
     }
 }
 
-impl<S> Layer<S> for RateLimitLayer {
-    type Service = RateLimit<S>;
+impl<S, K> Layer<S> for RateLimitLayer<K> {
+    type Service = RateLimit<S, K>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RateLimit::from_engine(inner, Arc::clone(&self.engine))
@@ -381,7 +429,10 @@ where
             )),
             (false, None) => Arc::new(Engine::new(self.limiter, shared)),
         };
-        Ok(RateLimitLayer { engine })
+        Ok(RateLimitLayer {
+            engine,
+            kind: PhantomData,
+        })
     }
 }
 

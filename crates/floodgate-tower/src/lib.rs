@@ -73,11 +73,13 @@
 //! inline (up to 48 bytes), nothing is allocated for the decision, and the response future is
 //! the inner one and a pointer. Per allowed request the layer allocates the `RateLimitInfo`
 //! extension (disable with [`RateLimitLayerBuilder::request_info`]) and, only when asked for
-//! with [`RateLimitLayerBuilder::headers_on_allowed`], the `RateLimit` header value. Other
+//! with [`RateLimitLayerBuilder::headers_on_allowed`], the `RateLimit` header value. Behind
+//! axum, [`RateLimitLayer::native_body`] keeps axum's own body type, which axum would otherwise
+//! box once more around the layer's [`ResponseBody`]. Other
 //! limiters (Redis) are awaited in one boxed future, and the inner service is cloned for the
 //! call, as tower requires.
 
-mod body;
+pub mod body;
 mod engine;
 mod error;
 mod future;

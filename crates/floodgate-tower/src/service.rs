@@ -1,13 +1,14 @@
 //! [`RateLimit`]: the service.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use tower::Service;
 
-use crate::body::ResponseBody;
+use crate::body::{Native, ResponseBody, Wrapped};
 use crate::engine::{Allowed, Called, DynEngine, Job};
 use crate::future::ResponseFuture;
 use crate::key::RequestView;
@@ -15,16 +16,31 @@ use crate::key::RequestView;
 /// Rate-limits the requests to `S` (made by [`crate::RateLimitLayer`]).
 ///
 /// Always as ready as `S`: the decision is made in `call`, and a rejection is a response, never
-/// an error.
-#[derive(Clone)]
-pub struct RateLimit<S> {
+/// an error. `K` is the body kind: responses have a [`ResponseBody`] ([`Wrapped`]), or the
+/// inner service's own body type ([`Native`]).
+pub struct RateLimit<S, K = Wrapped> {
     inner: S,
     engine: Arc<dyn DynEngine>,
+    kind: PhantomData<fn() -> K>,
 }
 
-impl<S> RateLimit<S> {
+impl<S: Clone, K> Clone for RateLimit<S, K> {
+    fn clone(&self) -> Self {
+        RateLimit {
+            inner: self.inner.clone(),
+            engine: Arc::clone(&self.engine),
+            kind: PhantomData,
+        }
+    }
+}
+
+impl<S, K> RateLimit<S, K> {
     pub(crate) fn from_engine(inner: S, engine: Arc<dyn DynEngine>) -> Self {
-        RateLimit { inner, engine }
+        RateLimit {
+            inner,
+            engine,
+            kind: PhantomData,
+        }
     }
 
     /// The inner service.
@@ -43,7 +59,7 @@ impl<S> RateLimit<S> {
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for RateLimit<S> {
+impl<S: fmt::Debug, K> fmt::Debug for RateLimit<S, K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
@@ -52,19 +68,13 @@ impl<S: fmt::Debug> fmt::Debug for RateLimit<S> {
     }
 }
 
-impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S>
-where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
-{
-    type Response = Response<ResponseBody<ResBody>>;
-    type Error = S::Error;
-    type Future = ResponseFuture<S, ReqBody>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
+impl<S, K> RateLimit<S, K> {
+    /// Decides on `req`: the response future of an allowed, rejected or pending request.
+    #[inline]
+    fn start<ReqBody>(&mut self, mut req: Request<ReqBody>) -> ResponseFuture<S, ReqBody, K>
+    where
+        S: Service<Request<ReqBody>> + Clone,
+    {
         let mut job = Job::default();
         let mut allowed = Allowed::default();
         let view = RequestView::from_request(&req);
@@ -86,5 +96,40 @@ where
                 ResponseFuture::deciding(Arc::clone(&self.engine).decide(job), req, inner)
             }
         }
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, Wrapped>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqBody, Wrapped>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        self.start(req)
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, Native>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    ResBody: From<ResponseBody<ResBody>>,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqBody, Native>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        self.start(req)
     }
 }

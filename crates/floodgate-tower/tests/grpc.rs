@@ -21,14 +21,30 @@ fn policy(limit: u64, name: &str) -> Policy {
         .expect("name")
 }
 
-#[tokio::test]
-async fn the_call_over_the_limit_is_resource_exhausted() {
-    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+/// Two calls per minute, with headers on allowed responses too.
+fn two_per_minute() -> RateLimitLayer {
+    RateLimitLayer::builder(MemoryLimiter::new())
         .rule(Rule::new(policy(2, "grpc")).key(GlobalKey))
         .headers_on_allowed(true)
         .build()
-        .expect("layer");
-    let channel = greeter::channel(greeter::serve(layer).await).await;
+        .expect("layer")
+}
+
+#[tokio::test]
+async fn the_call_over_the_limit_is_resource_exhausted() {
+    assert_resource_exhausted(greeter::serve(two_per_minute()).await).await;
+}
+
+#[cfg(feature = "tonic")]
+#[tokio::test]
+async fn a_layer_with_tonic_s_own_body_gives_the_same_answers() {
+    assert_resource_exhausted(greeter::serve_kind(two_per_minute().native_body()).await).await;
+}
+
+/// Two calls to the greeter at `addr` are allowed with `RateLimit` metadata; the third is
+/// `RESOURCE_EXHAUSTED` with a `RetryInfo` and the metadata.
+async fn assert_resource_exhausted(addr: std::net::SocketAddr) {
+    let channel = greeter::channel(addr).await;
 
     for left in [1, 0] {
         let res = say_hello(channel.clone(), "a", &[]).await.expect("allowed");

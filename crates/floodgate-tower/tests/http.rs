@@ -29,15 +29,31 @@ fn policy(limit: u64, window_secs: u64, name: &str) -> Policy {
         .expect("name")
 }
 
-#[tokio::test]
-async fn the_request_over_the_limit_gets_429_with_headers() {
-    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+/// 3 per 10 s per peer IP, with headers on allowed responses too.
+fn three_per_ten_seconds() -> RateLimitLayer {
+    RateLimitLayer::builder(MemoryLimiter::new())
         .rule(Rule::new(policy(3, 10, "per-ip")).key(PeerIp::new()))
         .headers_on_allowed(true)
         .build()
-        .expect("layer");
-    let addr = serve(Router::new().route("/", get(ok)).layer(layer)).await;
-    let client = HttpClient::new(addr);
+        .expect("layer")
+}
+
+#[tokio::test]
+async fn the_request_over_the_limit_gets_429_with_headers() {
+    let layer = three_per_ten_seconds();
+    assert_429_with_headers(Router::new().route("/", get(ok)).layer(layer)).await;
+}
+
+#[tokio::test]
+async fn a_layer_with_axum_s_own_body_gives_the_same_answers() {
+    let layer = three_per_ten_seconds().native_body();
+    assert_429_with_headers(Router::new().route("/", get(ok)).layer(layer)).await;
+}
+
+/// Three requests to `/` of `app` are allowed with `RateLimit` headers, the fourth gets a 429
+/// with `Retry-After`, the headers and a problem+json body.
+async fn assert_429_with_headers(app: Router) {
+    let client = HttpClient::new(serve(app).await);
 
     for expected_remaining in [2, 1, 0] {
         let res = client.get("/").await;
@@ -736,9 +752,9 @@ fn policy_named(p: Result<Policy, floodgate_core::PolicyError>, name: &str) -> P
     p.and_then(|p| p.named(name)).expect("policy")
 }
 
-#[tokio::test]
-async fn a_concurrency_lease_lasts_until_the_body_ends() {
-    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+/// One request at a time, with headers on allowed responses too.
+fn one_at_a_time() -> RateLimitLayer {
+    RateLimitLayer::builder(MemoryLimiter::new())
         .rule(
             Rule::new(policy_named(
                 Policy::concurrency(1, Duration::from_secs(60)),
@@ -748,8 +764,26 @@ async fn a_concurrency_lease_lasts_until_the_body_ends() {
         )
         .headers_on_allowed(true)
         .build()
-        .expect("layer");
-    let (app, senders) = common::held_stream_app(layer);
+        .expect("layer")
+}
+
+#[tokio::test]
+async fn a_concurrency_lease_lasts_until_the_body_ends() {
+    let layer = one_at_a_time();
+    assert_lease_lasts_until_the_body_ends(common::held_stream_app(|app| app.layer(layer))).await;
+}
+
+#[tokio::test]
+async fn a_concurrency_lease_lasts_until_the_end_of_axum_s_own_body() {
+    // The body is passed through as it is, except when a lease must ride with it.
+    let layer = one_at_a_time().native_body();
+    assert_lease_lasts_until_the_body_ends(common::held_stream_app(|app| app.layer(layer))).await;
+}
+
+/// The first `/stream` of `app` holds the only lease until its body ends or is dropped.
+async fn assert_lease_lasts_until_the_body_ends(
+    (app, senders): (Router, Arc<Mutex<Vec<tokio::sync::oneshot::Sender<()>>>>),
+) {
     let addr = serve(app).await;
 
     let (mut first, head) = common::open_stream(addr).await;

@@ -288,7 +288,7 @@ async fn a_concurrency_lease_in_redis_lasts_until_the_body_ends() {
         )
         .build()
         .expect("layer");
-    let (app, senders) = common::held_stream_app(layer);
+    let (app, senders) = common::held_stream_app(|app| app.layer(layer));
     let addr = serve(app).await;
     let (mut first, head) = common::open_stream(addr).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");

@@ -143,7 +143,9 @@ pub fn router<S: Shared>(app: Arc<App<S>>) -> Result<Router, floodgate::tower::C
         .headers_on_allowed(true)
         // The shared limiter has its deny cache already (`POST /v1/sms` uses it too).
         .deny_cache(false)
-        .build()?;
+        .build()?
+        // Answers with axum's own body type: axum does not box the body again.
+        .native_body();
     // `/metrics` brings the deny cache's counters up to date before rendering.
     let stats = layer.clone();
     let limited = Router::new()

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use floodgate_tower::{RateLimitInfo, RateLimitLayer};
+use floodgate_tower::{RateLimit, RateLimitInfo, RateLimitLayer};
 use http::uri::PathAndQuery;
 use tonic::{Request, Response, Status};
 
@@ -115,6 +115,22 @@ impl tower::Service<http::Request<tonic::body::Body>> for Greeter {
 
 /// Serves the greeter behind `layer` on a free port.
 pub async fn serve(layer: RateLimitLayer) -> SocketAddr {
+    serve_kind(layer).await
+}
+
+/// Serves the greeter behind `layer` (of either body kind) on a free port.
+pub async fn serve_kind<K, B>(layer: RateLimitLayer<K>) -> SocketAddr
+where
+    K: 'static,
+    RateLimit<tonic::service::Routes, K>: tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<B>,
+            Error = Infallible,
+            Future: Send,
+        > + Send,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");

@@ -170,9 +170,10 @@ impl http_body::Body for HeldBody {
     }
 }
 
-/// A router whose `/stream` answers with a [`HeldBody`]; the senders end the bodies in order.
+/// A router whose `/stream` answers with a [`HeldBody`], put behind a layer by `layered`; the
+/// senders end the bodies in order.
 pub fn held_stream_app(
-    layer: floodgate_tower::RateLimitLayer,
+    layered: impl FnOnce(Router) -> Router,
 ) -> (
     Router,
     std::sync::Arc<std::sync::Mutex<Vec<tokio::sync::oneshot::Sender<()>>>>,
@@ -180,23 +181,21 @@ pub fn held_stream_app(
     let senders: std::sync::Arc<std::sync::Mutex<Vec<tokio::sync::oneshot::Sender<()>>>> =
         Default::default();
     let held = senders.clone();
-    let app = Router::new()
-        .route(
-            "/stream",
-            axum::routing::get(move || {
-                let held = held.clone();
-                async move {
-                    let (end_tx, end_rx) = tokio::sync::oneshot::channel();
-                    held.lock().expect("lock").push(end_tx);
-                    axum::body::Body::new(HeldBody {
-                        first: Some(Bytes::from_static(b"first chunk")),
-                        end: end_rx,
-                    })
-                }
-            }),
-        )
-        .layer(layer);
-    (app, senders)
+    let app = Router::new().route(
+        "/stream",
+        axum::routing::get(move || {
+            let held = held.clone();
+            async move {
+                let (end_tx, end_rx) = tokio::sync::oneshot::channel();
+                held.lock().expect("lock").push(end_tx);
+                axum::body::Body::new(HeldBody {
+                    first: Some(Bytes::from_static(b"first chunk")),
+                    end: end_rx,
+                })
+            }
+        }),
+    );
+    (layered(app), senders)
 }
 
 /// Sends `GET /stream` over raw HTTP/1.1 and returns the stream with what arrived first (the
