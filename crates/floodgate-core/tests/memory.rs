@@ -188,7 +188,7 @@ fn gcra_keys_on_both_sides_of_the_compact_boundary_keep_their_own_state() {
         longer.push(0);
         keys.push(longer);
     }
-    // IPv4 addresses: canonical ones longer than 11 bytes pack as addresses, others as bytes.
+    // IPv4 addresses: canonical ones longer than 8 bytes pack as addresses, others as bytes.
     for ip in [
         "10.0.0.1",
         "192.168.100.1",
@@ -211,9 +211,9 @@ fn gcra_keys_on_both_sides_of_the_compact_boundary_keep_their_own_state() {
         assert!(limiter.check_key(key, &q, 1).allowed, "{key:?}");
     }
     assert_eq!(limiter.stats().keys, 2 * keys.len());
-    // All-or-nothing over both tables: the 11-byte key is exhausted, so the 12-byte key's fresh
+    // All-or-nothing over both tables: the 8-byte key is exhausted, so the 9-byte key's fresh
     // state is not counted.
-    let (short, long) = (vec![b'k'; 11], vec![b'x'; 12]);
+    let (short, long) = (vec![b'k'; 8], vec![b'x'; 9]);
     let denied = limiter
         .check_sync(
             &[Check::new(&long, &p), Check::new(&short, &p)],
@@ -224,10 +224,53 @@ fn gcra_keys_on_both_sides_of_the_compact_boundary_keep_their_own_state() {
     assert!(limiter.state(&long, &p).is_none());
     // Reset on both sides.
     limiter.reset_sync(&short, &p);
-    limiter.reset_sync(&[b'k'; 12], &p);
+    limiter.reset_sync(&[b'k'; 9], &p);
     assert!(limiter.check_key(&short, &p, 1).allowed);
-    assert!(limiter.check_key(&[b'k'; 12], &p, 1).allowed);
-    assert!(!limiter.check_key(&[b'k'; 13], &p, 1).allowed);
+    assert!(limiter.check_key(&[b'k'; 9], &p, 1).allowed);
+    assert!(!limiter.check_key(&[b'k'; 10], &p, 1).allowed);
+}
+
+/// The compact table serves a store's first fifteen GCRA policies; the others keep their
+/// states in slots, and decide the same.
+#[test]
+fn gcra_policies_beyond_the_compact_table_s_fifteen_decide_the_same() {
+    let clock = clock();
+    let limiter = MemoryLimiter::builder().clock(clock.clone()).build();
+    let policies: Vec<Policy> = (0..20)
+        .map(|i| {
+            Policy::per_second(2)
+                .and_then(|p| p.named(&format!("policy-{i}")))
+                .expect("valid")
+        })
+        .collect();
+    for round in 0..3 {
+        for p in &policies {
+            for key in [
+                &b"12345678"[..],
+                b"10.0.0.1",
+                b"203.113.100.200",
+                b"a-longer-key",
+            ] {
+                let d = limiter.check_key(key, p, 1);
+                // Two per second: the third check of a second is denied, with the same retry
+                // time whichever table holds the state.
+                assert_eq!(d.allowed, round < 2, "{} {key:?} round {round}", p.name());
+                if round == 2 {
+                    assert_eq!(d.retry_after, Some(Duration::from_millis(500)));
+                }
+            }
+        }
+    }
+    assert_eq!(limiter.stats().keys, 20 * 4);
+    clock.advance(Duration::from_millis(500));
+    for p in &policies {
+        assert!(limiter.check_key(b"12345678", p, 1).allowed, "{}", p.name());
+        assert!(
+            !limiter.check_key(b"12345678", p, 1).allowed,
+            "{}",
+            p.name()
+        );
+    }
 }
 
 #[test]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use super::sharded::{NewSlot, OnFull, Shard, ShardedMap, StoreStats, pack};
+use super::sharded::{NewSlot, OnFull, Packed, Shard, ShardedMap, StoreStats, pack};
 use super::{Check, CheckOptions, Limiter};
 use crate::algorithm::gcra::{self, Gcra};
 use crate::algorithm::{Algorithm, Ctx, Outcome};
@@ -223,17 +223,17 @@ impl<C: Clock> MemoryLimiter<C> {
     fn check_compact(
         &self,
         hash: u64,
-        key: [u64; 2],
+        key: Packed,
         gcra: &Gcra,
         ctx: &Ctx,
     ) -> Result<Outcome, MemoryError> {
         let map = &self.inner.map;
         let mut shard = map.lock(map.shard_of(hash));
         if let Some(entry) = shard.find_compact_mut(hash, key) {
-            let mut state = gcra::State { tat: entry.tat };
+            let mut state = gcra::State { tat: entry.tat() };
             let out = gcra.check(&mut state, ctx);
             if out.decision.allowed {
-                entry.tat = state.tat;
+                entry.set_tat(state.tat);
                 shard.note_expiry(state.tat);
             }
             drop(shard);
@@ -368,9 +368,9 @@ impl<C: Clock> MemoryLimiter<C> {
                 Loc::Slot { hash } => hash,
                 Loc::Compact { hash, key, gcra } => {
                     if let Some(entry) = g.find_compact_mut(hash, key) {
-                        let mut state = gcra::State { tat: entry.tat };
+                        let mut state = gcra::State { tat: entry.tat() };
                         gcra.commit(&mut state, &ctx);
-                        entry.tat = state.tat;
+                        entry.set_tat(state.tat);
                         g.note_expiry(state.tat);
                     } else if c.cost > 0 {
                         let mut state = gcra.fresh();
@@ -467,7 +467,7 @@ impl<C: Clock> MemoryLimiter<C> {
                 .map(|s| s.value.clone()),
             Loc::Compact { hash, key, .. } => shard
                 .find_compact(hash, key)
-                .map(|c| State::Gcra(gcra::State { tat: c.tat })),
+                .map(|c| State::Gcra(gcra::State { tat: c.tat() })),
         }
     }
 }
@@ -477,11 +477,11 @@ impl<C: Clock> MemoryLimiter<C> {
 enum Loc<'p> {
     /// In a 64-byte slot.
     Slot { hash: u64 },
-    /// In the compact table: GCRA with a key of up to 11 bytes or a dotted-decimal IPv4
-    /// address (see `sharded::pack`), the commonest state, in 24 bytes.
+    /// In the compact table: GCRA with a key of up to 8 bytes or a dotted-decimal IPv4
+    /// address (see `sharded::pack`), the commonest state, in 16 bytes.
     Compact {
         hash: u64,
-        key: [u64; 2],
+        key: Packed,
         gcra: &'p Gcra,
     },
 }
@@ -498,7 +498,8 @@ impl Loc<'_> {
 #[inline]
 fn locate<'p>(map: &ShardedMap<State>, policy: &'p Policy, key: &[u8]) -> Loc<'p> {
     if let Kind::Gcra(gcra) = policy.kind()
-        && let Some(key) = pack(policy.ident(), key)
+        && let Some(index) = map.compact_index(policy.ident())
+        && let Some(key) = pack(index, key)
     {
         return Loc::Compact {
             hash: map.hash_packed(key),
@@ -520,7 +521,7 @@ fn decide_at(g: &Shard<State>, c: &Check<'_>, loc: Loc<'_>, ctx: &Ctx) -> Outcom
             None => kind.decide(&kind.fresh(), ctx),
         },
         Loc::Compact { hash, key, gcra } => {
-            let tat = g.find_compact(hash, key).map_or(0, |e| e.tat);
+            let tat = g.find_compact(hash, key).map_or(0, |e| e.tat());
             gcra.decide(&gcra::State { tat }, ctx)
         }
     }
@@ -533,7 +534,7 @@ fn holds(g: &Shard<State>, c: &Check<'_>, loc: Loc<'_>, now: u64) -> bool {
         Loc::Slot { hash } => g
             .find(hash, c.policy.ident(), c.key)
             .is_some_and(|s| s.expires_at() > now),
-        Loc::Compact { hash, key, .. } => g.find_compact(hash, key).is_some_and(|e| e.tat > now),
+        Loc::Compact { hash, key, .. } => g.find_compact(hash, key).is_some_and(|e| e.tat() > now),
     }
 }
 

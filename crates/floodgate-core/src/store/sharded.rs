@@ -7,15 +7,16 @@
 //! refuses new keys ([`OnFull`]). So a flood of unique keys costs bounded memory and amortised
 //! constant time per insert.
 //!
-//! A shard holds two tables under one lock: 64-byte [`Slot`]s for any value, and 24-byte
+//! A shard holds two tables under one lock: 64-byte [`Slot`]s for any value, and 16-byte
 //! [`Compact`] entries for the commonest state of all, a GCRA timestamp under a key of up to
-//! 11 bytes (a numeric id) or an IPv4 address in dotted decimal (the layer's per-IP key). The
-//! key bound, sweeps and evictions cover both.
-//! Only the memory limiter uses the compact table; elsewhere it stays empty and allocates
-//! nothing. At scale, bytes per key decide whether a lookup hits the cache.
+//! 8 bytes (a numeric id) or an IPv4 address in dotted decimal (the layer's per-IP key), of one
+//! of the first fifteen GCRA policies the map sees. The key bound, sweeps and evictions cover
+//! both. Only the memory limiter uses the compact table; elsewhere it stays empty and
+//! allocates nothing. At scale, bytes per key decide whether a lookup hits the cache: 100k
+//! keys in 16-byte entries fit a core's L2 cache where 24-byte ones did not.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use hashbrown::HashTable;
@@ -89,38 +90,89 @@ fn secs_up(us: u64) -> u32 {
     u32::try_from(us.div_ceil(1_000_000)).unwrap_or(u32::MAX)
 }
 
-/// Keys up to this long fit a [`Compact`] entry, beside the policy's identity and the length.
-/// Longer keys fit when they are IPv4 addresses in canonical dotted decimal (see [`pack`]).
-pub(crate) const COMPACT_KEY: usize = 11;
+/// Keys up to this long fit a [`Compact`] entry. Longer keys fit when they are IPv4 addresses
+/// in canonical dotted decimal (see [`pack`]).
+pub(crate) const COMPACT_KEY: usize = 8;
 
-/// The length byte of a packed IPv4 address: no raw key is that long.
-const IPV4: u64 = 0xff;
+/// How many policies the compact table serves (its index takes four bits, 0 is none).
+const COMPACT_POLICIES: usize = 15;
 
-/// A GCRA state in 24 bytes: the policy's identity, the key's length and the key packed into
-/// two words (see [`pack`]), and the theoretical arrival time, which is also when the state
-/// stops mattering.
-pub(crate) struct Compact {
-    key: [u64; 2],
-    pub(crate) tat: u64,
+/// The length code of a packed IPv4 address: no raw key that fits has it.
+const IPV4: u8 = 0xf;
+
+/// The largest tat a compact entry holds: 56 bits of microseconds, the year 4253. A later one
+/// is stored as this (no clock gets there; an injected time could).
+const MAX_TAT: u64 = (1 << 56) - 1;
+
+/// A key as the compact table holds it: up to eight bytes as a word, and a tag of the policy's
+/// compact index and the key's length. The length makes it one-to-one (`b"a"` and `b"a\0"`
+/// differ).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Packed {
+    key: u64,
+    tag: u8,
 }
 
-/// `(ident, key)` as two words, for keys up to [`COMPACT_KEY`] bytes: the key's first eight
-/// bytes, then the identity, the length and the key's other bytes. The length makes it
-/// one-to-one (`b"a"` and `b"a\0"` differ).
+/// A GCRA state in 16 bytes: the packed key, and in one word the tag (top eight bits) and the
+/// theoretical arrival time, which is also when the state stops mattering.
+pub(crate) struct Compact {
+    key: u64,
+    word: u64,
+}
+
+impl Compact {
+    fn new(key: Packed, tat: u64) -> Self {
+        Compact {
+            key: key.key,
+            word: u64::from(key.tag) << 56 | tat.min(MAX_TAT),
+        }
+    }
+
+    #[inline]
+    fn is(&self, key: Packed) -> bool {
+        self.key == key.key && (self.word >> 56) as u8 == key.tag
+    }
+
+    fn packed(&self) -> Packed {
+        Packed {
+            key: self.key,
+            tag: (self.word >> 56) as u8,
+        }
+    }
+
+    /// The theoretical arrival time.
+    #[inline]
+    pub(crate) fn tat(&self) -> u64 {
+        self.word & MAX_TAT
+    }
+
+    #[inline]
+    pub(crate) fn set_tat(&mut self, tat: u64) {
+        self.word = self.word & !MAX_TAT | tat.min(MAX_TAT);
+    }
+}
+
+/// `key` of the policy with compact index `index` (1 to 15, see
+/// [`ShardedMap::compact_index`]), packed, for keys up to [`COMPACT_KEY`] bytes.
 ///
 /// A longer key that is an IPv4 address in canonical dotted decimal (the layer's per-IP key,
-/// such as `203.113.100.200`) packs as its four bytes, with a length byte no raw key has:
+/// such as `203.113.100.200`) packs as its four bytes, with a length code no raw key has:
 /// canonical text and address match one to one, so the packing stays one-to-one.
 #[inline]
-pub(crate) fn pack(ident: u32, key: &[u8]) -> Option<[u64; 2]> {
+pub(crate) fn pack(index: u8, key: &[u8]) -> Option<Packed> {
     let len = key.len();
     if len > COMPACT_KEY {
         let ip = canonical_ipv4(key)?;
-        return Some([u64::from(ip), u64::from(ident) | IPV4 << 32]);
+        return Some(Packed {
+            key: u64::from(ip),
+            tag: index << 4 | IPV4,
+        });
     }
-    let (head, tail) = key.split_at(len.min(8));
-    let top = u64::from(ident) | (len as u64) << 32 | load(tail) << 40;
-    Some([load(head), top])
+    Some(Packed {
+        key: load(key),
+        // At most 8: fits the four bits.
+        tag: index << 4 | len as u8,
+    })
 }
 
 /// The address of `a.b.c.d` in canonical form: four decimal numbers up to 255, with no sign,
@@ -183,6 +235,8 @@ struct Padded<T>(T);
 
 pub(crate) struct ShardedMap<V> {
     shards: Box<[Padded<Mutex<Shard<V>>>]>,
+    /// The policy identities the compact table serves, by compact index minus one (0: free).
+    compact_ids: [AtomicU32; COMPACT_POLICIES],
     mask: usize,
     cap: usize,
     on_full: OnFull,
@@ -213,6 +267,7 @@ impl<V> ShardedMap<V> {
             .collect();
         ShardedMap {
             shards,
+            compact_ids: Default::default(),
             mask: n - 1,
             cap,
             on_full,
@@ -230,8 +285,28 @@ impl<V> ShardedMap<V> {
 
     /// The hash of a packed key (see [`pack`]).
     #[inline]
-    pub(crate) fn hash_packed(&self, key: [u64; 2]) -> u64 {
-        self.hasher.hash_one(key)
+    pub(crate) fn hash_packed(&self, key: Packed) -> u64 {
+        self.hasher.hash_one([key.key, u64::from(key.tag)])
+    }
+
+    /// The compact index (1 to 15) of the policy identified by `ident` (never 0), given on
+    /// first use to the first fifteen policies that ask; `None` for any other. An identity's
+    /// answer never changes: an index, once taken, is kept, and an identity refused found every
+    /// index taken, as it always will.
+    #[inline]
+    pub(crate) fn compact_index(&self, ident: u32) -> Option<u8> {
+        for (i, id) in (1u8..).zip(&self.compact_ids) {
+            match id.load(Ordering::Relaxed) {
+                held if held == ident => return Some(i),
+                0 => match id.compare_exchange(0, ident, Ordering::Relaxed, Ordering::Relaxed) {
+                    Ok(_) => return Some(i),
+                    Err(held) if held == ident => return Some(i),
+                    Err(_) => {}
+                },
+                _ => {}
+            }
+        }
+        None
     }
 
     /// The shard of a hash: bits the table itself does not use for probing.
@@ -302,14 +377,16 @@ impl<V> ShardedMap<V> {
         &self,
         shard: &mut Shard<V>,
         hash: u64,
-        key: [u64; 2],
+        key: Packed,
         tat: u64,
         now: u64,
     ) -> Result<(), MemoryError> {
         self.ensure_room(shard, 1, now)?;
         shard
             .compact
-            .insert_unique(hash, Compact { key, tat }, |c| self.hash_packed(c.key));
+            .insert_unique(hash, Compact::new(key, tat), |c| {
+                self.hash_packed(c.packed())
+            });
         shard.next_expiry = shard.next_expiry.min(tat);
         Ok(())
     }
@@ -365,20 +442,20 @@ impl<V> Shard<V> {
     }
 
     #[inline]
-    pub(crate) fn find_compact(&self, hash: u64, key: [u64; 2]) -> Option<&Compact> {
-        self.compact.find(hash, |c| c.key == key)
+    pub(crate) fn find_compact(&self, hash: u64, key: Packed) -> Option<&Compact> {
+        self.compact.find(hash, |c| c.is(key))
     }
 
     #[inline]
-    pub(crate) fn find_compact_mut(&mut self, hash: u64, key: [u64; 2]) -> Option<&mut Compact> {
-        self.compact.find_mut(hash, |c| c.key == key)
+    pub(crate) fn find_compact_mut(&mut self, hash: u64, key: Packed) -> Option<&mut Compact> {
+        self.compact.find_mut(hash, |c| c.is(key))
     }
 
-    pub(crate) fn remove_compact(&mut self, hash: u64, key: [u64; 2]) -> Option<u64> {
+    pub(crate) fn remove_compact(&mut self, hash: u64, key: Packed) -> Option<u64> {
         self.compact
-            .find_entry(hash, |c| c.key == key)
+            .find_entry(hash, |c| c.is(key))
             .ok()
-            .map(|e| e.remove().0.tat)
+            .map(|e| e.remove().0.tat())
     }
 
     #[inline]
@@ -421,9 +498,9 @@ impl<V> Shard<V> {
             keep
         });
         self.compact.retain(|c| {
-            let keep = c.tat > now;
+            let keep = c.tat() > now;
             if keep {
-                next = next.min(c.tat);
+                next = next.min(c.tat());
             }
             keep
         });
@@ -437,7 +514,7 @@ impl<V> Shard<V> {
             .table
             .iter()
             .map(Slot::expires_at)
-            .chain(self.compact.iter().map(|c| c.tat))
+            .chain(self.compact.iter().map(Compact::tat))
             .collect();
         if expiries.is_empty() {
             return 0;
@@ -453,12 +530,12 @@ impl<V> Shard<V> {
             !gone
         };
         self.table.retain(|s| evict(s.expires_at()));
-        self.compact.retain(|c| evict(c.tat));
+        self.compact.retain(|c| evict(c.tat()));
         self.next_expiry = self
             .table
             .iter()
             .map(Slot::expires_at)
-            .chain(self.compact.iter().map(|c| c.tat))
+            .chain(self.compact.iter().map(Compact::tat))
             .min()
             .unwrap_or(u64::MAX);
         before - self.len()
@@ -495,24 +572,19 @@ mod tests {
         .map(|_| ())
     }
 
-    /// The plain packing `pack` must equal: identity, length, key bytes, zero-padded.
-    fn reference(ident: u32, key: &[u8]) -> [u64; 2] {
-        let mut head = [0u8; 8];
-        let mut top = [0u8; 8];
-        for (i, b) in key.iter().enumerate() {
-            if i < 8 {
-                head[i] = *b;
-            } else {
-                top[5 + i - 8] = *b;
-            }
+    /// The plain packing `pack` must equal: the key bytes zero-padded, and the index and
+    /// length.
+    fn reference(index: u8, key: &[u8]) -> Packed {
+        let mut word = [0u8; 8];
+        word[..key.len()].copy_from_slice(key);
+        Packed {
+            key: u64::from_le_bytes(word),
+            tag: index << 4 | key.len() as u8,
         }
-        top[..4].copy_from_slice(&ident.to_le_bytes());
-        top[4] = key.len() as u8;
-        [u64::from_le_bytes(head), u64::from_le_bytes(top)]
     }
 
     #[test]
-    fn pack_is_one_to_one_up_to_eleven_bytes_and_refuses_longer_keys() {
+    fn pack_is_one_to_one_up_to_eight_bytes_and_refuses_longer_keys() {
         let mut rng = fastrand::Rng::with_seed(7);
         let mut seen = std::collections::HashMap::new();
         for len in 0..=COMPACT_KEY {
@@ -522,11 +594,11 @@ mod tests {
                     1 => vec![0xff; len],
                     _ => (0..len).map(|_| rng.u8(..)).collect(),
                 };
-                for ident in [1, 2, u32::MAX] {
-                    let packed = pack(ident, &key).expect("short key");
-                    assert_eq!(packed, reference(ident, &key), "{ident} {key:?}");
-                    if let Some(other) = seen.insert(packed, (ident, key.clone())) {
-                        assert_eq!(other, (ident, key.clone()), "two keys, one packing");
+                for index in [1, 2, 15] {
+                    let packed = pack(index, &key).expect("short key");
+                    assert_eq!(packed, reference(index, &key), "{index} {key:?}");
+                    if let Some(other) = seen.insert(packed, (index, key.clone())) {
+                        assert_eq!(other, (index, key.clone()), "two keys, one packing");
                     }
                 }
             }
@@ -551,7 +623,11 @@ mod tests {
             );
             let packed = pack(9, text.as_bytes());
             if text.len() > COMPACT_KEY {
-                assert_eq!(packed, Some([u64::from(u32::from(ip)), 9 | IPV4 << 32]));
+                let ip = Packed {
+                    key: u64::from(u32::from(ip)),
+                    tag: 9 << 4 | IPV4,
+                };
+                assert_eq!(packed, Some(ip));
             } else {
                 assert_eq!(packed, Some(reference(9, text.as_bytes())));
             }
@@ -585,6 +661,64 @@ mod tests {
         ] {
             assert_eq!(pack(1, text.as_bytes()), None, "{text}");
         }
+    }
+
+    #[test]
+    fn the_first_fifteen_policies_get_compact_indexes_for_good() {
+        let map = ShardedMap::<u32>::new(1_000, 8, OnFull::EvictSoonest);
+        let idents = [7, 3, 900, u32::MAX, 12, 5, 6, 8, 9, 10, 11, 13, 14, 15, 16];
+        for (i, ident) in (1u8..).zip(idents) {
+            assert_eq!(map.compact_index(ident), Some(i), "{ident}");
+        }
+        // Every index is taken: a sixteenth policy never gets one, the others keep theirs.
+        assert_eq!(map.compact_index(17), None);
+        assert_eq!(map.compact_index(17), None);
+        assert_eq!(map.compact_index(900), Some(3));
+        assert_eq!(map.compact_index(16), Some(15));
+
+        // Threads racing for the indexes: each identity gets one, and no two share one.
+        let map = std::sync::Arc::new(ShardedMap::<u32>::new(1_000, 8, OnFull::EvictSoonest));
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                let map = std::sync::Arc::clone(&map);
+                std::thread::spawn(move || {
+                    (0..20u32)
+                        .map(|k| {
+                            (
+                                1 + (k + t * 5) % 20,
+                                map.compact_index(1 + (k + t * 5) % 20),
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut of = std::collections::HashMap::new();
+        for h in handles {
+            for (ident, index) in h.join().expect("thread") {
+                assert_eq!(*of.entry(ident).or_insert(index), index, "{ident}");
+            }
+        }
+        let given: Vec<u8> = of.values().filter_map(|i| *i).collect();
+        assert_eq!(given.len(), 15);
+        let distinct: std::collections::HashSet<_> = given.iter().collect();
+        assert_eq!(distinct.len(), 15);
+    }
+
+    #[test]
+    fn a_compact_entry_keeps_its_tag_and_saturates_its_tat() {
+        let key = pack(15, b"12345678").expect("packs");
+        let mut c = Compact::new(key, 42);
+        assert!(c.is(key) && c.tat() == 42);
+        c.set_tat(MAX_TAT - 1);
+        assert!(c.is(key) && c.tat() == MAX_TAT - 1);
+        c.set_tat(u64::MAX);
+        assert!(c.is(key) && c.tat() == MAX_TAT);
+        c.set_tat(0);
+        assert!(c.is(key) && c.tat() == 0);
+        assert!(!c.is(pack(14, b"12345678").expect("packs")));
+        assert!(!c.is(pack(15, b"1234567").expect("packs")));
+        assert_eq!(std::mem::size_of::<Compact>(), 16);
     }
 
     #[test]
