@@ -120,6 +120,57 @@ fn all_or_nothing_checks_on_shared_keys_do_not_deadlock_or_overcount() {
     assert_eq!(admitted.load(Ordering::Relaxed), 500);
 }
 
+/// Single GCRA checks advance a held state under the shard's read lock (a compare-and-swap);
+/// all-or-nothing checks and inserts take the write lock. Raced on the same keys, neither
+/// loses the other's count.
+#[test]
+fn single_and_all_or_nothing_gcra_checks_racing_on_one_key_admit_exactly_the_limit() {
+    let limiter = MemoryLimiter::builder().clock(clock()).shards(4).build();
+    // Burst 200 in an hour: about 200 admitted at one instant, never more.
+    let global = Arc::new(Policy::gcra(199, 1, Duration::from_secs(3600)).expect("valid"));
+    let per_user = Arc::new(
+        Policy::gcra(999, 1, Duration::from_secs(3600))
+            .and_then(|p| p.named("per-user"))
+            .expect("valid"),
+    );
+    let admitted = Arc::new(AtomicU64::new(0));
+    let threads: Vec<_> = (0..8u64)
+        .map(|t| {
+            let (limiter, global, per_user, admitted) = (
+                limiter.clone(),
+                Arc::clone(&global),
+                Arc::clone(&per_user),
+                Arc::clone(&admitted),
+            );
+            std::thread::spawn(move || {
+                for i in 0..500u64 {
+                    let user = format!("u{}", (t + i) % 4);
+                    let allowed = if t % 2 == 0 {
+                        limiter.check_key(b"global", &global, 1).allowed
+                    } else {
+                        let checks = [
+                            Check::new(user.as_bytes(), &per_user),
+                            Check::new(b"global", &global),
+                        ];
+                        limiter
+                            .check_sync(&checks, CheckOptions::default())
+                            .expect("check")
+                            .allowed()
+                    };
+                    if allowed {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("thread");
+    }
+    assert_eq!(admitted.load(Ordering::Relaxed), 200);
+    assert!(!limiter.check_key(b"global", &global, 1).allowed);
+}
+
 #[test]
 fn a_flood_of_unique_keys_stays_within_the_bound() {
     let limiter = MemoryLimiter::builder()

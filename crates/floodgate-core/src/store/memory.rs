@@ -218,7 +218,8 @@ impl<C: Clock> MemoryLimiter<C> {
         Ok(out)
     }
 
-    /// [`MemoryLimiter::check_single`] of a GCRA state in the compact table.
+    /// [`MemoryLimiter::check_single`] of a GCRA state in the compact table: a held state is
+    /// advanced under the shard's read lock, a new one inserted under its write lock.
     #[inline]
     fn check_compact(
         &self,
@@ -228,21 +229,42 @@ impl<C: Clock> MemoryLimiter<C> {
         ctx: &Ctx,
     ) -> Result<Outcome, MemoryError> {
         let map = &self.inner.map;
-        let mut shard = map.lock(map.shard_of(hash));
-        if let Some(entry) = shard.find_compact_mut(hash, key) {
-            let mut state = gcra::State { tat: entry.tat() };
+        let shard = map.shard_of(hash);
+        let step = |tat| {
+            let mut state = gcra::State { tat };
             let out = gcra.check(&mut state, ctx);
-            if out.decision.allowed {
-                entry.set_tat(state.tat);
-                shard.note_expiry(state.tat);
+            let allowed = out.decision.allowed;
+            (out, allowed.then_some(state.tat))
+        };
+        {
+            let g = map.read(shard);
+            if let Some(entry) = g.find_compact(hash, key) {
+                let (out, tat) = entry.advance(step);
+                if let Some(tat) = tat {
+                    g.note_expiry(tat);
+                }
+                // Unlock before moving the outcome: the unlock drains the stores that built
+                // it, so the move does not stall on store forwarding inside the critical section.
+                drop(g);
+                return Ok(out);
             }
-            drop(shard);
+        }
+        let mut g = map.lock(shard);
+        // Another check may have inserted it since.
+        if let Some(entry) = g.find_compact_mut(hash, key) {
+            let (out, tat) = step(entry.tat());
+            if let Some(tat) = tat {
+                entry.set_tat(tat);
+                g.note_expiry(tat);
+            }
+            drop(g);
             return Ok(out);
         }
-        let mut state = gcra.fresh();
-        let out = gcra.check(&mut state, ctx);
-        if out.decision.allowed && ctx.cost > 0 {
-            map.insert_compact(&mut shard, hash, key, state.tat, ctx.now)?;
+        let (out, tat) = step(0);
+        if let Some(tat) = tat
+            && ctx.cost > 0
+        {
+            map.insert_compact(&mut g, hash, key, tat, ctx.now)?;
         }
         Ok(out)
     }

@@ -17,7 +17,7 @@
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use hashbrown::HashTable;
 use smallvec::SmallVec;
@@ -115,40 +115,73 @@ pub(crate) struct Packed {
 
 /// A GCRA state in 16 bytes: the packed key, and in one word the tag (top eight bits) and the
 /// theoretical arrival time, which is also when the state stops mattering.
+///
+/// The word is atomic: under the shard's read lock, checks of one key advance its tat with a
+/// compare-and-swap, and checks of other keys in the shard do not wait for each other (as
+/// governor's keyed limiter does). Inserting, sweeping and all-or-nothing checks take the
+/// write lock.
 pub(crate) struct Compact {
     key: u64,
-    word: u64,
+    word: AtomicU64,
 }
 
 impl Compact {
     fn new(key: Packed, tat: u64) -> Self {
         Compact {
             key: key.key,
-            word: u64::from(key.tag) << 56 | tat.min(MAX_TAT),
+            word: AtomicU64::new(u64::from(key.tag) << 56 | tat.min(MAX_TAT)),
         }
     }
 
     #[inline]
     fn is(&self, key: Packed) -> bool {
-        self.key == key.key && (self.word >> 56) as u8 == key.tag
+        // The tag never changes: a relaxed read of the word is enough.
+        self.key == key.key && (self.word.load(Ordering::Relaxed) >> 56) as u8 == key.tag
     }
 
     fn packed(&self) -> Packed {
         Packed {
             key: self.key,
-            tag: (self.word >> 56) as u8,
+            tag: (self.word.load(Ordering::Relaxed) >> 56) as u8,
         }
     }
 
     /// The theoretical arrival time.
     #[inline]
     pub(crate) fn tat(&self) -> u64 {
-        self.word & MAX_TAT
+        self.word.load(Ordering::Relaxed) & MAX_TAT
     }
 
+    /// Sets the tat, under the write lock.
     #[inline]
     pub(crate) fn set_tat(&mut self, tat: u64) {
-        self.word = self.word & !MAX_TAT | tat.min(MAX_TAT);
+        let word = self.word.get_mut();
+        *word = *word & !MAX_TAT | tat.min(MAX_TAT);
+    }
+
+    /// Advances the tat under the read lock: `step` maps the tat to an outcome and, when the
+    /// check is admitted, the new tat. Retried (with the tat another check wrote) until the
+    /// swap succeeds; `step` is pure, so the outcome is the one of the tat it replaced.
+    #[inline]
+    pub(crate) fn advance<T>(
+        &self,
+        mut step: impl FnMut(u64) -> (T, Option<u64>),
+    ) -> (T, Option<u64>) {
+        let mut word = self.word.load(Ordering::Relaxed);
+        loop {
+            let (out, tat) = step(word & MAX_TAT);
+            let Some(tat) = tat else {
+                return (out, None);
+            };
+            let new = word & !MAX_TAT | tat.min(MAX_TAT);
+            match self
+                .word
+                .compare_exchange_weak(word, new, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return (out, Some(tat)),
+                Err(now_held) => word = now_held,
+            }
+        }
     }
 }
 
@@ -224,8 +257,9 @@ fn load(b: &[u8]) -> u64 {
 pub(crate) struct Shard<V> {
     table: HashTable<Slot<V>>,
     compact: HashTable<Compact>,
-    /// No value expires before this: sweeping earlier frees nothing.
-    next_expiry: u64,
+    /// No value expires before this: sweeping earlier frees nothing. Atomic for checks under
+    /// the read lock (their tats only grow, so they rarely write it).
+    next_expiry: AtomicU64,
 }
 
 /// Keeps each shard's lock on its own cache lines, so threads working on different shards do
@@ -234,7 +268,7 @@ pub(crate) struct Shard<V> {
 struct Padded<T>(T);
 
 pub(crate) struct ShardedMap<V> {
-    shards: Box<[Padded<Mutex<Shard<V>>>]>,
+    shards: Box<[Padded<RwLock<Shard<V>>>]>,
     /// The policy identities the compact table serves, by compact index minus one (0: free).
     compact_ids: [AtomicU32; COMPACT_POLICIES],
     mask: usize,
@@ -258,10 +292,10 @@ impl<V> ShardedMap<V> {
         let cap = (max_keys / n).max(1);
         let shards = (0..n)
             .map(|_| {
-                Padded(Mutex::new(Shard {
+                Padded(RwLock::new(Shard {
                     table: HashTable::new(),
                     compact: HashTable::new(),
-                    next_expiry: 0,
+                    next_expiry: AtomicU64::new(0),
                 }))
             })
             .collect();
@@ -315,13 +349,23 @@ impl<V> ShardedMap<V> {
         (hash >> 40) as usize & self.mask
     }
 
+    /// The shard, exclusively.
     #[inline]
-    pub(crate) fn lock(&self, shard: usize) -> MutexGuard<'_, Shard<V>> {
+    pub(crate) fn lock(&self, shard: usize) -> RwLockWriteGuard<'_, Shard<V>> {
         // A panic while holding the lock cannot leave a value half-written in a way that
         // matters more than losing the limiter: keep serving.
         self.shards[shard]
             .0
-            .lock()
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The shard, shared: to find a compact entry and advance its tat.
+    #[inline]
+    pub(crate) fn read(&self, shard: usize) -> RwLockReadGuard<'_, Shard<V>> {
+        self.shards[shard]
+            .0
+            .read()
             .unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -368,7 +412,8 @@ impl<V> ShardedMap<V> {
             // the table grows.
             |s| self.hasher.hash_one((s.ident, &s.key[..])),
         );
-        shard.next_expiry = shard.next_expiry.min(slot.expires_at);
+        let next = shard.next_expiry.get_mut();
+        *next = (*next).min(slot.expires_at);
         Ok(entry.into_mut())
     }
 
@@ -387,7 +432,7 @@ impl<V> ShardedMap<V> {
             .insert_unique(hash, Compact::new(key, tat), |c| {
                 self.hash_packed(c.packed())
             });
-        shard.next_expiry = shard.next_expiry.min(tat);
+        shard.note_expiry(tat);
         Ok(())
     }
 
@@ -402,7 +447,7 @@ impl<V> ShardedMap<V> {
         if shard.len() + n <= self.cap {
             return Ok(());
         }
-        if now >= shard.next_expiry {
+        if now >= *shard.next_expiry.get_mut() {
             let freed = shard.sweep(now);
             self.expired.fetch_add(freed as u64, Ordering::Relaxed);
             if shard.len() + n <= self.cap {
@@ -480,9 +525,9 @@ impl<V> Shard<V> {
     /// Notes that a slot's or entry's expiry moved (it may now expire sooner than the shard
     /// thought).
     #[inline]
-    pub(crate) fn note_expiry(&mut self, expires_at: u64) {
-        if expires_at < self.next_expiry {
-            self.next_expiry = expires_at;
+    pub(crate) fn note_expiry(&self, expires_at: u64) {
+        if expires_at < self.next_expiry.load(Ordering::Relaxed) {
+            self.next_expiry.fetch_min(expires_at, Ordering::Relaxed);
         }
     }
 
@@ -504,7 +549,7 @@ impl<V> Shard<V> {
             }
             keep
         });
-        self.next_expiry = next;
+        *self.next_expiry.get_mut() = next;
         before - self.len()
     }
 
@@ -531,7 +576,7 @@ impl<V> Shard<V> {
         };
         self.table.retain(|s| evict(s.expires_at()));
         self.compact.retain(|c| evict(c.tat()));
-        self.next_expiry = self
+        *self.next_expiry.get_mut() = self
             .table
             .iter()
             .map(Slot::expires_at)
