@@ -12,8 +12,7 @@
 //! 8 bytes (a numeric id) or an IPv4 address in dotted decimal (the layer's per-IP key), of one
 //! of the first fifteen GCRA policies the map sees. The key bound, sweeps and evictions cover
 //! both. Only the memory limiter uses the compact table; elsewhere it stays empty and
-//! allocates nothing. At scale, bytes per key decide whether a lookup hits the cache: 100k
-//! keys in 16-byte entries fit a core's L2 cache where 24-byte ones did not.
+//! allocates nothing. At scale, bytes per key decide whether a lookup hits the cache.
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
