@@ -208,27 +208,35 @@ pub(crate) fn pack(index: u8, key: &[u8]) -> Option<Packed> {
 }
 
 /// The address of `a.b.c.d` in canonical form: four decimal numbers up to 255, with no sign,
-/// no leading zero and no other character. Anything else is `None`.
+/// no leading zero and no other character. Anything else is `None`. One pass over the bytes:
+/// it runs on every check of a per-IP key.
+#[inline]
 fn canonical_ipv4(text: &[u8]) -> Option<u32> {
-    if text.len() > 15 {
+    if !(7..=15).contains(&text.len()) {
         return None;
     }
-    let mut parts = text.split(|b| *b == b'.');
-    let mut ip = 0u32;
-    for _ in 0..4 {
-        let part = parts.next()?;
-        let canonical = match part {
-            [] => false,
-            [b'0', _, ..] => false,
-            _ => part.len() <= 3 && part.iter().all(u8::is_ascii_digit),
-        };
-        if !canonical {
-            return None;
+    let (mut ip, mut octet, mut digits, mut dots) = (0u32, 0u32, 0u32, 0u32);
+    for &b in text {
+        if b == b'.' {
+            if digits == 0 || dots == 3 {
+                return None;
+            }
+            ip = ip << 8 | octet;
+            (octet, digits, dots) = (0, 0, dots + 1);
+        } else {
+            let d = b.wrapping_sub(b'0');
+            // Not a digit, or a digit after a leading zero.
+            if d > 9 || (digits == 1 && octet == 0) {
+                return None;
+            }
+            octet = octet * 10 + u32::from(d);
+            digits += 1;
+            if octet > 255 {
+                return None;
+            }
         }
-        let n = part.iter().fold(0u32, |n, d| n * 10 + u32::from(d - b'0'));
-        ip = ip << 8 | u32::from(u8::try_from(n).ok()?);
     }
-    parts.next().is_none().then_some(ip)
+    (dots == 3 && digits > 0).then_some(ip << 8 | octet)
 }
 
 /// Up to eight bytes as a little-endian word, zero-padded, without a `memcpy` call: two
