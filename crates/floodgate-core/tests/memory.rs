@@ -171,6 +171,27 @@ fn single_and_all_or_nothing_gcra_checks_racing_on_one_key_admit_exactly_the_lim
     assert!(!limiter.check_key(b"global", &global, 1).allowed);
 }
 
+/// Times past what the store's states can hold are refused, not saturated into wrong
+/// decisions.
+#[test]
+fn a_time_beyond_the_year_3100_is_refused() {
+    let limiter = MemoryLimiter::builder().clock(clock()).build();
+    let p = Policy::per_second(1).expect("valid");
+    let far = Timestamp::from_micros(1 << 56);
+    let refused = limiter.check_sync(&[Check::new(b"k", &p)], CheckOptions::at(far));
+    assert!(
+        matches!(&refused, Err(MemoryError::InvalidCheck(m)) if m.contains("beyond")),
+        "{refused:?}"
+    );
+    let last = Timestamp::from_micros((1 << 55) - 1);
+    for allowed in [true, false] {
+        let v = limiter
+            .check_sync(&[Check::new(b"k", &p)], CheckOptions::at(last))
+            .expect("within range");
+        assert_eq!(v.allowed(), allowed);
+    }
+}
+
 #[test]
 fn a_flood_of_unique_keys_stays_within_the_bound() {
     let limiter = MemoryLimiter::builder()

@@ -161,9 +161,9 @@ impl RateLimitLayer {
     ///
     /// Behind axum this saves a box per request: axum's `IntoResponse` boxes every body that
     /// is not its own `Body`, while an allowed response's body now passes through as it is.
-    /// The body type must implement `From<ResponseBody<Self>>` (axum's and tonic's `Body` do,
-    /// with features `axum` and `tonic`), for rejections and for bodies that carry a
-    /// concurrency lease to their end.
+    /// The inner service's body type `B` must implement `From<ResponseBody<B>>` (axum's and
+    /// tonic's `Body` do, with features `axum` and `tonic`), for rejections and for bodies that
+    /// carry a concurrency lease to their end.
     ///
     /// ```
     /// # #[cfg(feature = "axum")]

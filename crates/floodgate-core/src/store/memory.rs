@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use super::sharded::{NewSlot, OnFull, Packed, Shard, ShardedMap, StoreStats, pack};
+use super::sharded::{NewSlot, OnFull, Packable, Packed, Shard, ShardedMap, StoreStats};
 use super::{Check, CheckOptions, Limiter};
 use crate::algorithm::gcra::{self, Gcra};
 use crate::algorithm::{Algorithm, Ctx, Outcome};
@@ -155,15 +155,16 @@ impl<C: Clock> MemoryLimiter<C> {
 
     /// Checks one policy for one key: the fast path.
     ///
-    /// When the store is full and set to [`OnFull::Reject`], a new key is denied with no
-    /// retry time (see [`MemoryLimiter::check_sync`] for the error).
+    /// When the store is full and set to [`OnFull::Reject`], or the clock is past the year
+    /// 3100, the check is denied with no retry time (see [`MemoryLimiter::check_sync`] for the
+    /// errors).
     #[inline]
     pub fn check_key(&self, key: &[u8], policy: &Policy, cost: u64) -> Decision {
         let ctx = Ctx {
             lease: lease_for(policy.kind()),
             ..Ctx::new(self.inner.clock.now().as_micros(), cost)
         };
-        match self.check_single(key, policy, &ctx) {
+        match checked_now(ctx.now).and_then(|_| self.check_single(key, policy, &ctx)) {
             Ok(out) => out.decision,
             Err(_) => Decision {
                 allowed: false,
@@ -270,15 +271,19 @@ impl<C: Clock> MemoryLimiter<C> {
     }
 
     /// Checks several policies, all-or-nothing, atomically with respect to every other check.
+    ///
+    /// Errors: [`MemoryError::Full`] when the store refuses new keys, and
+    /// [`MemoryError::InvalidCheck`] for a malformed check or a time past the year 3100.
     pub fn check_sync(
         &self,
         checks: &[Check<'_>],
         opts: CheckOptions,
     ) -> Result<Verdict, MemoryError> {
-        let now = opts
-            .now
-            .unwrap_or_else(|| self.inner.clock.now())
-            .as_micros();
+        let now = checked_now(
+            opts.now
+                .unwrap_or_else(|| self.inner.clock.now())
+                .as_micros(),
+        )?;
         let lease = checks
             .iter()
             .map(|c| lease_for(c.policy.kind()))
@@ -516,13 +521,33 @@ impl Loc<'_> {
     }
 }
 
+/// `now` (µs since the epoch), if the store can decide at that time: up to about the year 3100.
+/// States hold times up to `now` plus the longest span a policy may have, and the compact table
+/// holds them in 56 bits.
+#[inline]
+fn checked_now(now: u64) -> Result<u64, MemoryError> {
+    if now > MAX_NOW_US {
+        return Err(MemoryError::InvalidCheck(format!(
+            "the time {now}us since the epoch is beyond what the memory store can hold \
+             ({MAX_NOW_US}us)"
+        )));
+    }
+    Ok(now)
+}
+
+/// The latest time the memory store decides at: past it, a state's times would not fit the
+/// compact table's 56 bits.
+const MAX_NOW_US: u64 = (1 << 55) - 1;
+
 /// Where `policy`'s state for `key` lives: the same answer every time, for every path.
 #[inline]
 fn locate<'p>(map: &ShardedMap<State>, policy: &'p Policy, key: &[u8]) -> Loc<'p> {
+    // A key that cannot be packed must not take one of the fifteen compact indexes.
     if let Kind::Gcra(gcra) = policy.kind()
+        && let Some(packable) = Packable::of(key)
         && let Some(index) = map.compact_index(policy.ident())
-        && let Some(key) = pack(index, key)
     {
+        let key = packable.pack(index);
         return Loc::Compact {
             hash: map.hash_packed(key),
             key,
@@ -594,5 +619,43 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
         self.reset_sync(key, policy);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(name: &str) -> Policy {
+        Policy::per_second(2)
+            .and_then(|p| p.named(name))
+            .expect("valid")
+    }
+
+    #[test]
+    fn only_keys_that_pack_take_compact_indexes_and_a_sixteenth_policy_uses_slots() {
+        let limiter = MemoryLimiter::new();
+        let map = &limiter.inner.map;
+        // Long keys that are not IPv4 addresses never take an index...
+        let unpacked = policy("unpacked");
+        assert!(matches!(
+            locate(map, &unpacked, b"a-long-api-token"),
+            Loc::Slot { .. }
+        ));
+        // ...so fifteen other policies still get one, and a sixteenth does not.
+        for i in 0..15 {
+            let p = policy(&format!("p{i}"));
+            assert!(
+                matches!(locate(map, &p, b"10.0.0.1"), Loc::Compact { .. }),
+                "{i}"
+            );
+        }
+        assert!(matches!(
+            locate(map, &unpacked, b"12345678"),
+            Loc::Slot { .. }
+        ));
+        // Not GCRA: never compact.
+        let window = Policy::fixed_window(2, std::time::Duration::from_secs(1)).expect("valid");
+        assert!(matches!(locate(map, &window, b"k"), Loc::Slot { .. }));
     }
 }

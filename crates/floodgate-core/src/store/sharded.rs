@@ -184,27 +184,50 @@ impl Compact {
     }
 }
 
-/// `key` of the policy with compact index `index` (1 to 15, see
-/// [`ShardedMap::compact_index`]), packed, for keys up to [`COMPACT_KEY`] bytes.
-///
-/// A longer key that is an IPv4 address in canonical dotted decimal (the layer's per-IP key,
-/// such as `203.113.100.200`) packs as its four bytes, with a length code no raw key has:
-/// canonical text and address match one to one, so the packing stays one-to-one.
-#[inline]
-pub(crate) fn pack(index: u8, key: &[u8]) -> Option<Packed> {
-    let len = key.len();
-    if len > COMPACT_KEY {
-        let ip = canonical_ipv4(key)?;
-        return Some(Packed {
-            key: u64::from(ip),
-            tag: index << 4 | IPV4,
-        });
+/// A key the compact table can hold, before it is tagged with its policy's compact index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Packable {
+    key: u64,
+    len: u8,
+}
+
+impl Packable {
+    /// Up to [`COMPACT_KEY`] bytes as a word with their length; a longer key when it is an IPv4
+    /// address in canonical dotted decimal (the layer's per-IP key, such as
+    /// `203.113.100.200`), as its four bytes with a length code no raw key has: canonical text
+    /// and address match one to one, so the packing stays one-to-one. `None` for any other.
+    #[inline]
+    pub(crate) fn of(key: &[u8]) -> Option<Self> {
+        let len = key.len();
+        if len > COMPACT_KEY {
+            let ip = canonical_ipv4(key)?;
+            return Some(Packable {
+                key: u64::from(ip),
+                len: IPV4,
+            });
+        }
+        Some(Packable {
+            key: load(key),
+            // At most 8: fits the four bits.
+            len: len as u8,
+        })
     }
-    Some(Packed {
-        key: load(key),
-        // At most 8: fits the four bits.
-        tag: index << 4 | len as u8,
-    })
+
+    /// The key of the policy with compact index `index` (1 to 15, see
+    /// [`ShardedMap::compact_index`]).
+    #[inline]
+    pub(crate) fn pack(self, index: u8) -> Packed {
+        Packed {
+            key: self.key,
+            tag: index << 4 | self.len,
+        }
+    }
+}
+
+/// `key` of the policy with compact index `index`, packed (see [`Packable`]).
+#[cfg(test)]
+fn pack(index: u8, key: &[u8]) -> Option<Packed> {
+    Packable::of(key).map(|p| p.pack(index))
 }
 
 /// The address of `a.b.c.d` in canonical form: four decimal numbers up to 255, with no sign,
