@@ -505,7 +505,7 @@ enum Loc<'p> {
     /// In a 64-byte slot.
     Slot { hash: u64 },
     /// In the compact table: GCRA with a key of up to 8 bytes or a dotted-decimal IPv4
-    /// address (see `sharded::pack`), the commonest state, in 16 bytes.
+    /// address (see `sharded::Packable`), the commonest state, in 16 bytes.
     Compact {
         hash: u64,
         key: Packed,

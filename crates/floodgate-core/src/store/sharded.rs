@@ -10,7 +10,7 @@
 //! A shard holds two tables under one lock: 64-byte [`Slot`]s for any value, and 16-byte
 //! [`Compact`] entries for the commonest state of all, a GCRA timestamp under a key of up to
 //! 8 bytes (a numeric id) or an IPv4 address in dotted decimal (the layer's per-IP key), of one
-//! of the first fifteen GCRA policies the map sees. The key bound, sweeps and evictions cover
+//! of the first fifteen GCRA policies to store such a key. The key bound, sweeps and evictions cover
 //! both. Only the memory limiter uses the compact table; elsewhere it stays empty and
 //! allocates nothing. At scale, bytes per key decide whether a lookup hits the cache.
 
@@ -90,7 +90,7 @@ fn secs_up(us: u64) -> u32 {
 }
 
 /// Keys up to this long fit a [`Compact`] entry. Longer keys fit when they are IPv4 addresses
-/// in canonical dotted decimal (see [`pack`]).
+/// in canonical dotted decimal (see [`Packable`]).
 pub(crate) const COMPACT_KEY: usize = 8;
 
 /// How many policies the compact table serves (its index takes four bits, 0 is none).
@@ -99,8 +99,9 @@ const COMPACT_POLICIES: usize = 15;
 /// The length code of a packed IPv4 address: no raw key that fits has it.
 const IPV4: u8 = 0xf;
 
-/// The largest tat a compact entry holds: 56 bits of microseconds, the year 4253. A later one
-/// is stored as this (no clock gets there; an injected time could).
+/// The largest tat a compact entry holds: 56 bits of microseconds, the year 4253. Never reached:
+/// the memory limiter refuses times past 2^55 µs, and a tat is at most a policy's longest span
+/// (2^51 µs) later than its check. A later one would be stored as this.
 const MAX_TAT: u64 = (1 << 56) - 1;
 
 /// A key as the compact table holds it: up to eight bytes as a word, and a tag of the policy's
@@ -347,7 +348,7 @@ impl<V> ShardedMap<V> {
         self.hasher.hash_one((ident, key))
     }
 
-    /// The hash of a packed key (see [`pack`]).
+    /// The hash of a packed key (see [`Packable`]).
     #[inline]
     pub(crate) fn hash_packed(&self, key: Packed) -> u64 {
         self.hasher.hash_one([key.key, u64::from(key.tag)])
