@@ -261,6 +261,7 @@ fn gcra_keys_on_both_sides_of_the_compact_boundary_keep_their_own_state() {
         keys.push(longer);
     }
     // IPv4 addresses: canonical ones longer than 8 bytes pack as addresses, others as bytes.
+    // Then numbers.
     for ip in [
         "10.0.0.1",
         "192.168.100.1",
@@ -268,6 +269,12 @@ fn gcra_keys_on_both_sides_of_the_compact_boundary_keep_their_own_state() {
         "203.113.100.20",
         "203.113.100.020",
         "203.113.100.2000",
+        // Numbers of 9 to 19 digits pack as numbers; with a leading zero, as other keys.
+        "15551234567",
+        "015551234567",
+        "1555123456",
+        "9999999999999999999",
+        "10000000000000000000",
     ] {
         keys.push(ip.as_bytes().to_vec());
     }

@@ -504,8 +504,8 @@ impl<C: Clock> MemoryLimiter<C> {
 enum Loc<'p> {
     /// In a 64-byte slot.
     Slot { hash: u64 },
-    /// In the compact table: GCRA with a key of up to 8 bytes or a dotted-decimal IPv4
-    /// address (see `sharded::Packable`), the commonest state, in 16 bytes.
+    /// In the compact table: GCRA with a key of up to 8 bytes, a dotted-decimal IPv4 address
+    /// or a decimal number (see `sharded::Packable`), the commonest state, in 16 bytes.
     Compact {
         hash: u64,
         key: Packed,
@@ -654,6 +654,13 @@ mod tests {
             locate(map, &unpacked, b"12345678"),
             Loc::Slot { .. }
         ));
+        // Numbers of up to 19 digits pack; with a leading zero they do not.
+        let p = policy("p0");
+        assert!(matches!(
+            locate(map, &p, b"15551234567"),
+            Loc::Compact { .. }
+        ));
+        assert!(matches!(locate(map, &p, b"05551234567"), Loc::Slot { .. }));
         // Not GCRA: never compact.
         let window = Policy::fixed_window(2, std::time::Duration::from_secs(1)).expect("valid");
         assert!(matches!(locate(map, &window, b"k"), Loc::Slot { .. }));

@@ -9,8 +9,8 @@
 //!
 //! A shard holds two tables under one lock: 64-byte [`Slot`]s for any value, and 16-byte
 //! [`Compact`] entries for the commonest state of all, a GCRA timestamp under a key of up to
-//! 8 bytes (a numeric id) or an IPv4 address in dotted decimal (the layer's per-IP key), of one
-//! of the first fifteen GCRA policies to store such a key. The key bound, sweeps and evictions cover
+//! 8 bytes, an IPv4 address in dotted decimal (the layer's per-IP key) or a decimal number (a
+//! user id, a phone number), of one of the first fifteen GCRA policies to store such a key. The key bound, sweeps and evictions cover
 //! both. Only the memory limiter uses the compact table; elsewhere it stays empty and
 //! allocates nothing. At scale, bytes per key decide whether a lookup hits the cache.
 
@@ -90,7 +90,7 @@ fn secs_up(us: u64) -> u32 {
 }
 
 /// Keys up to this long fit a [`Compact`] entry. Longer keys fit when they are IPv4 addresses
-/// in canonical dotted decimal (see [`Packable`]).
+/// in canonical dotted decimal or decimal numbers (see [`Packable`]).
 pub(crate) const COMPACT_KEY: usize = 8;
 
 /// How many policies the compact table serves (its index takes four bits, 0 is none).
@@ -98,6 +98,9 @@ const COMPACT_POLICIES: usize = 15;
 
 /// The length code of a packed IPv4 address: no raw key that fits has it.
 const IPV4: u8 = 0xf;
+
+/// The length code of a packed decimal number of 9 to 19 digits (see [`decimal`]).
+const DECIMAL: u8 = 0xe;
 
 /// The largest tat a compact entry holds: 56 bits of microseconds, the year 4253. Never reached:
 /// the memory limiter refuses times past 2^55 µs, and a tat is at most a policy's longest span
@@ -193,18 +196,25 @@ pub(crate) struct Packable {
 }
 
 impl Packable {
-    /// Up to [`COMPACT_KEY`] bytes as a word with their length; a longer key when it is an IPv4
-    /// address in canonical dotted decimal (the layer's per-IP key, such as
-    /// `203.113.100.200`), as its four bytes with a length code no raw key has: canonical text
-    /// and address match one to one, so the packing stays one-to-one. `None` for any other.
+    /// Up to [`COMPACT_KEY`] bytes as a word with their length. A longer key when it is an
+    /// IPv4 address in canonical dotted decimal (the layer's per-IP key, such as
+    /// `203.113.100.200`), as its four bytes, or a number of up to 19 digits with no leading
+    /// zero (a user id, a phone number), as its value: each with a length code no raw key has.
+    /// Canonical text and value match one to one, so the packing stays one-to-one. `None` for
+    /// any other key.
     #[inline]
     pub(crate) fn of(key: &[u8]) -> Option<Self> {
         let len = key.len();
         if len > COMPACT_KEY {
-            let ip = canonical_ipv4(key)?;
-            return Some(Packable {
-                key: u64::from(ip),
-                len: IPV4,
+            if let Some(ip) = canonical_ipv4(key) {
+                return Some(Packable {
+                    key: u64::from(ip),
+                    len: IPV4,
+                });
+            }
+            return decimal(key).map(|n| Packable {
+                key: n,
+                len: DECIMAL,
             });
         }
         Some(Packable {
@@ -261,6 +271,24 @@ fn canonical_ipv4(text: &[u8]) -> Option<u32> {
         }
     }
     (dots == 3 && digits > 0).then_some(ip << 8 | octet)
+}
+
+/// The value of a decimal number of 9 to 19 digits with no leading zero (every such number
+/// fits a `u64`); `None` for anything else.
+#[inline]
+fn decimal(text: &[u8]) -> Option<u64> {
+    if !(9..=19).contains(&text.len()) || text[0] == b'0' {
+        return None;
+    }
+    let mut n = 0u64;
+    for &b in text {
+        let d = b.wrapping_sub(b'0');
+        if d > 9 {
+            return None;
+        }
+        n = n * 10 + u64::from(d);
+    }
+    Some(n)
 }
 
 /// Up to eight bytes as a little-endian word, zero-padded, without a `memcpy` call: two
@@ -734,6 +762,56 @@ mod tests {
             "100.100.100.10 ",
             "1000.100.100.10",
             "a-longer-key-12",
+        ] {
+            assert_eq!(pack(1, text.as_bytes()), None, "{text}");
+        }
+    }
+
+    #[test]
+    fn long_decimal_keys_pack_one_to_one_and_other_long_keys_do_not_pack() {
+        let mut rng = fastrand::Rng::with_seed(13);
+        let mut seen = std::collections::HashMap::new();
+        for digits in 9..=19u32 {
+            for round in 0..2_000 {
+                let low = 10u64.pow(digits - 1);
+                let n = match round {
+                    0 => low,
+                    1 if digits == 19 => 9_999_999_999_999_999_999,
+                    1 => 10u64.pow(digits) - 1,
+                    _ if digits == 19 => rng.u64(low..=9_999_999_999_999_999_999),
+                    _ => rng.u64(low..10u64.pow(digits)),
+                };
+                let text = n.to_string();
+                let packed = pack(3, text.as_bytes()).expect("packs");
+                assert_eq!(
+                    packed,
+                    Packed {
+                        key: n,
+                        tag: 3 << 4 | DECIMAL
+                    }
+                );
+                if let Some(other) = seen.insert(packed, text.clone()) {
+                    assert_eq!(other, text, "two keys, one packing");
+                }
+            }
+        }
+        // Whatever packs as a number is the canonical text of its value.
+        for _ in 0..100_000 {
+            let len = rng.usize(9..=20);
+            let text: Vec<u8> = (0..len)
+                .map(|_| *rng.choice(b"0123456789a").unwrap_or(&b'a'))
+                .collect();
+            if let Some(n) = decimal(&text) {
+                assert_eq!(n.to_string().as_bytes(), &text[..]);
+            }
+        }
+        for text in [
+            "012345678",
+            "+15551234567",
+            "1234 56789",
+            "12345678901234567890",
+            "123456789a",
+            "-123456789",
         ] {
             assert_eq!(pack(1, text.as_bytes()), None, "{text}");
         }
