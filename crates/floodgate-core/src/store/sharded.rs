@@ -10,9 +10,10 @@
 //! A shard holds two tables under one lock: 64-byte [`Slot`]s for any value, and 16-byte
 //! [`Compact`] entries for the commonest state of all, a GCRA timestamp under a key of up to
 //! 8 bytes, an IPv4 address in dotted decimal (the layer's per-IP key) or a decimal number (a
-//! user id, a phone number), of one of the first fifteen GCRA policies to store such a key. The key bound, sweeps and evictions cover
-//! both. Only the memory limiter uses the compact table; elsewhere it stays empty and
-//! allocates nothing. At scale, bytes per key decide whether a lookup hits the cache.
+//! user id, a phone number), of one of the first fifteen GCRA policies to store such a key.
+//! The key bound, sweeps and evictions cover both. Only the memory limiter uses the compact
+//! table; elsewhere it stays empty and allocates nothing. At scale, bytes per key decide
+//! whether a lookup hits the cache.
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
