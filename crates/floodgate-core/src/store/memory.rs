@@ -220,7 +220,8 @@ impl<C: Clock> MemoryLimiter<C> {
     }
 
     /// [`MemoryLimiter::check_single`] of a GCRA state in the compact table: a held state is
-    /// advanced under the shard's read lock, a new one inserted under its write lock.
+    /// advanced under the shard's write lock when it is free, else under its read lock (with a
+    /// compare-and-swap); a new one is inserted under the write lock.
     #[inline]
     fn check_compact(
         &self,
@@ -237,7 +238,19 @@ impl<C: Clock> MemoryLimiter<C> {
             let allowed = out.decision.allowed;
             (out, allowed.then_some(state.tat))
         };
-        {
+        // Uncontended, the write lock costs one atomic operation less than the read lock and
+        // the compare-and-swap; contended, checks share the read lock.
+        if let Some(mut g) = map.try_lock(shard) {
+            if let Some(entry) = g.find_compact_mut(hash, key) {
+                let (out, tat) = step(entry.tat());
+                if let Some(tat) = tat {
+                    entry.set_tat(tat);
+                    g.note_expiry(tat);
+                }
+                drop(g);
+                return Ok(out);
+            }
+        } else {
             let g = map.read(shard);
             if let Some(entry) = g.find_compact(hash, key) {
                 let (out, tat) = entry.advance(step);
@@ -630,6 +643,36 @@ mod tests {
         Policy::per_second(2)
             .and_then(|p| p.named(name))
             .expect("valid")
+    }
+
+    #[test]
+    fn held_states_advance_under_the_read_lock_without_losing_counts() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let limiter = MemoryLimiter::new();
+        // A burst of 100 in an hour: no more while the test runs.
+        let p = Policy::gcra(99, 1, std::time::Duration::from_secs(3600)).expect("valid");
+        assert!(limiter.check_key(b"one", &p, 1).allowed);
+        let map = &limiter.inner.map;
+        let Loc::Compact { hash, .. } = locate(map, &p, b"one") else {
+            panic!("a short GCRA key is compact");
+        };
+        // A reader holds the shard: no check gets the write lock, every one shares the read
+        // lock and advances the state with a compare-and-swap.
+        let held = map.read(map.shard_of(hash));
+        let admitted = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for _ in 0..100 {
+                        if limiter.check_key(b"one", &p, 1).allowed {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        drop(held);
+        assert_eq!(admitted.load(Ordering::Relaxed), 99);
     }
 
     #[test]

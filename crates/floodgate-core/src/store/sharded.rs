@@ -120,10 +120,10 @@ pub(crate) struct Packed {
 /// A GCRA state in 16 bytes: the packed key, and in one word the tag (top eight bits) and the
 /// theoretical arrival time, which is also when the state stops mattering.
 ///
-/// The word is atomic: under the shard's read lock, checks of one key advance its tat with a
-/// compare-and-swap, and checks of other keys in the shard do not wait for each other (as
-/// governor's keyed limiter does). Inserting, sweeping and all-or-nothing checks take the
-/// write lock.
+/// The word is atomic: a check that finds the shard taken shares the read lock and advances the
+/// tat with a compare-and-swap, so checks of held states do not wait for each other (as
+/// governor's keyed limiter does). Uncontended, a check takes the write lock, one atomic
+/// operation fewer. Inserting, sweeping and all-or-nothing checks take the write lock.
 pub(crate) struct Compact {
     key: u64,
     word: AtomicU64,
@@ -418,6 +418,16 @@ impl<V> ShardedMap<V> {
             .0
             .write()
             .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The shard, exclusively, if no other thread holds it now.
+    #[inline]
+    pub(crate) fn try_lock(&self, shard: usize) -> Option<RwLockWriteGuard<'_, Shard<V>>> {
+        match self.shards[shard].0.try_write() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     /// The shard, shared: to find a compact entry and advance its tat.
