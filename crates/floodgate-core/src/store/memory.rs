@@ -239,32 +239,27 @@ impl<C: Clock> MemoryLimiter<C> {
             (out, allowed.then_some(state.tat))
         };
         // Uncontended, the write lock costs one atomic operation less than the read lock and
-        // the compare-and-swap; contended, checks share the read lock.
-        if let Some(mut g) = map.try_lock(shard) {
-            if let Some(entry) = g.find_compact_mut(hash, key) {
-                let (out, tat) = step(entry.tat());
-                if let Some(tat) = tat {
-                    entry.set_tat(tat);
-                    g.note_expiry(tat);
+        // the compare-and-swap; contended, checks of held states share the read lock.
+        let mut g = match map.try_lock(shard) {
+            Some(g) => g,
+            None => {
+                let g = map.read(shard);
+                if let Some(entry) = g.find_compact(hash, key) {
+                    let (out, tat) = entry.advance(step);
+                    if let Some(tat) = tat {
+                        g.note_expiry(tat);
+                    }
+                    // Unlock before moving the outcome: the unlock drains the stores that built
+                    // it, so the move does not stall on store forwarding inside the critical
+                    // section.
+                    drop(g);
+                    return Ok(out);
                 }
                 drop(g);
-                return Ok(out);
+                // A new key: another check may insert it before this one has the lock.
+                map.lock(shard)
             }
-        } else {
-            let g = map.read(shard);
-            if let Some(entry) = g.find_compact(hash, key) {
-                let (out, tat) = entry.advance(step);
-                if let Some(tat) = tat {
-                    g.note_expiry(tat);
-                }
-                // Unlock before moving the outcome: the unlock drains the stores that built
-                // it, so the move does not stall on store forwarding inside the critical section.
-                drop(g);
-                return Ok(out);
-            }
-        }
-        let mut g = map.lock(shard);
-        // Another check may have inserted it since.
+        };
         if let Some(entry) = g.find_compact_mut(hash, key) {
             let (out, tat) = step(entry.tat());
             if let Some(tat) = tat {
