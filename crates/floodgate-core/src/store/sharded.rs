@@ -133,7 +133,7 @@ impl Compact {
     fn new(key: Packed, tat: u64) -> Self {
         Compact {
             key: key.key,
-            word: AtomicU64::new(u64::from(key.tag) << 56 | tat.min(MAX_TAT)),
+            word: AtomicU64::new(with_tat(u64::from(key.tag) << 56, tat)),
         }
     }
 
@@ -160,7 +160,7 @@ impl Compact {
     #[inline]
     pub(crate) fn set_tat(&mut self, tat: u64) {
         let word = self.word.get_mut();
-        *word = *word & !MAX_TAT | tat.min(MAX_TAT);
+        *word = with_tat(*word, tat);
     }
 
     /// Advances the tat under the read lock: `step` maps the tat to an outcome and, when the
@@ -177,7 +177,7 @@ impl Compact {
             let Some(tat) = tat else {
                 return (out, None);
             };
-            let new = word & !MAX_TAT | tat.min(MAX_TAT);
+            let new = with_tat(word, tat);
             match self
                 .word
                 .compare_exchange_weak(word, new, Ordering::Relaxed, Ordering::Relaxed)
@@ -187,6 +187,12 @@ impl Compact {
             }
         }
     }
+}
+
+/// `word` (a compact entry's tag and tat) with its tat replaced by `tat`, saturated.
+#[inline]
+fn with_tat(word: u64, tat: u64) -> u64 {
+    word & !MAX_TAT | tat.min(MAX_TAT)
 }
 
 /// A key the compact table can hold, before it is tagged with its policy's compact index.
