@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
+use crate::Timestamp;
+
 /// The outcome of checking one policy: redis-cell's five fields, at millisecond precision.
 ///
 /// Durations are rounded **up** to whole milliseconds, so a client that waits `retry_after`
@@ -92,6 +94,9 @@ pub struct Verdict {
     pub wait: Duration,
     /// For concurrency policies: the lease to release when the work is done.
     pub lease: Option<LeaseId>,
+    /// When the check was decided, by the store's clock (the Redis server's time for the
+    /// Redis backend). [`Limiter::refund`](crate::Limiter::refund) gives units back as of then.
+    pub at: Timestamp,
 }
 
 impl Verdict {
@@ -158,6 +163,7 @@ mod tests {
             .collect(),
             wait: Duration::ZERO,
             lease: None,
+            at: Timestamp::EPOCH,
         };
         assert!(!v.allowed());
         assert_eq!(v.strictest().map(|(i, _)| i), Some(2));
@@ -167,12 +173,14 @@ mod tests {
                 .collect(),
             wait: Duration::ZERO,
             lease: None,
+            at: Timestamp::EPOCH,
         };
         assert_eq!(never.strictest().map(|(i, _)| i), Some(1));
         let ok = Verdict {
             decisions: [d(true, 5, None), d(true, 2, None)].into_iter().collect(),
             wait: Duration::ZERO,
             lease: None,
+            at: Timestamp::EPOCH,
         };
         assert!(ok.allowed());
         assert_eq!(ok.strictest().map(|(i, _)| i), Some(1));

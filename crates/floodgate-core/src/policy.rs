@@ -261,6 +261,12 @@ impl Kind {
         dispatch!(self, state, |a, s| a.check(s, ctx))
     }
 
+    /// See [`Algorithm::undo`]. A state of another algorithm is left alone (it holds nothing
+    /// of this policy's).
+    pub fn undo(&self, state: &mut State, ctx: &Ctx) {
+        dispatch!(self, state, |a, s| a.undo(s, ctx), _ => {})
+    }
+
     /// [`Kind::check`] and, when allowed, [`Kind::expires_at`] of the new state, in one
     /// dispatch (the in-memory hot path). `expires_at` is written only when allowed.
     #[inline]

@@ -264,7 +264,11 @@ fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Checked, Error>
                 // A reply cut short or of another shape spoils the whole reply; six integers
                 // that make no decision (a negative count) spoil only their own group.
                 let ints = ints.ok_or_else(unexpected)?;
-                out.push(decode_group(&ints).map(|v| (v, now)).ok_or_else(unexpected));
+                out.push(
+                    decode_group(&ints, now)
+                        .map(|v| (v, now))
+                        .ok_or_else(unexpected),
+                );
                 at += 1 + n;
             }
             Some(Value::Int(0)) => {

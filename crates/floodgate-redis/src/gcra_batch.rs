@@ -17,9 +17,9 @@ use std::collections::HashMap;
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use floodgate_core::Verdict;
 use floodgate_core::algorithm::gcra::{Gcra, State};
 use floodgate_core::algorithm::{Algorithm, Ctx};
+use floodgate_core::{Timestamp, Verdict};
 use redis::{Script, Value};
 use smallvec::{SmallVec, smallvec};
 
@@ -193,6 +193,7 @@ impl<'a> GcraBatch<'a> {
                             decisions: smallvec![outcome.decision],
                             wait: Duration::ZERO,
                             lease: None,
+                            at: Timestamp::from_micros(now),
                         },
                         now,
                     ))

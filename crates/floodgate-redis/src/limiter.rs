@@ -559,10 +559,15 @@ impl RedisLimiter {
                 })
             })
             .collect::<Result<_, _>>()?;
+        // A check across slots is refunded as of its first part's time (see `refund`).
+        let at = counted
+            .first()
+            .map_or(Timestamp::EPOCH, |(_, now)| Timestamp::from_micros(*now));
         Ok(Verdict {
             decisions,
             wait,
             lease: None,
+            at,
         })
     }
 
@@ -570,29 +575,40 @@ impl RedisLimiter {
     /// their own when the state expires.
     async fn undo(&self, checks: &[Check<'_>], counted: &[(&Vec<usize>, u64)], lease: u64) {
         for (part, now) in counted {
-            let keys: Vec<Vec<u8>> = part
-                .iter()
-                .map(|&i| self.state_key(checks[i].policy, checks[i].key))
-                .collect();
-            let mut args: Vec<Vec<u8>> =
-                vec![now.to_string().into_bytes(), lease.to_string().into_bytes()];
-            for &i in part.iter() {
-                let (tag, p) = params(checks[i].policy.kind());
-                args.push(tag.as_bytes().to_vec());
-                args.extend(p.iter().map(|v| v.to_string().into_bytes()));
-                args.push(checks[i].cost.to_string().into_bytes());
-            }
-            let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-            let arg_refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
-            if let Err(e) = self
-                .inner
-                .conn
-                .invoke_script(&UNDO, &key_refs, &arg_refs)
-                .await
-            {
+            if let Err(e) = self.undo_part(checks, part, *now, lease).await {
                 tracing::warn!(error = %e, "could not give back a cross-slot check's units");
             }
         }
+    }
+
+    /// Gives back, in one call of `lua/undo.lua`, what the checks at `part` (one slot) took at
+    /// `now` (us), with lease `lease` (0: none).
+    async fn undo_part(
+        &self,
+        checks: &[Check<'_>],
+        part: &[usize],
+        now: u64,
+        lease: u64,
+    ) -> Result<(), Error> {
+        let keys: Vec<Vec<u8>> = part
+            .iter()
+            .map(|&i| self.state_key(checks[i].policy, checks[i].key))
+            .collect();
+        let mut args: Vec<Vec<u8>> =
+            vec![now.to_string().into_bytes(), lease.to_string().into_bytes()];
+        for &i in part {
+            let (tag, p) = params(checks[i].policy.kind());
+            args.push(tag.as_bytes().to_vec());
+            args.extend(p.iter().map(|v| v.to_string().into_bytes()));
+            args.push(checks[i].cost.to_string().into_bytes());
+        }
+        let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let arg_refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+        self.inner
+            .conn
+            .invoke_script(&UNDO, &key_refs, &arg_refs)
+            .await
+            .map(drop)
     }
 
     /// The batcher's queue, started on first use (it needs a running tokio runtime).
@@ -747,7 +763,7 @@ pub(crate) fn params(kind: &Kind) -> (&'static str, [i64; 4]) {
 }
 
 /// Decodes one group's decisions from the reply's integers.
-pub(crate) fn decode_group(ints: &[i64]) -> Option<Verdict> {
+pub(crate) fn decode_group(ints: &[i64], now: u64) -> Option<Verdict> {
     let u = |v: i64| u64::try_from(v).ok();
     let mut decisions = SmallVec::new();
     let mut wait = 0;
@@ -770,6 +786,7 @@ pub(crate) fn decode_group(ints: &[i64]) -> Option<Verdict> {
         decisions,
         wait: Duration::from_micros(wait),
         lease: None,
+        at: Timestamp::from_micros(now),
     })
 }
 
@@ -790,6 +807,33 @@ impl Limiter for RedisLimiter {
 
     async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), Error> {
         self.release_at(checks, lease, None).await.map(|_| ())
+    }
+
+    /// One call of `lua/undo.lua` per cluster slot, as of the verdict's time (the server's).
+    /// On a cluster, a check across slots is refunded as of its first part's time: a window or
+    /// log on a node whose clock differs by more than the window's edge may give nothing back.
+    async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), Error> {
+        if !verdict.allowed() || checks.is_empty() {
+            return Ok(());
+        }
+        let lease = verdict.lease.map_or(0, |l| l.0);
+        let now = verdict.at.as_micros();
+        let mut parts: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, c) in checks.iter().enumerate() {
+            let slot = if self.inner.conn.kind() == ConnectionKind::Cluster {
+                key_slot(&self.state_key(c.policy, c.key))
+            } else {
+                0
+            };
+            match parts.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, part)) => part.push(i),
+                None => parts.push((slot, vec![i])),
+            }
+        }
+        for (_, part) in &parts {
+            self.undo_part(checks, part, now, lease).await?;
+        }
+        Ok(())
     }
 
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), Error> {

@@ -466,6 +466,10 @@ impl Limiter for RemoteStore {
         self.memory.release(checks, lease).await
     }
 
+    async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
+        self.memory.refund(checks, verdict).await
+    }
+
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
         self.memory.reset(key, policy).await
     }
@@ -842,6 +846,10 @@ impl Limiter for BrokenStore {
 
     async fn release(&self, _: &[Check<'_>], _: LeaseId) -> Result<(), MemoryError> {
         Ok(())
+    }
+
+    async fn refund(&self, _: &[Check<'_>], _: &Verdict) -> Result<(), MemoryError> {
+        Err(MemoryError::InvalidCheck("the store is broken".into()))
     }
 
     async fn reset(&self, _: &[u8], _: &Policy) -> Result<(), MemoryError> {

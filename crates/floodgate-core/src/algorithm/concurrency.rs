@@ -174,6 +174,10 @@ impl Algorithm for Concurrency {
         }
     }
 
+    fn undo(&self, state: &mut State, ctx: &Ctx) {
+        state.leases.retain(|l| l.id != ctx.lease);
+    }
+
     fn expires_at(&self, state: &State) -> u64 {
         state.leases.iter().map(|l| l.expires_at).max().unwrap_or(0)
     }

@@ -153,6 +153,19 @@ impl Algorithm for FixedWindow {
         };
     }
 
+    fn undo(&self, state: &mut State, ctx: &Ctx) {
+        // Only the window that counted the check gives units back: a later window never saw
+        // them.
+        let counted = State {
+            start: state.start,
+            count: state.count.max(1),
+        };
+        let (start, _, _) = self.current(&counted, ctx.now);
+        if state.count > 0 && state.start == start && state.start <= ctx.now {
+            state.count = state.count.saturating_sub(ctx.cost);
+        }
+    }
+
     fn expires_at(&self, state: &State) -> u64 {
         if state.count == 0 {
             return 0;

@@ -100,6 +100,12 @@ impl Algorithm for LeakyBucket {
         state.at = state.at.max(ctx.now);
     }
 
+    fn undo(&self, state: &mut State, ctx: &Ctx) {
+        state.level = state
+            .level
+            .saturating_sub(self.unit.saturating_mul(ctx.cost));
+    }
+
     fn expires_at(&self, state: &State) -> u64 {
         state.at.saturating_add(state.level)
     }

@@ -99,6 +99,13 @@ pub trait Algorithm {
     /// Applies the request described by `ctx`. Only called after `decide` allowed it.
     fn commit(&self, state: &mut Self::State, ctx: &Ctx);
 
+    /// Gives back what an allowed check took: `ctx` is that check's (its time, cost and
+    /// lease), and `state` may have moved on since. When nothing else was counted in between,
+    /// the state is as if the check had never been made. Otherwise its units come back without
+    /// undoing anyone else's, never past a fresh state's room; a window that has closed since
+    /// gives nothing back (it forgot them already). A concurrency check's lease is released.
+    fn undo(&self, state: &mut Self::State, ctx: &Ctx);
+
     /// The time from which `state` is indistinguishable from [`Algorithm::fresh`]: it may be
     /// dropped then without changing any future decision (the Redis TTL, the memory eviction).
     fn expires_at(&self, state: &Self::State) -> u64;

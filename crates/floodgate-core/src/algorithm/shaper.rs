@@ -105,6 +105,11 @@ impl Algorithm for Shaper {
         state.tat = state.tat.max(ctx.now).saturating_add(inc);
     }
 
+    fn undo(&self, state: &mut State, ctx: &Ctx) {
+        let inc = self.interval.saturating_mul(ctx.cost);
+        state.tat = state.tat.saturating_sub(inc).max(ctx.now);
+    }
+
     fn expires_at(&self, state: &State) -> u64 {
         state.tat
     }

@@ -145,6 +145,18 @@ impl Algorithm for SlidingLog {
         }
     }
 
+    fn undo(&self, state: &mut State, ctx: &Ctx) {
+        // The check's entry: the last one admitted at its time (checks admitted in the same
+        // microsecond share one entry).
+        if let Some(i) = state.entries.iter().rposition(|e| e.at == ctx.now) {
+            let entry = &mut state.entries[i];
+            entry.cost = entry.cost.saturating_sub(ctx.cost);
+            if entry.cost == 0 {
+                state.entries.remove(i);
+            }
+        }
+    }
+
     fn expires_at(&self, state: &State) -> u64 {
         state
             .entries

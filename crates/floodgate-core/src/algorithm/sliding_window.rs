@@ -147,6 +147,18 @@ impl Algorithm for SlidingWindow {
         };
     }
 
+    fn undo(&self, state: &mut State, ctx: &Ctx) {
+        // The check was counted in the window holding `ctx.now`: the current one, or the
+        // previous one if the state has moved on by one window since.
+        let w = self.window_us();
+        let start = ctx.now - ctx.now % w;
+        if state.start == start {
+            state.curr = state.curr.saturating_sub(ctx.cost);
+        } else if state.start == start + w {
+            state.prev = state.prev.saturating_sub(ctx.cost);
+        }
+    }
+
     fn expires_at(&self, state: &State) -> u64 {
         let w = self.window_us();
         if state.curr > 0 {

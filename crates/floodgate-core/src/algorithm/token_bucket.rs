@@ -188,6 +188,10 @@ impl Algorithm for TokenBucket {
         state.last = last;
     }
 
+    fn undo(&self, state: &mut State, ctx: &Ctx) {
+        state.tokens = state.tokens.saturating_add(ctx.cost).min(self.capacity);
+    }
+
     fn expires_at(&self, state: &State) -> u64 {
         if state.tokens >= self.capacity {
             return 0;

@@ -12,7 +12,7 @@ use super::sharded::{NewSlot, OnFull, ShardedMap};
 use super::{CacheStats, Check, CheckOptions, Limiter};
 use crate::clock::{Clock, SystemClock, duration_micros};
 use crate::policy::Kind;
-use crate::{Decision, LeaseId, Policy, Verdict};
+use crate::{Decision, LeaseId, Policy, Timestamp, Verdict};
 
 /// How long after a cached denial ran out its check keeps probing one caller at a time (a
 /// caller waits for the probe ahead of it, so a key that was just at its limit is served one
@@ -162,6 +162,13 @@ impl<L, C: Clock> DenyCache<L, C> {
         }
     }
 
+    fn forget(&self, fp: &[u64; 2]) {
+        let key = fp_bytes(fp);
+        let map = &self.shared.map;
+        let hash = map.hash(0, &key);
+        map.lock(map.shard_of(hash)).remove(hash, 0, &key);
+    }
+
     fn remember(&self, fp: &[u64; 2], now: u64, entry: Entry) {
         let key = fp_bytes(fp);
         let map = &self.shared.map;
@@ -222,6 +229,7 @@ fn aged(entry: &Entry, now: u64) -> Verdict {
         decisions,
         wait: Duration::ZERO,
         lease: None,
+        at: Timestamp::from_micros(now),
     }
 }
 
@@ -372,6 +380,17 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
         self.inner.release(checks, lease).await
     }
 
+    /// Refunds in the store, then forgets the cached denial of the same checks (made without a
+    /// wait), which the refund makes wrong: a check that spent a key's last unit leaves one
+    /// behind. Cached denials of other checks on the same keys run out at their time.
+    async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), L::Error> {
+        self.inner.refund(checks, verdict).await?;
+        if verdict.allowed() {
+            self.forget(&self.fingerprint(checks, &CheckOptions::default()));
+        }
+        Ok(())
+    }
+
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), L::Error> {
         self.inner.reset(key, policy).await
     }
@@ -422,5 +441,6 @@ fn synthesized_denial(checks: &[Check<'_>], verdict: &Verdict, wait: Duration) -
         decisions,
         wait: Duration::ZERO,
         lease: None,
+        at: verdict.at,
     }
 }

@@ -11,7 +11,7 @@ use super::sharded::{NewSlot, OnFull, ShardedMap};
 use super::{CacheStats, Check, CheckOptions, Limiter};
 use crate::clock::{Clock, SystemClock, duration_micros};
 use crate::policy::Kind;
-use crate::{Decision, LeaseId, Policy, Verdict};
+use crate::{Decision, LeaseId, Policy, Timestamp, Verdict};
 
 /// How [`Leasing`] leases.
 #[derive(Clone, Debug, PartialEq)]
@@ -276,6 +276,7 @@ impl<L, C: Clock> Leasing<L, C> {
             decisions,
             wait: Duration::ZERO,
             lease: None,
+            at: Timestamp::from_micros(now),
         })
     }
 }
@@ -392,6 +393,12 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
 
     async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), L::Error> {
         self.inner.release(checks, lease).await
+    }
+
+    /// Refunds in the store: the units go back to the shared budget, whether the check took
+    /// them from a local lease or from the store.
+    async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), L::Error> {
+        self.inner.refund(checks, verdict).await
     }
 
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), L::Error> {

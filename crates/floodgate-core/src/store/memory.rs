@@ -317,6 +317,7 @@ impl<C: Clock> MemoryLimiter<C> {
                 decisions: smallvec::smallvec![out.decision],
                 wait: std::time::Duration::from_micros(out.wait),
                 lease: verdict_lease.filter(|_| out.decision.allowed),
+                at: Timestamp::from_micros(now),
             });
         }
         if checks.is_empty() {
@@ -377,6 +378,7 @@ impl<C: Clock> MemoryLimiter<C> {
                 decisions,
                 wait: std::time::Duration::ZERO,
                 lease: None,
+                at: Timestamp::from_micros(now),
             });
         }
         // Make room for the new keys first, so that committing cannot fail half-way.
@@ -442,6 +444,7 @@ impl<C: Clock> MemoryLimiter<C> {
                 outcomes.iter().map(|o| o.wait).max().unwrap_or(0),
             ),
             lease: verdict_lease,
+            at: Timestamp::from_micros(now),
         })
     }
 
@@ -478,6 +481,59 @@ impl<C: Clock> MemoryLimiter<C> {
             }
         }
         released
+    }
+
+    /// Gives back what the allowed `verdict` of `checks` took (see [`Limiter::refund`]).
+    pub fn refund_sync(&self, checks: &[Check<'_>], verdict: &Verdict) {
+        self.refund_at(checks, verdict, self.inner.clock.now());
+    }
+
+    /// [`MemoryLimiter::refund_sync`] as of `now` (simulations): states that hold nothing
+    /// after the refund, as of `now`, are dropped.
+    pub fn refund_at(&self, checks: &[Check<'_>], verdict: &Verdict, now: Timestamp) {
+        if !verdict.allowed() {
+            return;
+        }
+        let now = now.as_micros();
+        let lease = verdict.lease.map_or(0, |l| l.0);
+        let map = &self.inner.map;
+        for c in checks {
+            // The check's own context: each algorithm gives back as of the check's time.
+            let ctx = Ctx {
+                now: verdict.at.as_micros(),
+                cost: c.cost,
+                max_wait: 0,
+                lease,
+            };
+            let kind = c.policy.kind();
+            let loc = locate(map, c.policy, c.key);
+            let mut shard = map.lock(map.shard_of(loc.hash()));
+            match loc {
+                Loc::Slot { hash } => {
+                    let empty = shard
+                        .find_mut(hash, c.policy.ident(), c.key)
+                        .is_some_and(|slot| {
+                            kind.undo(&mut slot.value, &ctx);
+                            slot.set_expires_at(kind.expires_at(&slot.value));
+                            slot.expires_at() <= now
+                        });
+                    if empty {
+                        shard.remove(hash, c.policy.ident(), c.key);
+                    }
+                }
+                Loc::Compact { hash, key, gcra } => {
+                    let empty = shard.find_compact_mut(hash, key).is_some_and(|entry| {
+                        let mut state = gcra::State { tat: entry.tat() };
+                        gcra.undo(&mut state, &ctx);
+                        entry.set_tat(state.tat);
+                        state.tat <= now
+                    });
+                    if empty {
+                        shard.remove_compact(hash, key);
+                    }
+                }
+            }
+        }
     }
 
     /// Forgets `policy`'s state for `key`.
@@ -621,6 +677,11 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
 
     async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
         self.release_sync(checks, lease);
+        Ok(())
+    }
+
+    async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
+        self.refund_sync(checks, verdict);
         Ok(())
     }
 

@@ -109,6 +109,23 @@ pub trait Limiter: Send + Sync {
         lease: LeaseId,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
+    /// Gives back what the allowed `verdict` of `checks` took, as if the request had not been
+    /// made: for work that did not happen after all (the SMS provider refused the message, the
+    /// call the limit guarded failed before doing anything). `checks` must be the checks the
+    /// verdict answered (the same keys, policies and costs).
+    ///
+    /// A denied verdict took nothing, and nothing changes; nor should the verdict of a dry run
+    /// be refunded. When nothing else was counted on the keys since, each state is as if the
+    /// check had never been made; otherwise the units come back without undoing anyone else's,
+    /// never leaving more room than a fresh state. A window that has closed since gives
+    /// nothing back: it has forgotten the units already. A concurrency policy's lease is
+    /// released. Refunding the same verdict twice gives its units back twice.
+    fn refund(
+        &self,
+        checks: &[Check<'_>],
+        verdict: &Verdict,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
     /// Forgets the state of `policy` for `key`, as if it had never been used.
     fn reset(
         &self,

@@ -70,6 +70,10 @@ impl Limiter for Store {
         self.inner.release(checks, lease).await
     }
 
+    async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
+        self.inner.refund(checks, verdict).await
+    }
+
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
         self.inner.reset(key, policy).await
     }

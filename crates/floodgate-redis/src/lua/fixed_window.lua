@@ -111,7 +111,8 @@ ALG.fw = {
 
   undo = function(idx, key, p, now, cost, _, st)
     local s = fw_current({ start = st.start, count = math.max(st.count, 1) }, p, now)
-    if st.start == s and st.count > 0 then
+    -- Only the window that counted the check (one that started by its time) gives back.
+    if st.start == s and st.count > 0 and st.start <= now then
       st.count = math.max(0, st.count - cost)
       ALG.fw.save(key, st, p, now)
     end
