@@ -34,6 +34,9 @@ struct Event {
     max_wait: u64,
     /// Release the oldest concurrency lease before checking.
     release: bool,
+    /// Refund the check when it is allowed: 1 at once, `n` > 1 before the event `n - 1`
+    /// events later (after its gap); 0 never.
+    refund: u8,
 }
 
 /// Runs `events` through both backends and fails at the first difference.
@@ -48,10 +51,25 @@ async fn compare(
     let memory = MemoryLimiter::builder().clock(clock.clone()).build();
     let mut leases: Vec<(LeaseId, LeaseId, Vec<usize>, u8)> = Vec::new();
     let mut now = T0;
+    // Checks to refund before a later event: that event's index, the check's policies, key
+    // and cost, and both verdicts.
+    let mut late: Vec<(usize, Vec<usize>, u8, u64, Verdict, Verdict)> = Vec::new();
     for (i, e) in events.iter().enumerate() {
         now += e.gap;
         clock.set(Timestamp::from_micros(now));
         let at = Timestamp::from_micros(now);
+        for (_, chosen, key, cost, a, b) in late.iter().filter(|l| l.0 == i) {
+            let keys = key_bytes(case, *key, policies.len(), same_key);
+            let checks: Vec<Check<'_>> = chosen
+                .iter()
+                .map(|&p| Check::new(&keys[p], &policies[p]).cost(*cost))
+                .collect();
+            memory.refund_at(&checks, a, at);
+            redis
+                .refund(&checks, b)
+                .await
+                .map_err(|err| format!("event {i}: redis late refund failed: {err}"))?;
+        }
         if e.release && !leases.is_empty() {
             let (m, r, chosen, key) = leases.remove(0);
             let keys = key_bytes(case, key, policies.len(), same_key);
@@ -93,6 +111,18 @@ async fn compare(
                 "event {i} at +{}us {e:?}:\n  memory {a:?}\n  redis  {b:?}",
                 now - T0
             ));
+        }
+        if e.refund > 1 && a.allowed() {
+            let due = i + usize::from(e.refund) - 1;
+            late.push((due, chosen.clone(), e.key, e.cost, a.clone(), b.clone()));
+        }
+        if e.refund == 1 && a.allowed() {
+            memory.refund_at(&checks, &a, at);
+            redis
+                .refund(&checks, &b)
+                .await
+                .map_err(|err| format!("event {i}: redis refund failed: {err}"))?;
+            continue;
         }
         if let (Some(m), Some(r)) = (a.lease, b.lease) {
             leases.push((m, r, chosen, e.key));
@@ -186,14 +216,16 @@ fn events(span: u64, policies: usize) -> impl Strategy<Value = Vec<Event>> {
         0u64..=span,
         any::<bool>(),
         any::<bool>(),
+        prop_oneof![7 => Just(0u8), 2 => Just(1u8), 1 => Just(2u8), 1 => Just(3u8)],
     )
-        .prop_map(|(gap, key, cost, mask, wait, waits, release)| Event {
+        .prop_map(|(gap, key, cost, mask, wait, waits, release, refund)| Event {
             gap,
             key,
             cost,
             mask,
             max_wait: if waits { wait } else { 0 },
             release,
+            refund,
         });
     prop::collection::vec(event, 1..80)
 }
@@ -314,8 +346,44 @@ async fn fixed_cases(redis: &RedisLimiter) {
                 mask: 1,
                 max_wait: if i % 3 == 0 { 350 * MS } else { 0 },
                 release: i % 4 == 0,
+                refund: [0, 1, 0, 2, 0, 0, 1, 0, 2][(i % 9) as usize],
             })
             .collect();
+        if let Err(e) = compare(redis, std::slice::from_ref(&p), &events, true).await {
+            panic!("{}: {e}", p.name());
+        }
+    }
+}
+
+/// Refunds that come after the window of the check has moved on: the window algorithms must
+/// give back from the right count, or nothing, alike on both backends.
+async fn late_refund_cases(redis: &RedisLimiter) {
+    let policies = [
+        Policy::sliding_window(2, Duration::from_secs(1)),
+        Policy::fixed_window(1, Duration::from_secs(1)),
+        Policy::calendar_window(1, 1, CalendarUnit::Second),
+        Policy::sliding_log(2, Duration::from_secs(1)),
+        Policy::gcra(1, 1, Duration::from_secs(1)),
+    ];
+    let event = |gap: u64, refund: u8| Event {
+        gap,
+        key: 0,
+        cost: 1,
+        mask: 1,
+        max_wait: 0,
+        release: false,
+        refund,
+    };
+    for p in policies {
+        let p = p.expect("valid");
+        // A check, another in the next window, the first refunded, then checks that see it.
+        let events = [
+            event(0, 3),
+            event(1_100 * MS, 0),
+            event(100 * MS, 0),
+            event(0, 0),
+            event(0, 0),
+        ];
         if let Err(e) = compare(redis, std::slice::from_ref(&p), &events, true).await {
             panic!("{}: {e}", p.name());
         }
@@ -328,6 +396,7 @@ fn conformance_single_node_multiplexed() {
     run(LIMIT, async {
         let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
         fixed_cases(&redis).await;
+        late_refund_cases(&redis).await;
         random_sequences(&redis, 64, false).await;
     });
 }
@@ -338,6 +407,7 @@ fn conformance_single_node_pool() {
     run(LIMIT, async {
         let redis = limiter(&server.url(), ConnectionKind::Pool { size: 4 }).await;
         fixed_cases(&redis).await;
+        late_refund_cases(&redis).await;
         random_sequences(&redis, 32, false).await;
     });
 }
@@ -348,6 +418,7 @@ fn conformance_cluster() {
     run(LIMIT, async {
         let redis = cluster_limiter(&cluster).await;
         fixed_cases(&redis).await;
+        late_refund_cases(&redis).await;
         random_sequences(&redis, 48, true).await;
         // One user key per policy: the checks span slots, counted slot by slot and given back
         // when a later slot denies.
