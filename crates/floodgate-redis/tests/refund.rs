@@ -1,0 +1,124 @@
+//! `Limiter::refund` against real Redis: the SMS story behind the deny cache, a check across
+//! cluster slots, and a corrupted state (a clear error, nothing written). The conformance suite
+//! checks that refunds decide alike on both backends.
+
+mod support;
+
+use std::time::Duration;
+
+use floodgate_core::{Check, CheckOptions, DenyCache, Limiter, Policy};
+use floodgate_redis::ConnectionKind;
+use floodgate_redis::keys::key_slot;
+
+use support::{cluster, cluster_limiter, limiter, run, server};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// "One SMS per phone per 30 minutes", the provider refused the message, and the deny cache
+/// had remembered that the check spent the phone's only unit.
+#[test]
+fn a_refund_gives_the_phone_its_message_back_behind_the_deny_cache() {
+    let server = server();
+    run(LIMIT, async {
+        let kinds = [ConnectionKind::Multiplexed, ConnectionKind::Pool { size: 2 }];
+        for (n, kind) in kinds.into_iter().enumerate() {
+            let redis = DenyCache::new(limiter(&server.url(), kind).await);
+            let phone = Policy::funnel(1, Duration::from_secs(30 * 60)).expect("valid");
+            let number = format!("+1555010{n}");
+            let checks = [Check::new(number.as_bytes(), &phone)];
+            let sent = redis
+                .check(&checks, CheckOptions::default())
+                .await
+                .expect("checks");
+            assert!(sent.allowed());
+            let denied = redis
+                .check(&checks, CheckOptions::default())
+                .await
+                .expect("checks");
+            assert!(!denied.allowed());
+            // A denied verdict gives nothing back.
+            redis.refund(&checks, &denied).await.expect("refunds");
+            redis.refund(&checks, &sent).await.expect("refunds");
+            let again = redis
+                .check(&checks, CheckOptions::default())
+                .await
+                .expect("checks");
+            assert!(again.allowed(), "{kind:?}: {again:?}");
+            let after = redis
+                .check(&checks, CheckOptions::default())
+                .await
+                .expect("checks");
+            assert!(!after.allowed(), "{kind:?}: one refund gave back more than one");
+        }
+    });
+}
+
+/// A check whose keys live in different cluster slots is refunded in each of them.
+#[test]
+fn a_check_across_slots_is_refunded_in_every_slot() {
+    let cluster = cluster();
+    run(LIMIT, async {
+        let redis = cluster_limiter(&cluster).await;
+        let a = Policy::per_minute(1)
+            .and_then(|p| p.named("per-phone"))
+            .expect("valid");
+        let b = Policy::per_minute(1)
+            .and_then(|p| p.named("per-ip"))
+            .expect("valid");
+        let first = b"+15550100".as_slice();
+        let slot = key_slot(&redis.state_key(&a, first));
+        let other = (0..1_000)
+            .map(|i| format!("10.0.0.{i}"))
+            .find(|k| key_slot(&redis.state_key(&b, k.as_bytes())) != slot)
+            .expect("a key in another slot");
+        let checks = [Check::new(first, &a), Check::new(other.as_bytes(), &b)];
+        let sent = redis
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("checks");
+        assert!(sent.allowed());
+        redis.refund(&checks, &sent).await.expect("refunds");
+        // Each key has its unit back, checked on its own.
+        assert!(redis.check_one(first, &a, 1).await.expect("checks").allowed);
+        assert!(
+            redis
+                .check_one(other.as_bytes(), &b, 1)
+                .await
+                .expect("checks")
+                .allowed
+        );
+    });
+}
+
+/// A state someone else overwrote with garbage: the refund says so, naming the key, and
+/// leaves the key as it found it.
+#[test]
+fn a_refund_of_a_corrupted_state_is_a_typed_error_and_writes_nothing() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let p = Policy::per_minute(1).expect("valid");
+        let checks = [Check::new(b"victim".as_slice(), &p)];
+        let sent = redis
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("checks");
+        assert!(sent.allowed());
+        let key = redis.state_key(&p, b"victim");
+        server
+            .cmd(&[b"SET".as_slice(), &key, b"not-a-number"])
+            .expect("set");
+        let err = redis
+            .refund(&checks, &sent)
+            .await
+            .expect_err("garbage must not be refunded");
+        assert!(err.is_corrupted(), "{err:?}");
+        assert!(
+            err.to_string()
+                .contains(String::from_utf8_lossy(&key).as_ref()),
+            "{err}"
+        );
+        let left = server.cmd(&[b"GET".as_slice(), &key]).expect("get");
+        assert_eq!(left.as_bytes(), Some(b"not-a-number".as_slice()));
+    });
+}
