@@ -218,15 +218,17 @@ fn events(span: u64, policies: usize) -> impl Strategy<Value = Vec<Event>> {
         any::<bool>(),
         prop_oneof![7 => Just(0u8), 2 => Just(1u8), 1 => Just(2u8), 1 => Just(3u8)],
     )
-        .prop_map(|(gap, key, cost, mask, wait, waits, release, refund)| Event {
-            gap,
-            key,
-            cost,
-            mask,
-            max_wait: if waits { wait } else { 0 },
-            release,
-            refund,
-        });
+        .prop_map(
+            |(gap, key, cost, mask, wait, waits, release, refund)| Event {
+                gap,
+                key,
+                cost,
+                mask,
+                max_wait: if waits { wait } else { 0 },
+                release,
+                refund,
+            },
+        );
     prop::collection::vec(event, 1..80)
 }
 

@@ -20,7 +20,10 @@ const LIMIT: Duration = Duration::from_secs(120);
 fn a_refund_gives_the_phone_its_message_back_behind_the_deny_cache() {
     let server = server();
     run(LIMIT, async {
-        let kinds = [ConnectionKind::Multiplexed, ConnectionKind::Pool { size: 2 }];
+        let kinds = [
+            ConnectionKind::Multiplexed,
+            ConnectionKind::Pool { size: 2 },
+        ];
         for (n, kind) in kinds.into_iter().enumerate() {
             let redis = DenyCache::new(limiter(&server.url(), kind).await);
             let phone = Policy::funnel(1, Duration::from_secs(30 * 60)).expect("valid");
@@ -48,7 +51,10 @@ fn a_refund_gives_the_phone_its_message_back_behind_the_deny_cache() {
                 .check(&checks, CheckOptions::default())
                 .await
                 .expect("checks");
-            assert!(!after.allowed(), "{kind:?}: one refund gave back more than one");
+            assert!(
+                !after.allowed(),
+                "{kind:?}: one refund gave back more than one"
+            );
         }
     });
 }

@@ -288,6 +288,15 @@ async fn check<S: Shared>(app: &App<S>, checks: &[Check<'_>]) -> Result<Verdict,
     result.map_err(|e| ApiError::unavailable("the rate limiter", e))
 }
 
+/// Gives back what `verdict` took, for a message that did not go out. A failure is logged and
+/// counted: the units come back on their own when the limits' windows pass.
+pub(crate) async fn refund<S: Shared>(app: &App<S>, checks: &[Check<'_>], verdict: &Verdict) {
+    if let Err(e) = app.shared.limiter().refund(checks, verdict).await {
+        metrics::counter!("sms_errors_total", "what" => "refund").increment(1);
+        tracing::warn!(error = %e, "could not give back the limits of a message that failed");
+    }
+}
+
 async fn send_sms<S: Shared>(
     State(app): State<Arc<App<S>>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -422,6 +431,9 @@ async fn accept_sms<S: Shared>(
     if let Err(e) = app.provider.send(&sms).await {
         metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
         tracing::warn!(error = %e, "the SMS provider failed");
+        // The message did not go out: it does not count against any limit, so the client can
+        // try again at once.
+        refund(app, &checks, &verdict).await;
         return Err(ApiError::new(
             StatusCode::BAD_GATEWAY,
             "provider_error",

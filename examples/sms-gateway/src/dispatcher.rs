@@ -152,19 +152,19 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
         Check::new(phone.as_bytes(), &l.phone),
         Check::new(phone.as_bytes(), &l.phone_daily),
     ];
-    match app
+    let verdict = match app
         .shared
         .limiter()
         .check(&checks, CheckOptions::default())
         .await
     {
-        Ok(v) if v.allowed() => {}
+        Ok(v) if v.allowed() => v,
         Ok(_) => {
             metrics::counter!("sms_rejected_total", "limit" => "campaign-phone").increment(1);
             return Outcome::Limited;
         }
         Err(_) => return Outcome::Failed,
-    }
+    };
     let sms = OutboundSms {
         id: message_id(),
         phone: phone.to_owned(),
@@ -181,6 +181,8 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
         Err(e) => {
             metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
             tracing::warn!(error = %e, "the SMS provider failed");
+            // Not sent: the phone's limits do not count it.
+            crate::app::refund(app, &checks, &verdict).await;
             Outcome::Failed
         }
     }

@@ -216,3 +216,91 @@ async fn only_creating_campaigns_spends_the_global_budget() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A webhook on loopback that refuses messages (500) while `refusing` is set and takes them
+/// (200) otherwise; returns its address and the count of messages it took.
+async fn webhook(
+    refusing: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    use std::sync::atomic::Ordering;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let taken = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let count = std::sync::Arc::clone(&taken);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let (refusing, count) = (
+                std::sync::Arc::clone(&refusing),
+                std::sync::Arc::clone(&count),
+            );
+            tokio::spawn(async move {
+                // One request per connection: read to the end of the body, answer, close.
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let Ok(n) = stream.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    let text = String::from_utf8_lossy(&buf).to_ascii_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let len = text[..end]
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        if buf.len() >= end + 4 + len {
+                            break;
+                        }
+                    }
+                }
+                let status = if refusing.load(Ordering::SeqCst) {
+                    "500 Internal Server Error"
+                } else {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    "200 OK"
+                };
+                let reply =
+                    format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                let _ = stream.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    (format!("http://{addr}/hook"), taken)
+}
+
+/// The provider refused the message: the phone's 30 minutes are not spent on a message that
+/// did not go out, so the client's retry is sent; the limit still holds after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_provider_refused_does_not_count() {
+    use std::sync::atomic::Ordering;
+    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (url, taken) = webhook(std::sync::Arc::clone(&refusing)).await;
+    let dir = temp_dir("refused");
+    let gw = Gateway::start(&dir, "solo", &[("WEBHOOK_URL", &url)]);
+    let http = Http::new();
+    let phone = "+8613822222222";
+
+    let refused = http.post(&gw.url("/v1/sms"), &sms(phone, "hello")).await;
+    assert_eq!(refused.status, 502, "{}", refused.body);
+    assert_eq!(refused.body["error"]["code"], "provider_error");
+
+    refusing.store(false, Ordering::SeqCst);
+    let retried = http.post(&gw.url("/v1/sms"), &sms(phone, "hello")).await;
+    assert_eq!(
+        retried.status, 202,
+        "the refused message counted: {}",
+        retried.body
+    );
+    assert_eq!(taken.load(Ordering::SeqCst), 1);
+
+    let again = http.post(&gw.url("/v1/sms"), &sms(phone, "again")).await;
+    assert_eq!(again.status, 429, "{}", again.body);
+    assert_eq!(again.body["error"]["limit"], "phone");
+}
