@@ -273,7 +273,7 @@ fn next_unit(policy: &Policy, d: &Decision) -> Option<Duration> {
 /// What the cache says of a check before the store is asked.
 enum Consulted {
     /// Denied until a time still to come: the cached verdict.
-    Denied(Verdict),
+    Denied(Box<Verdict>),
     /// Another caller is probing the store for this check: wait for its answer, then look
     /// again.
     Wait(tokio::sync::futures::OwnedNotified),
@@ -290,7 +290,7 @@ impl<L: Limiter, C: Clock> DenyCache<L, C> {
         match self.lookup(&fp, now) {
             Lookup::Denied(verdict) => {
                 shared.hits.fetch_add(1, Ordering::Relaxed);
-                return Consulted::Denied(*verdict);
+                return Consulted::Denied(verdict);
             }
             Lookup::Probe => {
                 let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
@@ -339,7 +339,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
         if let Some(fp) = fp {
             loop {
                 let notified = match self.consult(fp, &mut leader) {
-                    Consulted::Denied(verdict) => return Ok(verdict),
+                    Consulted::Denied(verdict) => return Ok(*verdict),
                     Consulted::Wait(notified) => notified,
                     Consulted::Ask => break,
                 };
