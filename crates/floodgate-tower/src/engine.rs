@@ -14,7 +14,7 @@ use bytes::Bytes;
 use floodgate_core::{
     CacheStats, Check, CheckOptions, Decision, Kind, LeaseId, Limiter, MemoryLimiter, Verdict,
 };
-use http::{HeaderValue, Response};
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use smallvec::SmallVec;
 use tracing::Instrument as _;
 
@@ -43,7 +43,12 @@ pub(crate) struct Shared {
     pub(crate) max_key_len: usize,
     pub(crate) health: StoreHealth,
     pub(crate) metrics: LayerMetrics,
+    /// When an allowed request's response is given its units back (`refund_when`).
+    pub(crate) refund_when: Option<RefundWhen>,
 }
+
+/// The layer's `refund_when` predicate, on the inner service's response status and headers.
+pub(crate) type RefundWhen = Arc<dyn Fn(StatusCode, &HeaderMap) -> bool + Send + Sync>;
 
 impl fmt::Debug for Shared {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -61,6 +66,7 @@ impl fmt::Debug for Shared {
             .field("request_info", &self.request_info)
             .field("max_key_len", &self.max_key_len)
             .field("health", &self.health)
+            .field("refund_when", &self.refund_when.is_some())
             .finish()
     }
 }
@@ -126,6 +132,42 @@ pub(crate) struct Allowed {
     pub(crate) info: Option<RateLimitInfo>,
     pub(crate) headers: HeaderBlock,
     pub(crate) lease: Option<LeaseGuard>,
+    pub(crate) refund: Option<Refund>,
+}
+
+/// What an allowed request took from its rate policies (concurrency leases have their guard).
+pub(crate) struct RefundJob {
+    rules: SmallVec<[usize; 2]>,
+    keys: SmallVec<[Key; 2]>,
+    costs: SmallVec<[u64; 2]>,
+    verdict: Verdict,
+    fallback: bool,
+}
+
+/// Gives an allowed request's units back if its response says so (the layer's
+/// `refund_when`). Dropped unsettled (the inner service failed, the request was cancelled), it
+/// gives nothing back.
+pub(crate) struct Refund {
+    engine: Arc<dyn DynEngine>,
+    job: Box<RefundJob>,
+}
+
+impl Refund {
+    /// Refunds when the layer's predicate holds for the inner service's response.
+    pub(crate) fn settle(self, status: StatusCode, headers: &HeaderMap) {
+        let when = self.engine.shared().refund_when.as_ref();
+        if when.is_some_and(|when| when(status, headers)) {
+            self.engine.refund(*self.job);
+        }
+    }
+}
+
+impl fmt::Debug for Refund {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Refund")
+            .field("rules", &self.job.rules)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A concurrency lease to give back (boxed in its guard: leases are rare, futures moved often).
@@ -199,6 +241,8 @@ pub(crate) trait DynEngine: Send + Sync + 'static {
     ) -> Called;
     fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided>;
     fn release(self: Arc<Self>, job: LeaseJob);
+    /// Gives back what an allowed request took (see [`Refund`]).
+    fn refund(self: Arc<Self>, job: RefundJob);
     /// The limiter's deny cache and leasing counters (also copied into their metrics).
     fn cache_stats(&self) -> CacheStats;
 }
@@ -530,6 +574,31 @@ where
             };
             return Some(sh.reject_limited(&info, grpc()));
         }
+        if sh.refund_when.is_some() && source != DecisionSource::FailOpen {
+            let rate = job.items.iter().filter(|i| !sh.is_concurrency(i.rule));
+            let mut refund = RefundJob {
+                rules: SmallVec::new(),
+                keys: SmallVec::new(),
+                costs: SmallVec::new(),
+                // Leases are released by their guard, at the end of the body.
+                verdict: Verdict {
+                    lease: None,
+                    ..verdict.clone()
+                },
+                fallback: source == DecisionSource::Fallback,
+            };
+            for i in rate {
+                refund.rules.push(i.rule);
+                refund.keys.push(i.key.clone());
+                refund.costs.push(i.cost);
+            }
+            if !refund.rules.is_empty() {
+                out.refund = Some(Refund {
+                    engine: Arc::clone(this),
+                    job: Box::new(refund),
+                });
+            }
+        }
         if let Some(lease) = verdict.lease {
             let items = job.items.iter_mut().filter(|i| sh.is_concurrency(i.rule));
             out.lease = Some(LeaseGuard::new(
@@ -857,6 +926,58 @@ where
         }
         handle.spawn(fut);
     }
+
+    fn refund(self: Arc<Self>, job: RefundJob) {
+        let memory = if job.fallback {
+            self.shared.fallback.as_ref()
+        } else {
+            (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>()
+        };
+        if let Some(memory) = memory {
+            memory.refund_sync(&refund_checks(&self.shared, &job), &job.verdict);
+        }
+        if job.fallback || memory.is_some() {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            tracing::debug!(target: "floodgate", "no Tokio runtime to refund a request");
+            return;
+        };
+        let mut fut: BoxFuture<()> = Box::pin(async move {
+            let sh = &self.shared;
+            let checks = refund_checks(sh, &job);
+            match timeout_unless_ready(sh.timeout, self.limiter.refund(&checks, &job.verdict)).await
+            {
+                Some(Ok(())) => {}
+                Some(Err(e)) => tracing::warn!(
+                    target: "floodgate",
+                    error = %e,
+                    "could not refund a request; its units come back when its windows pass"
+                ),
+                None => tracing::warn!(
+                    target: "floodgate",
+                    "refunding a request timed out; its units come back when its windows pass"
+                ),
+            }
+        });
+        if fut
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+            .is_ready()
+        {
+            return;
+        }
+        handle.spawn(fut);
+    }
+}
+
+fn refund_checks<'a>(sh: &'a Shared, job: &'a RefundJob) -> SmallVec<[Check<'a>; 2]> {
+    job.rules
+        .iter()
+        .zip(&job.keys)
+        .zip(&job.costs)
+        .map(|((&i, key), &cost)| Check::new(key.as_bytes(), sh.table[i].rule.policy()).cost(cost))
+        .collect()
 }
 
 fn lease_checks<'a>(sh: &'a Shared, job: &'a LeaseJob) -> SmallVec<[Check<'a>; 2]> {

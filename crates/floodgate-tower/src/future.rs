@@ -12,7 +12,7 @@ use pin_project_lite::pin_project;
 use tower::Service;
 
 use crate::body::{Native, ResponseBody, Wrapped};
-use crate::engine::{Allowed, BoxFuture, Decided, LeaseGuard};
+use crate::engine::{Allowed, BoxFuture, Decided, LeaseGuard, Refund};
 use crate::headers::{self, HeaderBlock};
 
 pin_project! {
@@ -41,14 +41,23 @@ enum Finished<B> {
 struct After {
     headers: HeaderBlock,
     lease: Option<LeaseGuard>,
+    refund: Option<Refund>,
 }
 
 impl After {
     #[inline]
-    fn boxed(headers: HeaderBlock, lease: Option<LeaseGuard>) -> Option<Box<After>> {
-        match lease {
-            None if headers.is_empty() => None,
-            lease => Some(Box::new(After { headers, lease })),
+    fn boxed(
+        headers: HeaderBlock,
+        lease: Option<LeaseGuard>,
+        refund: Option<Refund>,
+    ) -> Option<Box<After>> {
+        match (lease, refund) {
+            (None, None) if headers.is_empty() => None,
+            (lease, refund) => Some(Box::new(After {
+                headers,
+                lease,
+                refund,
+            })),
         }
     }
 }
@@ -100,10 +109,11 @@ where
         request: Request<B>,
         headers: HeaderBlock,
         lease: Option<LeaseGuard>,
+        refund: Option<Refund>,
     ) -> Self {
         Self::new(State::Calling {
             future: inner.call(request),
-            after: After::boxed(headers, lease),
+            after: After::boxed(headers, lease, refund),
         })
     }
 
@@ -141,13 +151,14 @@ where
                             info,
                             headers,
                             lease,
+                            refund,
                         }) => {
                             if let Some(info) = info {
                                 request.extensions_mut().insert(info);
                             }
                             self.set(State::Calling {
                                 future: inner.call(request),
-                                after: After::boxed(headers, lease),
+                                after: After::boxed(headers, lease, refund),
                             });
                         }
                         Decided::Reject(response) => {
@@ -160,7 +171,14 @@ where
                 StateProj::Calling { future, after } => {
                     let mut response = ready!(future.poll(cx))?;
                     let lease = after.take().and_then(|after| {
-                        let After { headers, lease } = *after;
+                        let After {
+                            headers,
+                            lease,
+                            refund,
+                        } = *after;
+                        if let Some(refund) = refund {
+                            refund.settle(response.status(), response.headers());
+                        }
                         headers::apply(headers, response.headers_mut());
                         lease
                     });

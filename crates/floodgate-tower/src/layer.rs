@@ -10,10 +10,11 @@ use floodgate_core::{
     CacheStats, DenyCache, Kind, Leasing, LeasingConfig, Limiter, MemoryLimiter, Policy,
     SystemClock,
 };
+use http::{HeaderMap, StatusCode};
 use tower::Layer;
 
 use crate::body::{Native, Wrapped};
-use crate::engine::{DynEngine, Engine, Shared};
+use crate::engine::{DynEngine, Engine, RefundWhen, Shared};
 use crate::error::ConfigError;
 use crate::headers::{HeaderOptions, policy_item};
 use crate::health::StoreHealth;
@@ -143,6 +144,7 @@ impl RateLimitLayer {
             max_key_len: DEFAULT_MAX_KEY_LEN,
             deny_cache: true,
             leasing: None,
+            refund_when: None,
         }
     }
 
@@ -235,6 +237,7 @@ pub struct RateLimitLayerBuilder<L> {
     max_key_len: usize,
     deny_cache: bool,
     leasing: Option<LeasingConfig>,
+    refund_when: Option<RefundWhen>,
 }
 
 impl<L> fmt::Debug for RateLimitLayerBuilder<L> {
@@ -357,6 +360,25 @@ where
         self
     }
 
+    /// Gives an allowed request's units back when `when` holds for the inner service's
+    /// response (its status and headers), as if the request had not been made
+    /// ([`Limiter::refund`]): for instance `|status, _| status.is_server_error()`, so that
+    /// requests failing on the server's side do not count against the client. gRPC answers
+    /// `200` with its status in `grpc-status`: test that header.
+    ///
+    /// The refund happens when the response's head is ready, in the background for stores
+    /// other than in memory (failures are logged: the units come back when their windows
+    /// pass). Concurrency leases are released at the end of the body, as always; a request
+    /// whose inner service fails with an error or is cancelled is not refunded. Off by
+    /// default.
+    pub fn refund_when(
+        mut self,
+        when: impl Fn(StatusCode, &HeaderMap) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.refund_when = Some(Arc::new(when));
+        self
+    }
+
     /// Keys longer than this many bytes count as missing (default 1 KiB).
     pub fn max_key_len(mut self, max: usize) -> Self {
         self.max_key_len = max;
@@ -413,6 +435,7 @@ where
             request_info: self.request_info,
             max_key_len: self.max_key_len,
             metrics: LayerMetrics::default(),
+            refund_when: self.refund_when,
         };
         let local = (&self.limiter as &dyn std::any::Any).is::<MemoryLimiter>();
         let leasing = self.leasing.filter(|_| !local);

@@ -86,7 +86,13 @@ impl<S, K> RateLimit<S, K> {
                 if let Some(info) = allowed.info {
                     req.extensions_mut().insert(info);
                 }
-                ResponseFuture::call(&mut self.inner, req, allowed.headers, allowed.lease)
+                ResponseFuture::call(
+                    &mut self.inner,
+                    req,
+                    allowed.headers,
+                    allowed.lease,
+                    allowed.refund,
+                )
             }
             Called::Reject(response) => ResponseFuture::early(response),
             Called::Deciding => {

@@ -942,3 +942,39 @@ async fn async_key_extractors() {
     );
     assert_eq!(client.get("/").await.status, StatusCode::BAD_REQUEST);
 }
+
+/// An app whose `/fail` answers 500 and `/` answers 200, behind 2 per minute per peer IP.
+fn failing_app(refund: bool) -> Router {
+    async fn fail() -> StatusCode {
+        StatusCode::INTERNAL_SERVER_ERROR
+    }
+    let builder = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(2, 60, "per-ip")).key(PeerIp::new()));
+    let builder = if refund {
+        builder.refund_when(|status, _| status.is_server_error())
+    } else {
+        builder
+    };
+    Router::new()
+        .route("/", get(ok))
+        .route("/fail", get(fail))
+        .layer(builder.build().expect("layer"))
+}
+
+/// `refund_when`: requests that fail on the server's side do not count against the client;
+/// the others still do, and without it failures count like anything else.
+#[tokio::test]
+async fn responses_matching_refund_when_do_not_count() {
+    let client = HttpClient::new(serve(failing_app(true)).await);
+    for _ in 0..5 {
+        assert_eq!(client.get("/fail").await.status, 500);
+    }
+    assert_eq!(client.get("/").await.status, 200);
+    assert_eq!(client.get("/").await.status, 200);
+    assert_eq!(client.get("/").await.status, 429);
+
+    let client = HttpClient::new(serve(failing_app(false)).await);
+    assert_eq!(client.get("/fail").await.status, 500);
+    assert_eq!(client.get("/fail").await.status, 500);
+    assert_eq!(client.get("/fail").await.status, 429);
+}

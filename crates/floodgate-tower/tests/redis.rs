@@ -361,3 +361,42 @@ fn a_lease_dropped_after_its_runtime_shut_down_does_not_panic() {
     });
     assert_eq!(status, StatusCode::OK);
 }
+
+/// `refund_when` over Redis, behind the deny cache: a failed request's unit comes back (in the
+/// background, so the test waits for it), including the last one, whose denial the deny cache
+/// had already remembered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refunds_reach_redis_through_the_deny_cache() {
+    async fn fail() -> StatusCode {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+    let server = start_redis();
+    let layer = RateLimitLayer::builder(limiter(&server).await)
+        .rule(Rule::new(policy(1, "per-ip")).key(PeerIp::new()))
+        .refund_when(|status, _| status.is_server_error())
+        .build()
+        .expect("layer");
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/fail", get(fail))
+        .layer(layer);
+    let client = HttpClient::new(serve(app).await);
+    // Spends the only unit (the deny cache remembers that the next one is denied), fails, and
+    // is refunded.
+    assert_eq!(client.get("/fail").await.status, 503);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = client.get("/").await;
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.status, 429);
+        assert!(
+            Instant::now() < deadline,
+            "the failed request was never refunded"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // That success counts: the next request is over the limit.
+    assert_eq!(client.get("/").await.status, 429);
+}
