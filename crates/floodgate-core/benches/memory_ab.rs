@@ -14,29 +14,17 @@
 //! - 100k keys, 1 and 2 threads: every key warmed first, then checked in turn (each thread its
 //!   own half), amortised wall time per check.
 
+mod common;
+
 use std::hint::black_box;
-use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
 
-use floodgate_core::{MemoryLimiter, Policy};
-use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use common::{KEYS, policy, quota};
+use floodgate_core::MemoryLimiter;
+use governor::{DefaultKeyedRateLimiter, RateLimiter};
 
-const KEYS: u64 = 100_000;
-const RATE: u32 = 1_000_000;
-const BURST: u32 = u32::MAX;
 /// How long one side of one round runs.
 const SLICE: Duration = Duration::from_millis(25);
-
-fn quota() -> Quota {
-    Quota::per_second(NonZeroU32::new(RATE).unwrap_or(NonZeroU32::MIN))
-        .allow_burst(NonZeroU32::new(BURST).unwrap_or(NonZeroU32::MIN))
-}
-
-fn policy() -> Policy {
-    Policy::per_second(u64::from(RATE))
-        .and_then(|p| p.with_burst(u64::from(BURST)))
-        .expect("valid policy")
-}
 
 /// Runs `n` checks of keys `from..to` (in turn, wrapping) with `check`, on `threads` threads
 /// that split the range; returns the wall time.

@@ -10,30 +10,18 @@
 //!
 //! Quotas are high so that both take the "allowed" path.
 
+mod common;
+
 use std::hint::black_box;
-use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::{KEYS, policy, quota};
 use criterion::{Criterion, criterion_group, criterion_main};
-use floodgate_core::{MemoryLimiter, Policy};
-use governor::{Quota, RateLimiter};
+use floodgate_core::MemoryLimiter;
+use governor::RateLimiter;
 
-const KEYS: u64 = 100_000;
 const THREADS: u64 = 2;
-const RATE: u32 = 1_000_000;
-const BURST: u32 = u32::MAX;
-
-fn quota() -> Quota {
-    Quota::per_second(NonZeroU32::new(RATE).unwrap_or(NonZeroU32::MIN))
-        .allow_burst(NonZeroU32::new(BURST).unwrap_or(NonZeroU32::MIN))
-}
-
-fn policy() -> Policy {
-    Policy::per_second(u64::from(RATE))
-        .and_then(|p| p.with_burst(u64::from(BURST)))
-        .expect("valid policy")
-}
 
 fn one_key(c: &mut Criterion) {
     let mut g = c.benchmark_group("one_key");

@@ -880,27 +880,11 @@ where
     fn release(self: Arc<Self>, job: LeaseJob) {
         // A lease of the fallback, or of the in-memory limiter: released at once, runtime or
         // not.
-        let memory = if job.fallback {
-            self.shared.fallback.as_ref()
-        } else {
-            (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>()
-        };
-        if let Some(memory) = memory {
+        if let Some(memory) = self.local(job.fallback) {
             memory.release_sync(&lease_checks(&self.shared, &job), job.lease);
-        }
-        if job.fallback || memory.is_some() {
             return;
         }
-        // Other stores' futures may need a runtime even to be polled once (timers, I/O): a
-        // body dropped after its runtime shut down must not panic.
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            tracing::debug!(
-                target: "floodgate",
-                "no Tokio runtime to release a concurrency lease; it lapses after its TTL"
-            );
-            return;
-        };
-        let mut fut: BoxFuture<()> = Box::pin(async move {
+        soon(Box::pin(async move {
             let sh = &self.shared;
             let checks = lease_checks(sh, &job);
             match timeout_unless_ready(sh.timeout, self.limiter.release(&checks, job.lease)).await {
@@ -915,35 +899,15 @@ where
                     "releasing a concurrency lease timed out; it lapses after its TTL"
                 ),
             }
-        });
-        // A release that finishes at once needs no task.
-        if fut
-            .as_mut()
-            .poll(&mut Context::from_waker(Waker::noop()))
-            .is_ready()
-        {
-            return;
-        }
-        handle.spawn(fut);
+        }));
     }
 
     fn refund(self: Arc<Self>, job: RefundJob) {
-        let memory = if job.fallback {
-            self.shared.fallback.as_ref()
-        } else {
-            (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>()
-        };
-        if let Some(memory) = memory {
+        if let Some(memory) = self.local(job.fallback) {
             memory.refund_sync(&refund_checks(&self.shared, &job), &job.verdict);
-        }
-        if job.fallback || memory.is_some() {
             return;
         }
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            tracing::debug!(target: "floodgate", "no Tokio runtime to refund a request");
-            return;
-        };
-        let mut fut: BoxFuture<()> = Box::pin(async move {
+        soon(Box::pin(async move {
             let sh = &self.shared;
             let checks = refund_checks(sh, &job);
             match timeout_unless_ready(sh.timeout, self.limiter.refund(&checks, &job.verdict)).await
@@ -959,16 +923,43 @@ where
                     "refunding a request timed out; its units come back when its windows pass"
                 ),
             }
-        });
-        if fut
-            .as_mut()
-            .poll(&mut Context::from_waker(Waker::noop()))
-            .is_ready()
-        {
-            return;
-        }
-        handle.spawn(fut);
+        }));
     }
+}
+
+impl<L: 'static> Engine<L> {
+    /// The in-memory limiter that holds a lease or a refund's units, if it is one: the
+    /// fallback's, or the layer's own when it is a [`MemoryLimiter`]. Those are given back at
+    /// once, runtime or not.
+    fn local(&self, fallback: bool) -> Option<&MemoryLimiter> {
+        if fallback {
+            self.shared.fallback.as_ref()
+        } else {
+            (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>()
+        }
+    }
+}
+
+/// Runs `fut` now if it finishes at once, else as a task. Other stores' futures may need a
+/// runtime even to be polled once (timers, I/O): without one (a body dropped after its runtime
+/// shut down), nothing runs, and what it would have given back comes back on its own (a lease
+/// lapses, units age out).
+fn soon(mut fut: BoxFuture<()>) {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        tracing::debug!(
+            target: "floodgate",
+            "no Tokio runtime to give back a lease or a refund; it comes back on its own"
+        );
+        return;
+    };
+    if fut
+        .as_mut()
+        .poll(&mut Context::from_waker(Waker::noop()))
+        .is_ready()
+    {
+        return;
+    }
+    handle.spawn(fut);
 }
 
 fn refund_checks<'a>(sh: &'a Shared, job: &'a RefundJob) -> SmallVec<[Check<'a>; 2]> {
