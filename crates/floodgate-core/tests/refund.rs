@@ -136,7 +136,9 @@ fn refunded_is_never_made(policies: &[Policy], events: &[Event]) -> Result<(), S
             .check_sync(&checks, opts)
             .map_err(|err| format!("event {i}: {err}"))?;
         if e.refund {
-            refunding.refund_at(&checks, &a, at);
+            refunding
+                .refund_at(&checks, &a, at)
+                .map_err(|err| format!("event {i}: refund: {err}"))?;
             continue;
         }
         let b = reference
@@ -179,7 +181,9 @@ fn a_refund_gives_the_phone_its_message_back() {
             .expect("checks")
             .allowed()
     );
-    limiter.refund_at(&checks, &sent, Timestamp::from_micros(T0 + 2 * MS));
+    limiter
+        .refund_at(&checks, &sent, Timestamp::from_micros(T0 + 2 * MS))
+        .expect("refunds");
     let again = limiter.check_sync(&checks, at(3)).expect("checks");
     assert!(again.allowed(), "{again:?}");
     assert!(
@@ -203,7 +207,9 @@ fn a_denied_verdict_refunds_nothing() {
     );
     let denied = limiter.check_sync(&checks, at(1)).expect("checks");
     assert!(!denied.allowed());
-    limiter.refund_at(&checks, &denied, Timestamp::from_micros(T0 + 2 * MS));
+    limiter
+        .refund_at(&checks, &denied, Timestamp::from_micros(T0 + 2 * MS))
+        .expect("refunds");
     assert!(
         !limiter
             .check_sync(&checks, at(3))
@@ -227,7 +233,9 @@ fn a_refund_after_the_window_closed_gives_nothing_to_the_next() {
         assert!(first.allowed(), "{p:?}");
         let second = limiter.check_sync(&checks, at(1_500)).expect("checks");
         assert!(second.allowed(), "{p:?}");
-        limiter.refund_at(&checks, &first, Timestamp::from_micros(T0 + 1_600 * MS));
+        limiter
+            .refund_at(&checks, &first, Timestamp::from_micros(T0 + 1_600 * MS))
+            .expect("refunds");
         let third = limiter.check_sync(&checks, at(1_700)).expect("checks");
         assert!(
             !third.allowed(),
@@ -252,7 +260,9 @@ fn a_refund_gives_back_every_policy_of_the_check_and_its_lease() {
             .expect("checks")
             .allowed()
     );
-    limiter.refund_at(&checks, &first, Timestamp::from_micros(T0 + 2 * MS));
+    limiter
+        .refund_at(&checks, &first, Timestamp::from_micros(T0 + 2 * MS))
+        .expect("refunds");
     assert!(
         limiter
             .check_sync(&checks, at(3))
@@ -306,7 +316,9 @@ fn a_late_refund_of_a_sliding_window_comes_off_the_previous_window() {
                 .allowed()
         );
         if refund {
-            limiter.refund_at(&checks, &first, Timestamp::from_micros(T0 + 1_150 * MS));
+            limiter
+                .refund_at(&checks, &first, Timestamp::from_micros(T0 + 1_150 * MS))
+                .expect("refunds");
         }
         limiter
             .check_sync(&checks, at(1_200))
@@ -316,4 +328,40 @@ fn a_late_refund_of_a_sliding_window_comes_off_the_previous_window() {
     // Without the refund, 80% of the previous window's one unit still counts: 2.8 > 2.
     assert!(!run(false));
     assert!(run(true));
+}
+
+/// A refund trusts only what it can check: the checks must match the verdict's decisions, and
+/// the verdict must come from the past (a forged or foreign one is refused, changing nothing).
+#[test]
+fn a_refund_that_does_not_fit_its_verdict_is_refused_and_changes_nothing() {
+    let limiter = MemoryLimiter::new();
+    let p = Policy::per_minute(1).expect("valid");
+    let q = Policy::per_minute(5)
+        .and_then(|q| q.named("other"))
+        .expect("valid");
+    let checks = [Check::new(b"k", &p)];
+    let sent = limiter.check_sync(&checks, at(0)).expect("checks");
+    assert!(sent.allowed());
+    let now = Timestamp::from_micros(T0 + MS);
+    // Two checks for one decision.
+    let two = [Check::new(b"k", &p), Check::new(b"k", &q)];
+    assert!(limiter.refund_at(&two, &sent, now).is_err());
+    // A verdict from the future, and one from beyond what the store can hold.
+    for at in [T0 + 10 * MS, u64::MAX] {
+        let forged = Verdict {
+            at: Timestamp::from_micros(at),
+            ..sent.clone()
+        };
+        let err = limiter
+            .refund_at(&checks, &forged, now)
+            .expect_err("a verdict from the future");
+        assert!(err.to_string().contains("us"), "{err}");
+    }
+    // Nothing was given back.
+    assert!(
+        !limiter
+            .check_sync(&checks, at(2))
+            .expect("checks")
+            .allowed()
+    );
 }

@@ -813,8 +813,15 @@ impl Limiter for RedisLimiter {
     /// On a cluster, a check across slots is refunded as of its first part's time: a window or
     /// log on a node whose clock differs by more than the window's edge may give nothing back.
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), Error> {
-        if !verdict.allowed() || checks.is_empty() {
+        if !verdict.allowed() {
             return Ok(());
+        }
+        if checks.len() != verdict.decisions.len() {
+            return Err(Error::Config(format!(
+                "a refund needs the checks its verdict answered: {} checks for {} decisions",
+                checks.len(),
+                verdict.decisions.len()
+            )));
         }
         let lease = verdict.lease.map_or(0, |l| l.0);
         let now = verdict.at.as_micros();
@@ -830,10 +837,15 @@ impl Limiter for RedisLimiter {
                 None => parts.push((slot, vec![i])),
             }
         }
+        // Every slot gets its units back even when another fails (a retry would refund the
+        // others twice): the first error is the answer.
+        let mut first_error = None;
         for (_, part) in &parts {
-            self.undo_part(checks, part, now, lease).await?;
+            if let Err(e) = self.undo_part(checks, part, now, lease).await {
+                first_error.get_or_insert(e);
+            }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), Error> {

@@ -64,7 +64,9 @@ async fn compare(
                 .iter()
                 .map(|&p| Check::new(&keys[p], &policies[p]).cost(*cost))
                 .collect();
-            memory.refund_at(&checks, a, at);
+            memory
+                .refund_at(&checks, a, at)
+                .map_err(|err| format!("event {i}: memory late refund failed: {err}"))?;
             redis
                 .refund(&checks, b)
                 .await
@@ -117,7 +119,9 @@ async fn compare(
             late.push((due, chosen.clone(), e.key, e.cost, a.clone(), b.clone()));
         }
         if e.refund == 1 && a.allowed() {
-            memory.refund_at(&checks, &a, at);
+            memory
+                .refund_at(&checks, &a, at)
+                .map_err(|err| format!("event {i}: memory refund failed: {err}"))?;
             redis
                 .refund(&checks, &b)
                 .await

@@ -575,22 +575,27 @@ where
             return Some(sh.reject_limited(&info, grpc()));
         }
         if sh.refund_when.is_some() && source != DecisionSource::FailOpen {
-            let rate = job.items.iter().filter(|i| !sh.is_concurrency(i.rule));
+            // Leases are released by their guard, at the end of the body: the refund gives back
+            // the rate policies' units, with their decisions.
             let mut refund = RefundJob {
                 rules: SmallVec::new(),
                 keys: SmallVec::new(),
                 costs: SmallVec::new(),
-                // Leases are released by their guard, at the end of the body.
                 verdict: Verdict {
+                    decisions: SmallVec::new(),
+                    wait: verdict.wait,
                     lease: None,
-                    ..verdict.clone()
+                    at: verdict.at,
                 },
                 fallback: source == DecisionSource::Fallback,
             };
-            for i in rate {
-                refund.rules.push(i.rule);
-                refund.keys.push(i.key.clone());
-                refund.costs.push(i.cost);
+            for (i, d) in job.items.iter().zip(&verdict.decisions) {
+                if !sh.is_concurrency(i.rule) {
+                    refund.rules.push(i.rule);
+                    refund.keys.push(i.key.clone());
+                    refund.costs.push(i.cost);
+                    refund.verdict.decisions.push(*d);
+                }
             }
             if !refund.rules.is_empty() {
                 out.refund = Some(Refund {
@@ -904,7 +909,9 @@ where
 
     fn refund(self: Arc<Self>, job: RefundJob) {
         if let Some(memory) = self.local(job.fallback) {
-            memory.refund_sync(&refund_checks(&self.shared, &job), &job.verdict);
+            if let Err(e) = memory.refund_sync(&refund_checks(&self.shared, &job), &job.verdict) {
+                tracing::warn!(target: "floodgate", error = %e, "could not refund a request");
+            }
             return;
         }
         soon(Box::pin(async move {

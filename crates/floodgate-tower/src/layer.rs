@@ -364,7 +364,9 @@ where
     /// response (its status and headers), as if the request had not been made
     /// ([`Limiter::refund`]): for instance `|status, _| status.is_server_error()`, so that
     /// requests failing on the server's side do not count against the client. gRPC answers
-    /// `200` with its status in `grpc-status`: test that header.
+    /// `200` and usually sends its status in the trailers, which the predicate does not see:
+    /// only an error answered at once (a "trailers-only" response, as tonic sends for a
+    /// handler's `Err(Status)`) carries `grpc-status` in the headers it is given.
     ///
     /// The refund happens when the response's head is ready, in the background for stores
     /// other than in memory (failures are logged: the units come back when their windows

@@ -431,6 +431,15 @@ async fn accept_sms<S: Shared>(
     if let Err(e) = app.provider.send(&sms).await {
         metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
         tracing::warn!(error = %e, "the SMS provider failed");
+        if !e.not_sent() {
+            // It may have gone out: it counts, or a retry could message the phone twice.
+            return Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "provider_unknown",
+                "the SMS provider did not confirm the message; it may have been sent",
+            )
+            .into_response());
+        }
         // The message did not go out: it does not count against any limit, so the client can
         // try again at once.
         refund(app, &checks, &verdict).await;

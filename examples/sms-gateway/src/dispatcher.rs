@@ -181,8 +181,10 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
         Err(e) => {
             metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
             tracing::warn!(error = %e, "the SMS provider failed");
-            // Not sent: the phone's limits do not count it.
-            crate::app::refund(app, &checks, &verdict).await;
+            // Certainly not sent: the phone's limits do not count it.
+            if e.not_sent() {
+                crate::app::refund(app, &checks, &verdict).await;
+            }
             Outcome::Failed
         }
     }

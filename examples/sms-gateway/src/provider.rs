@@ -32,8 +32,29 @@ pub struct OutboundSms {
 
 /// A provider failed to take a message.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct ProviderError(pub String);
+pub enum ProviderError {
+    /// The message certainly did not go out (the provider refused it, or was never reached).
+    #[error("{0}")]
+    NotSent(String),
+    /// The outcome is unknown (a timeout, a connection lost after the message was handed
+    /// over): it may have gone out.
+    #[error("{0}")]
+    Unknown(String),
+}
+
+impl ProviderError {
+    /// Whether the message certainly did not go out (and may be given back to the limits).
+    pub fn not_sent(&self) -> bool {
+        matches!(self, ProviderError::NotSent(_))
+    }
+
+    /// The error's text.
+    pub fn message(&self) -> &str {
+        match self {
+            ProviderError::NotSent(m) | ProviderError::Unknown(m) => m,
+        }
+    }
+}
 
 /// Sends messages. Implementations must be safe to call from many tasks at once.
 pub trait SmsProvider: Send + Sync + 'static {
@@ -70,7 +91,8 @@ impl SmsProvider for FileProvider {
         sms: &'a OutboundSms,
     ) -> Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>> {
         Box::pin(async move {
-            let mut line = serde_json::to_vec(sms).map_err(|e| ProviderError(e.to_string()))?;
+            let mut line =
+                serde_json::to_vec(sms).map_err(|e| ProviderError::NotSent(e.to_string()))?;
             line.push(b'\n');
             let mut file = self.file.lock().await;
             if file.is_none() {
@@ -79,17 +101,18 @@ impl SmsProvider for FileProvider {
                     .append(true)
                     .open(&self.path)
                     .await
-                    .map_err(|e| ProviderError(format!("{}: {e}", self.path.display())))?;
+                    .map_err(|e| ProviderError::NotSent(format!("{}: {e}", self.path.display())))?;
                 *file = Some(opened);
             }
             if let Some(f) = file.as_mut() {
                 // One write of the whole line, then to disk: a line is either there or not.
+                // A failed write may have left part of the line: the outcome is unknown.
                 f.write_all(&line)
                     .await
-                    .map_err(|e| ProviderError(format!("{}: {e}", self.path.display())))?;
+                    .map_err(|e| ProviderError::Unknown(format!("{}: {e}", self.path.display())))?;
                 f.sync_data()
                     .await
-                    .map_err(|e| ProviderError(format!("{}: {e}", self.path.display())))?;
+                    .map_err(|e| ProviderError::Unknown(format!("{}: {e}", self.path.display())))?;
             }
             tracing::info!(id = %sms.id, phone = %sms.phone, campaign = ?sms.campaign, "sms sent");
             Ok(())
@@ -108,9 +131,11 @@ impl WebhookProvider {
     pub fn new(url: &str) -> Result<Arc<Self>, ProviderError> {
         let url: http::Uri = url
             .parse()
-            .map_err(|e| ProviderError(format!("webhook_url {url:?}: {e}")))?;
+            .map_err(|e| ProviderError::NotSent(format!("webhook_url {url:?}: {e}")))?;
         if url.scheme_str() != Some("http") {
-            return Err(ProviderError("webhook_url must be an http:// URL".into()));
+            return Err(ProviderError::NotSent(
+                "webhook_url must be an http:// URL".into(),
+            ));
         }
         let client = Client::builder(TokioExecutor::new()).build_http();
         Ok(Arc::new(WebhookProvider { url, client }))
@@ -123,11 +148,12 @@ impl SmsProvider for WebhookProvider {
         sms: &'a OutboundSms,
     ) -> Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>> {
         Box::pin(async move {
-            let body = serde_json::to_vec(sms).map_err(|e| ProviderError(e.to_string()))?;
+            let body =
+                serde_json::to_vec(sms).map_err(|e| ProviderError::NotSent(e.to_string()))?;
             let req = http::Request::post(self.url.clone())
                 .header(http::header::CONTENT_TYPE, "application/json")
                 .body(Full::new(Bytes::from(body)))
-                .map_err(|e| ProviderError(e.to_string()))?;
+                .map_err(|e| ProviderError::NotSent(e.to_string()))?;
             // The whole exchange, body included, within the timeout: a webhook that answers
             // its headers and then stalls must not hold the dispatcher (or shutdown) for good.
             let exchange = async {
@@ -136,12 +162,21 @@ impl SmsProvider for WebhookProvider {
                 let _ = resp.into_body().collect().await;
                 Ok::<_, hyper_util::client::legacy::Error>(status)
             };
+            // A webhook never reached (refused, unroutable) or that answered an error did not
+            // take the message; a timeout or a connection lost mid-exchange may have.
             let status = tokio::time::timeout(Duration::from_secs(5), exchange)
                 .await
-                .map_err(|_| ProviderError("webhook timed out after 5s".into()))?
-                .map_err(|e| ProviderError(format!("webhook: {e}")))?;
+                .map_err(|_| ProviderError::Unknown("webhook timed out after 5s".into()))?
+                .map_err(|e| {
+                    let message = format!("webhook: {e}");
+                    if e.is_connect() {
+                        ProviderError::NotSent(message)
+                    } else {
+                        ProviderError::Unknown(message)
+                    }
+                })?;
             if !status.is_success() {
-                return Err(ProviderError(format!("webhook answered {status}")));
+                return Err(ProviderError::NotSent(format!("webhook answered {status}")));
             }
             Ok(())
         })
@@ -184,7 +219,8 @@ mod tests {
             .await
             .expect("the send must end by itself");
         let err = sent.expect_err("a stalled body is a failure");
-        assert!(err.0.contains("timed out"), "{err}");
+        assert!(err.message().contains("timed out"), "{err}");
+        assert!(!err.not_sent(), "a timeout may have sent the message");
         assert!(
             started.elapsed() < Duration::from_secs(8),
             "{:?}",

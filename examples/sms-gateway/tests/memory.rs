@@ -217,10 +217,15 @@ async fn only_creating_campaigns_spends_the_global_budget() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// A webhook on loopback that refuses messages (500) while `refusing` is set and takes them
-/// (200) otherwise; returns its address and the count of messages it took.
+/// How the test webhook answers.
+const TAKE: u8 = 0;
+const REFUSE: u8 = 1;
+const STALL: u8 = 2;
+
+/// A webhook on loopback that takes messages (200), refuses them (500) or never answers,
+/// as `mode` says; returns its address and the count of messages it took.
 async fn webhook(
-    refusing: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    mode: std::sync::Arc<std::sync::atomic::AtomicU8>,
 ) -> (String, std::sync::Arc<std::sync::atomic::AtomicU64>) {
     use std::sync::atomic::Ordering;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -232,10 +237,7 @@ async fn webhook(
     let count = std::sync::Arc::clone(&taken);
     tokio::spawn(async move {
         while let Ok((mut stream, _)) = listener.accept().await {
-            let (refusing, count) = (
-                std::sync::Arc::clone(&refusing),
-                std::sync::Arc::clone(&count),
-            );
+            let (mode, count) = (std::sync::Arc::clone(&mode), std::sync::Arc::clone(&count));
             tokio::spawn(async move {
                 // One request per connection: read to the end of the body, answer, close.
                 let mut buf = Vec::new();
@@ -260,11 +262,16 @@ async fn webhook(
                         }
                     }
                 }
-                let status = if refusing.load(Ordering::SeqCst) {
-                    "500 Internal Server Error"
-                } else {
-                    count.fetch_add(1, Ordering::SeqCst);
-                    "200 OK"
+                let status = match mode.load(Ordering::SeqCst) {
+                    REFUSE => "500 Internal Server Error",
+                    STALL => {
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                        return;
+                    }
+                    _ => {
+                        count.fetch_add(1, Ordering::SeqCst);
+                        "200 OK"
+                    }
                 };
                 let reply =
                     format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
@@ -276,12 +283,13 @@ async fn webhook(
 }
 
 /// The provider refused the message: the phone's 30 minutes are not spent on a message that
-/// did not go out, so the client's retry is sent; the limit still holds after it.
+/// did not go out, so the client's retry is sent; the limit still holds after it. A provider
+/// that never answers may have sent the message: that one counts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_the_provider_refused_does_not_count() {
     use std::sync::atomic::Ordering;
-    let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let (url, taken) = webhook(std::sync::Arc::clone(&refusing)).await;
+    let mode = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(REFUSE));
+    let (url, taken) = webhook(std::sync::Arc::clone(&mode)).await;
     let dir = temp_dir("refused");
     let gw = Gateway::start(&dir, "solo", &[("WEBHOOK_URL", &url)]);
     let http = Http::new();
@@ -291,7 +299,7 @@ async fn a_message_the_provider_refused_does_not_count() {
     assert_eq!(refused.status, 502, "{}", refused.body);
     assert_eq!(refused.body["error"]["code"], "provider_error");
 
-    refusing.store(false, Ordering::SeqCst);
+    mode.store(TAKE, Ordering::SeqCst);
     let retried = http.post(&gw.url("/v1/sms"), &sms(phone, "hello")).await;
     assert_eq!(
         retried.status, 202,
@@ -303,4 +311,18 @@ async fn a_message_the_provider_refused_does_not_count() {
     let again = http.post(&gw.url("/v1/sms"), &sms(phone, "again")).await;
     assert_eq!(again.status, 429, "{}", again.body);
     assert_eq!(again.body["error"]["limit"], "phone");
+
+    // A webhook that takes the message and never answers (the gateway gives up after 5 s).
+    let other = "+8613833333333";
+    mode.store(STALL, Ordering::SeqCst);
+    let unknown = http.post(&gw.url("/v1/sms"), &sms(other, "hello")).await;
+    assert_eq!(unknown.status, 502, "{}", unknown.body);
+    assert_eq!(unknown.body["error"]["code"], "provider_unknown");
+    mode.store(TAKE, Ordering::SeqCst);
+    let retried = http.post(&gw.url("/v1/sms"), &sms(other, "hello")).await;
+    assert_eq!(
+        retried.status, 429,
+        "a message that may have gone out must count: {}",
+        retried.body
+    );
 }

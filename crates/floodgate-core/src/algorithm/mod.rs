@@ -101,9 +101,10 @@ pub trait Algorithm {
 
     /// Gives back what an allowed check took: `ctx` is that check's (its time, cost and
     /// lease), and `state` may have moved on since. When nothing else was counted in between,
-    /// the state is as if the check had never been made. Otherwise its units come back without
-    /// undoing anyone else's, never past a fresh state's room; a window that has closed since
-    /// gives nothing back (it forgot them already). A concurrency check's lease is released.
+    /// the state is as if the check had never been made. Otherwise, see
+    /// [`Limiter::refund`](crate::Limiter::refund): windows give back only to the window that
+    /// counted the check, the others `cost` units of room as the state holds it now, never past
+    /// a fresh state's. A concurrency check's lease is released.
     fn undo(&self, state: &mut Self::State, ctx: &Ctx);
 
     /// The time from which `state` is indistinguishable from [`Algorithm::fresh`]: it may be

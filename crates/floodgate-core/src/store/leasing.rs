@@ -396,7 +396,9 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
     }
 
     /// Refunds in the store: the units go back to the shared budget, whether the check took
-    /// them from a local lease or from the store.
+    /// them from a local lease or from the store. A check answered from a local lease is
+    /// refunded as of the local time it was answered, while the store counted its units with
+    /// the lease's: a window policy may then give nothing back (the sliding log never does).
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), L::Error> {
         self.inner.refund(checks, verdict).await
     }

@@ -484,23 +484,45 @@ impl<C: Clock> MemoryLimiter<C> {
     }
 
     /// Gives back what the allowed `verdict` of `checks` took (see [`Limiter::refund`]).
-    pub fn refund_sync(&self, checks: &[Check<'_>], verdict: &Verdict) {
-        self.refund_at(checks, verdict, self.inner.clock.now());
+    ///
+    /// Errors: [`MemoryError::InvalidCheck`] when `checks` are not as many as the verdict's
+    /// decisions, or the verdict's time is later than now or past the year 3100; nothing is
+    /// given back then.
+    pub fn refund_sync(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
+        self.refund_at(checks, verdict, self.inner.clock.now())
     }
 
     /// [`MemoryLimiter::refund_sync`] as of `now` (simulations): states that hold nothing
     /// after the refund, as of `now`, are dropped.
-    pub fn refund_at(&self, checks: &[Check<'_>], verdict: &Verdict, now: Timestamp) {
+    pub fn refund_at(
+        &self,
+        checks: &[Check<'_>],
+        verdict: &Verdict,
+        now: Timestamp,
+    ) -> Result<(), MemoryError> {
         if !verdict.allowed() {
-            return;
+            return Ok(());
         }
-        let now = now.as_micros();
+        if checks.len() != verdict.decisions.len() {
+            return Err(MemoryError::InvalidCheck(format!(
+                "a refund needs the checks its verdict answered: {} checks for {} decisions",
+                checks.len(),
+                verdict.decisions.len()
+            )));
+        }
+        let now = checked_now(now.as_micros())?;
+        let at = checked_now(verdict.at.as_micros())?;
+        if at > now {
+            return Err(MemoryError::InvalidCheck(format!(
+                "the verdict was decided at {at}us, after now ({now}us): not this store's"
+            )));
+        }
         let lease = verdict.lease.map_or(0, |l| l.0);
         let map = &self.inner.map;
         for c in checks {
             // The check's own context: each algorithm gives back as of the check's time.
             let ctx = Ctx {
-                now: verdict.at.as_micros(),
+                now: at,
                 cost: c.cost,
                 max_wait: 0,
                 lease,
@@ -534,6 +556,7 @@ impl<C: Clock> MemoryLimiter<C> {
                 }
             }
         }
+        Ok(())
     }
 
     /// Forgets `policy`'s state for `key`.
@@ -681,8 +704,7 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
     }
 
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
-        self.refund_sync(checks, verdict);
-        Ok(())
+        self.refund_sync(checks, verdict)
     }
 
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {

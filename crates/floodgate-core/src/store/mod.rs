@@ -112,14 +112,19 @@ pub trait Limiter: Send + Sync {
     /// Gives back what the allowed `verdict` of `checks` took, as if the request had not been
     /// made: for work that did not happen after all (the SMS provider refused the message, the
     /// call the limit guarded failed before doing anything). `checks` must be the checks the
-    /// verdict answered (the same keys, policies and costs).
+    /// verdict answered (the same keys, policies and costs, as many as its decisions).
     ///
-    /// A denied verdict took nothing, and nothing changes; nor should the verdict of a dry run
-    /// be refunded. When nothing else was counted on the keys since, each state is as if the
-    /// check had never been made; otherwise the units come back without undoing anyone else's,
-    /// never leaving more room than a fresh state. A window that has closed since gives
-    /// nothing back: it has forgotten the units already. A concurrency policy's lease is
-    /// released. Refunding the same verdict twice gives its units back twice.
+    /// A denied verdict took nothing, and nothing changes. Refunded before anything else is
+    /// counted on its keys, a check is as if it had never been made. Refunded later:
+    /// - the window algorithms (fixed and calendar windows, the sliding log and counter) give
+    ///   back only to the window that counted the check, and nothing once it has closed;
+    /// - GCRA, the funnel, the token bucket and the shaper give back `cost` units of room as the
+    ///   state holds it now, never past a fresh state's. If the check's units had already come
+    ///   back with time and others were counted since, the key admits up to `cost` more than
+    ///   it would have without the request: refund promptly.
+    ///
+    /// A concurrency policy's lease is released. Refunding the same verdict twice gives its
+    /// units back twice.
     fn refund(
         &self,
         checks: &[Check<'_>],
