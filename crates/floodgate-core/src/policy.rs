@@ -15,7 +15,7 @@ use crate::algorithm::shaper::{self, Shaper};
 use crate::algorithm::sliding_log::{self, SlidingLog};
 use crate::algorithm::sliding_window::{self, SlidingWindow};
 use crate::algorithm::token_bucket::{self, TokenBucket};
-use crate::algorithm::{Algorithm, Ctx, MAX_SPAN_US, Outcome};
+use crate::algorithm::{Algorithm, Ctx, MAX_SPAN_US, Outcome, Undo};
 use crate::calendar::{Calendar, CalendarUnit};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
@@ -263,8 +263,8 @@ impl Kind {
 
     /// See [`Algorithm::undo`]. A state of another algorithm is left alone (it holds nothing
     /// of this policy's).
-    pub fn undo(&self, state: &mut State, ctx: &Ctx) {
-        dispatch!(self, state, |a, s| a.undo(s, ctx), _ => {})
+    pub fn undo(&self, state: &mut State, undo: &Undo) {
+        dispatch!(self, state, |a, s| a.undo(s, undo), _ => {})
     }
 
     /// [`Kind::check`] and, when allowed, [`Kind::expires_at`] of the new state, in one

@@ -365,3 +365,48 @@ fn a_refund_that_does_not_fit_its_verdict_is_refused_and_changes_nothing() {
             .allowed()
     );
 }
+
+/// A late refund gives back only what is left of the check's own units: those that came back
+/// by themselves are not given twice, and a request counted since keeps its place.
+#[test]
+fn a_late_refund_gives_back_only_what_has_not_come_back_by_itself() {
+    for p in [
+        Policy::per_minute(1).expect("valid"),
+        Policy::funnel(1, Duration::from_secs(60)).expect("valid"),
+    ] {
+        let limiter = MemoryLimiter::new();
+        let checks = [Check::new(b"k", &p)];
+        let a = limiter.check_sync(&checks, at(0)).expect("checks");
+        assert!(a.allowed(), "{p:?}");
+        // A's unit has come back by itself; B takes it.
+        let b = limiter.check_sync(&checks, at(60_000)).expect("checks");
+        assert!(b.allowed(), "{p:?}");
+        limiter
+            .refund_at(&checks, &a, Timestamp::from_micros(T0 + 60_001 * MS))
+            .expect("refunds");
+        let c = limiter.check_sync(&checks, at(60_002)).expect("checks");
+        assert!(!c.allowed(), "{p:?}: the late refund gave back B's unit");
+
+        // Half of A's share has come back by itself at 30 s: the refund gives back the other
+        // half, and the key is full again (one request, not two).
+        let limiter = MemoryLimiter::new();
+        let a = limiter.check_sync(&checks, at(0)).expect("checks");
+        limiter
+            .refund_at(&checks, &a, Timestamp::from_micros(T0 + 30_000 * MS))
+            .expect("refunds");
+        assert!(
+            limiter
+                .check_sync(&checks, at(30_001))
+                .expect("checks")
+                .allowed(),
+            "{p:?}"
+        );
+        assert!(
+            !limiter
+                .check_sync(&checks, at(30_002))
+                .expect("checks")
+                .allowed(),
+            "{p:?}: more than a fresh state's room"
+        );
+    }
+}

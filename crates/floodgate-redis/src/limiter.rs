@@ -575,32 +575,44 @@ impl RedisLimiter {
     /// their own when the state expires.
     async fn undo(&self, checks: &[Check<'_>], counted: &[(&Vec<usize>, u64)], lease: u64) {
         for (part, now) in counted {
-            if let Err(e) = self.undo_part(checks, part, *now, lease).await {
+            // At once: each check's whole share comes back (no reset time limits it).
+            let whole = |_: usize| floodgate_core::algorithm::MAX_SPAN_US;
+            if let Err(e) = self
+                .undo_part(checks, part, *now, Some(*now), &whole, lease)
+                .await
+            {
                 tracing::warn!(error = %e, "could not give back a cross-slot check's units");
             }
         }
     }
 
     /// Gives back, in one call of `lua/undo.lua`, what the checks at `part` (one slot) took at
-    /// `now` (us), with lease `lease` (0: none).
+    /// `at` (us), with lease `lease` (0: none), at `now` (us; `None`: the server's time);
+    /// `reset_after(i)` is check `i`'s decision's reset time (us).
     async fn undo_part(
         &self,
         checks: &[Check<'_>],
         part: &[usize],
-        now: u64,
+        at: u64,
+        now: Option<u64>,
+        reset_after: &(dyn Fn(usize) -> u64 + Sync),
         lease: u64,
     ) -> Result<(), Error> {
         let keys: Vec<Vec<u8>> = part
             .iter()
             .map(|&i| self.state_key(checks[i].policy, checks[i].key))
             .collect();
-        let mut args: Vec<Vec<u8>> =
-            vec![now.to_string().into_bytes(), lease.to_string().into_bytes()];
+        let mut args: Vec<Vec<u8>> = vec![
+            at.to_string().into_bytes(),
+            lease.to_string().into_bytes(),
+            now.map(|t| t.to_string().into_bytes()).unwrap_or_default(),
+        ];
         for &i in part {
             let (tag, p) = params(checks[i].policy.kind());
             args.push(tag.as_bytes().to_vec());
             args.extend(p.iter().map(|v| v.to_string().into_bytes()));
             args.push(checks[i].cost.to_string().into_bytes());
+            args.push(reset_after(i).to_string().into_bytes());
         }
         let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
         let arg_refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
@@ -609,6 +621,58 @@ impl RedisLimiter {
             .invoke_script(&UNDO, &key_refs, &arg_refs)
             .await
             .map(drop)
+    }
+
+    /// [`Limiter::refund`] as of `now` (simulations and tests; `None`: the server's time).
+    ///
+    /// # Errors
+    /// As [`Limiter::refund`].
+    pub async fn refund_at(
+        &self,
+        checks: &[Check<'_>],
+        verdict: &Verdict,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        if !verdict.allowed() {
+            return Ok(());
+        }
+        if checks.len() != verdict.decisions.len() {
+            return Err(Error::Config(format!(
+                "a refund needs the checks its verdict answered: {} checks for {} decisions",
+                checks.len(),
+                verdict.decisions.len()
+            )));
+        }
+        let lease = verdict.lease.map_or(0, |l| l.0);
+        let at = verdict.at.as_micros();
+        let now = now.map(Timestamp::as_micros);
+        let reset_after = |i: usize| {
+            u64::try_from(verdict.decisions[i].reset_after.as_micros()).unwrap_or(u64::MAX)
+        };
+        let mut parts: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, c) in checks.iter().enumerate() {
+            let slot = if self.inner.conn.kind() == ConnectionKind::Cluster {
+                key_slot(&self.state_key(c.policy, c.key))
+            } else {
+                0
+            };
+            match parts.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, part)) => part.push(i),
+                None => parts.push((slot, vec![i])),
+            }
+        }
+        // Every slot gets its units back even when another fails (a retry would refund the
+        // others twice): the first error is the answer.
+        let mut first_error = None;
+        for (_, part) in &parts {
+            if let Err(e) = self
+                .undo_part(checks, part, at, now, &reset_after, lease)
+                .await
+            {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// The batcher's queue, started on first use (it needs a running tokio runtime).
@@ -813,39 +877,7 @@ impl Limiter for RedisLimiter {
     /// On a cluster, a check across slots is refunded as of its first part's time: a window or
     /// log on a node whose clock differs by more than the window's edge may give nothing back.
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), Error> {
-        if !verdict.allowed() {
-            return Ok(());
-        }
-        if checks.len() != verdict.decisions.len() {
-            return Err(Error::Config(format!(
-                "a refund needs the checks its verdict answered: {} checks for {} decisions",
-                checks.len(),
-                verdict.decisions.len()
-            )));
-        }
-        let lease = verdict.lease.map_or(0, |l| l.0);
-        let now = verdict.at.as_micros();
-        let mut parts: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, c) in checks.iter().enumerate() {
-            let slot = if self.inner.conn.kind() == ConnectionKind::Cluster {
-                key_slot(&self.state_key(c.policy, c.key))
-            } else {
-                0
-            };
-            match parts.iter_mut().find(|(s, _)| *s == slot) {
-                Some((_, part)) => part.push(i),
-                None => parts.push((slot, vec![i])),
-            }
-        }
-        // Every slot gets its units back even when another fails (a retry would refund the
-        // others twice): the first error is the answer.
-        let mut first_error = None;
-        for (_, part) in &parts {
-            if let Err(e) = self.undo_part(checks, part, now, lease).await {
-                first_error.get_or_insert(e);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        self.refund_at(checks, verdict, None).await
     }
 
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), Error> {

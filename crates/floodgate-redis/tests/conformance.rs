@@ -68,7 +68,7 @@ async fn compare(
                 .refund_at(&checks, a, at)
                 .map_err(|err| format!("event {i}: memory late refund failed: {err}"))?;
             redis
-                .refund(&checks, b)
+                .refund_at(&checks, b, Some(at))
                 .await
                 .map_err(|err| format!("event {i}: redis late refund failed: {err}"))?;
         }
@@ -123,7 +123,7 @@ async fn compare(
                 .refund_at(&checks, &a, at)
                 .map_err(|err| format!("event {i}: memory refund failed: {err}"))?;
             redis
-                .refund(&checks, &b)
+                .refund_at(&checks, &b, Some(at))
                 .await
                 .map_err(|err| format!("event {i}: redis refund failed: {err}"))?;
             continue;

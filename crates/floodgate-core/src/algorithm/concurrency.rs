@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome};
+use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
 
@@ -174,8 +174,8 @@ impl Algorithm for Concurrency {
         }
     }
 
-    fn undo(&self, state: &mut State, ctx: &Ctx) {
-        state.leases.retain(|l| l.id != ctx.lease);
+    fn undo(&self, state: &mut State, undo: &Undo) {
+        state.leases.retain(|l| l.id != undo.lease);
     }
 
     fn expires_at(&self, state: &State) -> u64 {

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome};
+use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo};
 use crate::calendar::Calendar;
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
@@ -153,16 +153,16 @@ impl Algorithm for FixedWindow {
         };
     }
 
-    fn undo(&self, state: &mut State, ctx: &Ctx) {
+    fn undo(&self, state: &mut State, undo: &Undo) {
         // Only the window that counted the check gives units back: a later window never saw
         // them.
         let counted = State {
             start: state.start,
             count: state.count.max(1),
         };
-        let (start, _, _) = self.current(&counted, ctx.now);
-        if state.count > 0 && state.start == start && state.start <= ctx.now {
-            state.count = state.count.saturating_sub(ctx.cost);
+        let (start, _, _) = self.current(&counted, undo.at);
+        if state.count > 0 && state.start == start && state.start <= undo.at {
+            state.count = state.count.saturating_sub(undo.cost);
         }
     }
 

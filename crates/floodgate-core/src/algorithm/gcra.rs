@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, mul_span};
+use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo, mul_span};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
 
@@ -122,9 +122,12 @@ impl Algorithm for Gcra {
         state.tat = state.tat.max(ctx.now).saturating_add(inc);
     }
 
-    fn undo(&self, state: &mut State, ctx: &Ctx) {
-        let inc = self.emission.saturating_mul(ctx.cost);
-        state.tat = state.tat.saturating_sub(inc).max(ctx.now);
+    fn undo(&self, state: &mut State, undo: &Undo) {
+        let share = self.emission.saturating_mul(undo.cost);
+        state.tat = state
+            .tat
+            .saturating_sub(undo.outstanding(share))
+            .max(undo.at);
     }
 
     fn expires_at(&self, state: &State) -> u64 {

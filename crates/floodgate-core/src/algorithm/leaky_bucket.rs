@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use super::gcra::Gcra;
-use super::{Algorithm, Ctx, Outcome, mul_span};
+use super::{Algorithm, Ctx, Outcome, Undo, mul_span};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
 
@@ -100,10 +100,9 @@ impl Algorithm for LeakyBucket {
         state.at = state.at.max(ctx.now);
     }
 
-    fn undo(&self, state: &mut State, ctx: &Ctx) {
-        state.level = state
-            .level
-            .saturating_sub(self.unit.saturating_mul(ctx.cost));
+    fn undo(&self, state: &mut State, undo: &Undo) {
+        let share = self.unit.saturating_mul(undo.cost);
+        state.level = state.level.saturating_sub(undo.outstanding(share));
     }
 
     fn expires_at(&self, state: &State) -> u64 {

@@ -54,6 +54,33 @@ impl Ctx {
     }
 }
 
+/// A refund of one allowed check: the check's time, cost, lease and decision, and the time of
+/// the refund.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Undo {
+    /// When the check was decided, microseconds since the epoch.
+    pub at: u64,
+    /// When the refund happens (no earlier than `at`).
+    pub now: u64,
+    /// The units the check took.
+    pub cost: u64,
+    /// Its concurrency lease (0: none).
+    pub lease: u64,
+    /// Its decision's `reset_after`, in microseconds: the time from `at` until the state was
+    /// due to be full again, the end of the check's own share for the algorithms that drain
+    /// in order (GCRA, the shaper, the funnel).
+    pub reset_after: u64,
+}
+
+impl Undo {
+    /// Of the check's own `share` (microseconds of drain), what has not drained by itself by
+    /// the refund: units drain oldest first, and the check's are the last of its reset time.
+    pub(crate) fn outstanding(&self, share: u64) -> u64 {
+        let end = self.at.saturating_add(self.reset_after);
+        end.saturating_sub(self.now.max(self.at)).min(share)
+    }
+}
+
 /// What a check would do: the decision, and for the shaper how long to wait before going ahead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Outcome {
@@ -99,13 +126,11 @@ pub trait Algorithm {
     /// Applies the request described by `ctx`. Only called after `decide` allowed it.
     fn commit(&self, state: &mut Self::State, ctx: &Ctx);
 
-    /// Gives back what an allowed check took: `ctx` is that check's (its time, cost and
-    /// lease), and `state` may have moved on since. When nothing else was counted in between,
-    /// the state is as if the check had never been made. Otherwise, see
-    /// [`Limiter::refund`](crate::Limiter::refund): windows give back only to the window that
-    /// counted the check, the others `cost` units of room as the state holds it now, never past
-    /// a fresh state's. A concurrency check's lease is released.
-    fn undo(&self, state: &mut Self::State, ctx: &Ctx);
+    /// Gives back what an allowed check took (`undo` says which check, and when), and
+    /// `state` may have moved on since. When nothing else was counted in between, the state is
+    /// as if the check had never been made. Otherwise, see
+    /// [`Limiter::refund`](crate::Limiter::refund). A concurrency check's lease is released.
+    fn undo(&self, state: &mut Self::State, undo: &Undo);
 
     /// The time from which `state` is indistinguishable from [`Algorithm::fresh`]: it may be
     /// dropped then without changing any future decision (the Redis TTL, the memory eviction).

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use super::gcra::Gcra;
-use super::{Algorithm, Ctx, MAX_SPAN_US, Outcome, mul_span};
+use super::{Algorithm, Ctx, MAX_SPAN_US, Outcome, Undo, mul_span};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
 
@@ -105,9 +105,12 @@ impl Algorithm for Shaper {
         state.tat = state.tat.max(ctx.now).saturating_add(inc);
     }
 
-    fn undo(&self, state: &mut State, ctx: &Ctx) {
-        let inc = self.interval.saturating_mul(ctx.cost);
-        state.tat = state.tat.saturating_sub(inc).max(ctx.now);
+    fn undo(&self, state: &mut State, undo: &Undo) {
+        let share = self.interval.saturating_mul(undo.cost);
+        state.tat = state
+            .tat
+            .saturating_sub(undo.outstanding(share))
+            .max(undo.at);
     }
 
     fn expires_at(&self, state: &State) -> u64 {

@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use super::{Algorithm, Ctx, MAX_SPAN_US, Outcome};
+use super::{Algorithm, Ctx, MAX_SPAN_US, Outcome, Undo};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
 
@@ -145,12 +145,12 @@ impl Algorithm for SlidingLog {
         }
     }
 
-    fn undo(&self, state: &mut State, ctx: &Ctx) {
+    fn undo(&self, state: &mut State, undo: &Undo) {
         // The check's entry: the last one admitted at its time (checks admitted in the same
         // microsecond share one entry).
-        if let Some(i) = state.entries.iter().rposition(|e| e.at == ctx.now) {
+        if let Some(i) = state.entries.iter().rposition(|e| e.at == undo.at) {
             let entry = &mut state.entries[i];
-            entry.cost = entry.cost.saturating_sub(ctx.cost);
+            entry.cost = entry.cost.saturating_sub(undo.cost);
             if entry.cost == 0 {
                 state.entries.remove(i);
             }

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, Ctx, Outcome};
+use super::{Algorithm, Ctx, Outcome, Undo};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
 
@@ -147,15 +147,15 @@ impl Algorithm for SlidingWindow {
         };
     }
 
-    fn undo(&self, state: &mut State, ctx: &Ctx) {
-        // The check was counted in the window holding `ctx.now`: the current one, or the
+    fn undo(&self, state: &mut State, undo: &Undo) {
+        // The check was counted in the window holding its time: the current one, or the
         // previous one if the state has moved on by one window since.
         let w = self.window_us();
-        let start = ctx.now - ctx.now % w;
+        let start = undo.at - undo.at % w;
         if state.start == start {
-            state.curr = state.curr.saturating_sub(ctx.cost);
-        } else if state.start == start + w {
-            state.prev = state.prev.saturating_sub(ctx.cost);
+            state.curr = state.curr.saturating_sub(undo.cost);
+        } else if state.start == start.saturating_add(w) {
+            state.prev = state.prev.saturating_sub(undo.cost);
         }
     }
 

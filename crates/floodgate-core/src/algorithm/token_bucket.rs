@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome};
+use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
 
@@ -188,8 +188,8 @@ impl Algorithm for TokenBucket {
         state.last = last;
     }
 
-    fn undo(&self, state: &mut State, ctx: &Ctx) {
-        state.tokens = state.tokens.saturating_add(ctx.cost).min(self.capacity);
+    fn undo(&self, state: &mut State, undo: &Undo) {
+        state.tokens = state.tokens.saturating_add(undo.cost).min(self.capacity);
     }
 
     fn expires_at(&self, state: &State) -> u64 {

@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 use super::sharded::{NewSlot, OnFull, Packable, Packed, Shard, ShardedMap, StoreStats};
 use super::{Check, CheckOptions, Limiter};
 use crate::algorithm::gcra::{self, Gcra};
-use crate::algorithm::{Algorithm, Ctx, Outcome};
+use crate::algorithm::{Algorithm, Ctx, Outcome, Undo};
 use crate::clock::{Clock, SystemClock, duration_micros};
 use crate::error::MemoryError;
 use crate::policy::{Kind, State};
@@ -519,13 +519,13 @@ impl<C: Clock> MemoryLimiter<C> {
         }
         let lease = verdict.lease.map_or(0, |l| l.0);
         let map = &self.inner.map;
-        for c in checks {
-            // The check's own context: each algorithm gives back as of the check's time.
-            let ctx = Ctx {
-                now: at,
+        for (c, d) in checks.iter().zip(&verdict.decisions) {
+            let undo = Undo {
+                at,
+                now,
                 cost: c.cost,
-                max_wait: 0,
                 lease,
+                reset_after: duration_micros(d.reset_after),
             };
             let kind = c.policy.kind();
             let loc = locate(map, c.policy, c.key);
@@ -535,7 +535,7 @@ impl<C: Clock> MemoryLimiter<C> {
                     let empty = shard
                         .find_mut(hash, c.policy.ident(), c.key)
                         .is_some_and(|slot| {
-                            kind.undo(&mut slot.value, &ctx);
+                            kind.undo(&mut slot.value, &undo);
                             slot.set_expires_at(kind.expires_at(&slot.value));
                             slot.expires_at() <= now
                         });
@@ -546,7 +546,7 @@ impl<C: Clock> MemoryLimiter<C> {
                 Loc::Compact { hash, key, gcra } => {
                     let empty = shard.find_compact_mut(hash, key).is_some_and(|entry| {
                         let mut state = gcra::State { tat: entry.tat() };
-                        gcra.undo(&mut state, &ctx);
+                        gcra.undo(&mut state, &undo);
                         entry.set_tat(state.tat);
                         state.tat <= now
                     });

@@ -118,10 +118,12 @@ pub trait Limiter: Send + Sync {
     /// counted on its keys, a check is as if it had never been made. Refunded later:
     /// - the window algorithms (fixed and calendar windows, the sliding log and counter) give
     ///   back only to the window that counted the check, and nothing once it has closed;
-    /// - GCRA, the funnel, the token bucket and the shaper give back `cost` units of room as the
-    ///   state holds it now, never past a fresh state's. If the check's units had already come
-    ///   back with time and others were counted since, the key admits up to `cost` more than
-    ///   it would have without the request: refund promptly.
+    /// - GCRA, the funnel and the shaper drain oldest first: they give back only what is left
+    ///   of the check's own share (known from its decision's `reset_after`, to the
+    ///   millisecond), nothing once it has drained by itself, and never past a fresh state;
+    /// - the token bucket gives back `cost` tokens as the bucket holds them now, never past its
+    ///   capacity: if the check's tokens had already been refilled and others were taken since,
+    ///   the key admits up to `cost` more than it would have without the request.
     ///
     /// A concurrency policy's lease is released. Refunding the same verdict twice gives its
     /// units back twice.

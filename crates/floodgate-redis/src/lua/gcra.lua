@@ -88,8 +88,10 @@ ALG.gcra = {
   end,
 
   -- Gives back `cost` units taken at `now` (a check across cluster slots that failed later).
-  undo = function(idx, key, p, now, cost, _, st)
-    st.tat = math.max(now, st.tat - p[1] * cost)
+  -- `now` is the check's time; `u.now` the refund's and `u.reset` the check's reset time:
+  -- only the part of its own share that has not drained by itself comes back.
+  undo = function(idx, key, p, now, cost, _, st, u)
+    st.tat = math.max(now, st.tat - outstanding(p[1] * cost, now, u))
     ALG.gcra.save(key, st, p, now)
   end,
 }

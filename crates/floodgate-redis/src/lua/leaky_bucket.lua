@@ -35,8 +35,8 @@ ALG.lb = {
     expire(key, st.at + st.level, now)
   end,
 
-  undo = function(idx, key, p, now, cost, _, st)
-    st.level = math.max(0, st.level - p[1] * cost)
+  undo = function(idx, key, p, now, cost, _, st, u)
+    st.level = math.max(0, st.level - outstanding(p[1] * cost, now, u))
     ALG.lb.save(key, st, p, math.max(now, st.at))
   end,
 }

@@ -67,6 +67,13 @@ local function ttl_ms(t, now)
   return math.floor((t - ttl_base(now)) / 1000)
 end
 
+-- Of a check's own `share` (us of drain), what has not drained by itself by the refund at
+-- `u.now`: units drain oldest first, and the check's are the last before its reset time
+-- (`at + u.reset`). floodgate_core::algorithm::Undo::outstanding.
+local function outstanding(share, at, u)
+  return math.min(share, math.max(0, at + u.reset - math.max(u.now, at)))
+end
+
 local function floor_div(a, b)
   return math.floor(a / b)
 end

@@ -37,7 +37,7 @@ ALG.shp = {
     ALG.gcra.save(key, st, p, now)
   end,
 
-  undo = function(idx, key, p, now, cost, lease, st)
-    ALG.gcra.undo(idx, key, p, now, cost, lease, st)
+  undo = function(idx, key, p, now, cost, lease, st, u)
+    ALG.gcra.undo(idx, key, p, now, cost, lease, st, u)
   end,
 }
