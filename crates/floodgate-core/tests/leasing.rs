@@ -146,3 +146,41 @@ async fn checks_that_cost_more_than_a_lease_go_to_the_store_and_waste_nothing() 
     // The store charged only what was admitted.
     assert_eq!(store.granted.load(Ordering::Relaxed), admitted);
 }
+
+/// A check answered from a local lease reports the lease's decision aged by the time since it
+/// was granted: its reset time is when the store's state is full again, not a lease later.
+#[tokio::test]
+async fn local_answers_age_the_lease_s_reset_time() {
+    use floodgate_core::{ManualClock, Timestamp};
+    let policy = Policy::per_second(10_000).expect("valid");
+    let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
+    let leasing = Leasing::with_config(store(), LeasingConfig::default(), clock.clone());
+    let check = [Check::new(b"hot", &policy)];
+    // Hot after a few checks: the next one takes a lease and is answered from it.
+    let mut first_local = None;
+    for _ in 0..64 {
+        let v = leasing
+            .check(&check, CheckOptions::default())
+            .await
+            .expect("check");
+        if leasing.stats().local > 0 {
+            first_local = Some(v);
+            break;
+        }
+    }
+    let granted = first_local.expect("a lease was taken");
+    clock.advance(Duration::from_millis(3));
+    let later = leasing
+        .check(&check, CheckOptions::default())
+        .await
+        .expect("check");
+    assert_eq!(leasing.stats().leases, 1, "{:?}", leasing.stats());
+    let (g, l) = (
+        granted.decisions[0].reset_after,
+        later.decisions[0].reset_after,
+    );
+    assert!(
+        l + Duration::from_millis(3) <= g + Duration::from_millis(1),
+        "not aged: {g:?} then {l:?} 3 ms later"
+    );
+}

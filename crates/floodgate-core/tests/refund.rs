@@ -331,7 +331,8 @@ fn a_late_refund_of_a_sliding_window_comes_off_the_previous_window() {
 }
 
 /// A refund trusts only what it can check: the checks must match the verdict's decisions, and
-/// the verdict must come from the past (a forged or foreign one is refused, changing nothing).
+/// the verdict's time must be one the store can hold (a forged one is refused, changing
+/// nothing).
 #[test]
 fn a_refund_that_does_not_fit_its_verdict_is_refused_and_changes_nothing() {
     let limiter = MemoryLimiter::new();
@@ -346,17 +347,15 @@ fn a_refund_that_does_not_fit_its_verdict_is_refused_and_changes_nothing() {
     // Two checks for one decision.
     let two = [Check::new(b"k", &p), Check::new(b"k", &q)];
     assert!(limiter.refund_at(&two, &sent, now).is_err());
-    // A verdict from the future, and one from beyond what the store can hold.
-    for at in [T0 + 10 * MS, u64::MAX] {
-        let forged = Verdict {
-            at: Timestamp::from_micros(at),
-            ..sent.clone()
-        };
-        let err = limiter
-            .refund_at(&checks, &forged, now)
-            .expect_err("a verdict from the future");
-        assert!(err.to_string().contains("us"), "{err}");
-    }
+    // A verdict from beyond what the store can hold.
+    let forged = Verdict {
+        at: Timestamp::from_micros(u64::MAX),
+        ..sent.clone()
+    };
+    let err = limiter
+        .refund_at(&checks, &forged, now)
+        .expect_err("a verdict from the year 584,000");
+    assert!(err.to_string().contains("us"), "{err}");
     // Nothing was given back.
     assert!(
         !limiter
@@ -409,4 +408,40 @@ fn a_late_refund_gives_back_only_what_has_not_come_back_by_itself() {
             "{p:?}: more than a fresh state's room"
         );
     }
+}
+
+/// A shaper's reservation is given back only while nothing is queued behind it: its state is
+/// one time, and freeing a slot in the middle of the queue would promise that slot twice.
+#[test]
+fn a_shaper_reservation_with_others_behind_it_is_not_given_back() {
+    let p = Policy::shaper(100, Duration::from_secs(1)).expect("valid"); // one per 10 ms
+    let checks = [Check::new(b"k", &p)];
+    let wait = |ms| CheckOptions {
+        max_wait: Duration::from_secs(1),
+        now: Some(Timestamp::from_micros(T0 + ms * MS)),
+    };
+    let limiter = MemoryLimiter::new();
+    let first = limiter.check_sync(&checks, wait(0)).expect("checks");
+    let a = limiter.check_sync(&checks, wait(0)).expect("checks");
+    let b = limiter.check_sync(&checks, wait(0)).expect("checks");
+    assert_eq!(
+        (first.wait, a.wait, b.wait),
+        (
+            Duration::ZERO,
+            Duration::from_millis(10),
+            Duration::from_millis(20)
+        )
+    );
+    // A, in the middle: nothing comes back, and the next reservation comes after B's.
+    limiter
+        .refund_at(&checks, &a, Timestamp::from_micros(T0))
+        .expect("refunds");
+    let c = limiter.check_sync(&checks, wait(0)).expect("checks");
+    assert_eq!(c.wait, Duration::from_millis(30), "C would share B's slot");
+    // C, the last: its slot comes back.
+    limiter
+        .refund_at(&checks, &c, Timestamp::from_micros(T0))
+        .expect("refunds");
+    let d = limiter.check_sync(&checks, wait(0)).expect("checks");
+    assert_eq!(d.wait, Duration::from_millis(30));
 }

@@ -874,8 +874,9 @@ impl Limiter for RedisLimiter {
     }
 
     /// One call of `lua/undo.lua` per cluster slot, as of the verdict's time (the server's).
-    /// On a cluster, a check across slots is refunded as of its first part's time: a window or
-    /// log on a node whose clock differs by more than the window's edge may give nothing back.
+    /// On a cluster, a check across slots is refunded as of its first part's time: on a node
+    /// whose clock differs, a window or log may give nothing back, and the drain-in-order
+    /// estimate of GCRA, the funnel and the shaper is off by the difference.
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), Error> {
         self.refund_at(checks, verdict, None).await
     }

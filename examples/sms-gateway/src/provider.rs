@@ -175,8 +175,13 @@ impl SmsProvider for WebhookProvider {
                         ProviderError::Unknown(message)
                     }
                 })?;
-            if !status.is_success() {
+            // A 4xx refused the message, and a 503 says it was not handled; other errors (a 500,
+            // a proxy's 502 or 504) may come after the message went out.
+            if status.is_client_error() || status == http::StatusCode::SERVICE_UNAVAILABLE {
                 return Err(ProviderError::NotSent(format!("webhook answered {status}")));
+            }
+            if !status.is_success() {
+                return Err(ProviderError::Unknown(format!("webhook answered {status}")));
             }
             Ok(())
         })

@@ -222,7 +222,7 @@ const TAKE: u8 = 0;
 const REFUSE: u8 = 1;
 const STALL: u8 = 2;
 
-/// A webhook on loopback that takes messages (200), refuses them (500) or never answers,
+/// A webhook on loopback that takes messages (200), refuses them (422) or never answers,
 /// as `mode` says; returns its address and the count of messages it took.
 async fn webhook(
     mode: std::sync::Arc<std::sync::atomic::AtomicU8>,
@@ -263,7 +263,7 @@ async fn webhook(
                     }
                 }
                 let status = match mode.load(Ordering::SeqCst) {
-                    REFUSE => "500 Internal Server Error",
+                    REFUSE => "422 Unprocessable Entity",
                     STALL => {
                         tokio::time::sleep(Duration::from_secs(30)).await;
                         return;

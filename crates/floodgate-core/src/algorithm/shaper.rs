@@ -106,6 +106,11 @@ impl Algorithm for Shaper {
     }
 
     fn undo(&self, state: &mut State, undo: &Undo) {
+        // A reservation with others queued behind it is not given back: the state is one time,
+        // and freeing a slot in the middle of the queue would promise it twice.
+        if state.tat > undo.at.saturating_add(undo.reset_after) {
+            return;
+        }
         let share = self.interval.saturating_mul(undo.cost);
         state.tat = state
             .tat

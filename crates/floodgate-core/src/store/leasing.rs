@@ -66,8 +66,10 @@ struct Local {
     /// Which lease this is (one more with each lease taken): units taken from a lease go back
     /// to that lease only.
     lease_no: u64,
-    /// The decision the lease was taken with (for headers of local answers).
+    /// The decision the lease was taken with (for headers of local answers), and when (local
+    /// clock, µs).
     decision: Decision,
+    granted: u64,
     /// Checks seen in the current counting period, and when that period started.
     seen: u32,
     period_start: u64,
@@ -218,6 +220,7 @@ impl<L, C: Clock> Leasing<L, C> {
                                 until: 0,
                                 lease_no: 0,
                                 decision: Decision::from_micros(true, 0, 0, None, 0),
+                                granted: now,
                                 seen: 0,
                                 period_start: now,
                             },
@@ -259,8 +262,12 @@ impl<L, C: Clock> Leasing<L, C> {
                 Some(slot) if slot.value.units >= c.cost && slot.value.until > now => {
                     let local = &mut slot.value;
                     local.units -= c.cost;
+                    // The lease's decision, aged: its reset time counts from the grant (the
+                    // store's state is full again then), which a refund relies on too.
+                    let elapsed = Duration::from_micros(now.saturating_sub(local.granted));
                     decisions.push(Decision {
                         remaining: local.decision.remaining.saturating_add(local.units),
+                        reset_after: local.decision.reset_after.saturating_sub(elapsed),
                         ..local.decision
                     });
                     taken.push((i, local.lease_no));
@@ -343,6 +350,7 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
                 local.until = until;
                 local.lease_no = local.lease_no.wrapping_add(1);
                 local.decision = verdict.decisions[0];
+                local.granted = now;
                 slot.set_expires_at(until + duration_micros(self.shared.cfg.lease_for));
             }
         }

@@ -125,6 +125,11 @@ pub trait Limiter: Send + Sync {
     ///   capacity: if the check's tokens had already been refilled and others were taken since,
     ///   the key admits up to `cost` more than it would have without the request.
     ///
+    /// Two limits of a late refund: the shaper gives nothing back once another reservation is
+    /// queued behind the check's (freeing a slot in the middle would promise it twice), and
+    /// the drain-in-order estimate knows nothing of earlier refunds, so refunding a second
+    /// check after one counted since can take up to its own cost from that one.
+    ///
     /// A concurrency policy's lease is released. Refunding the same verdict twice gives its
     /// units back twice.
     fn refund(

@@ -38,6 +38,10 @@ ALG.shp = {
   end,
 
   undo = function(idx, key, p, now, cost, lease, st, u)
+    -- A reservation with others queued behind it is not given back (see shaper.rs).
+    if st.tat > now + u.reset then
+      return
+    end
     ALG.gcra.undo(idx, key, p, now, cost, lease, st, u)
   end,
 }
