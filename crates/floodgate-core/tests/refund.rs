@@ -167,6 +167,14 @@ fn at(ms: u64) -> CheckOptions {
     CheckOptions::at(Timestamp::from_micros(T0 + ms * MS))
 }
 
+/// Whether `checks` are allowed at `ms` after T0.
+fn allowed(limiter: &MemoryLimiter, checks: &[Check<'_>], ms: u64) -> bool {
+    limiter
+        .check_sync(checks, at(ms))
+        .expect("checks")
+        .allowed()
+}
+
 /// "One SMS per phone per 30 minutes", and the provider refused the message.
 #[test]
 fn a_refund_gives_the_phone_its_message_back() {
@@ -175,23 +183,13 @@ fn a_refund_gives_the_phone_its_message_back() {
     let checks = [Check::new(b"+15550100", &phone)];
     let sent = limiter.check_sync(&checks, at(0)).expect("checks");
     assert!(sent.allowed());
-    assert!(
-        !limiter
-            .check_sync(&checks, at(1))
-            .expect("checks")
-            .allowed()
-    );
+    assert!(!allowed(&limiter, &checks, 1));
     limiter
         .refund_at(&checks, &sent, Timestamp::from_micros(T0 + 2 * MS))
         .expect("refunds");
     let again = limiter.check_sync(&checks, at(3)).expect("checks");
     assert!(again.allowed(), "{again:?}");
-    assert!(
-        !limiter
-            .check_sync(&checks, at(4))
-            .expect("checks")
-            .allowed()
-    );
+    assert!(!allowed(&limiter, &checks, 4));
 }
 
 #[test]
@@ -199,23 +197,13 @@ fn a_denied_verdict_refunds_nothing() {
     let limiter = MemoryLimiter::new();
     let p = Policy::per_minute(1).expect("valid");
     let checks = [Check::new(b"k", &p)];
-    assert!(
-        limiter
-            .check_sync(&checks, at(0))
-            .expect("checks")
-            .allowed()
-    );
+    assert!(allowed(&limiter, &checks, 0));
     let denied = limiter.check_sync(&checks, at(1)).expect("checks");
     assert!(!denied.allowed());
     limiter
         .refund_at(&checks, &denied, Timestamp::from_micros(T0 + 2 * MS))
         .expect("refunds");
-    assert!(
-        !limiter
-            .check_sync(&checks, at(3))
-            .expect("checks")
-            .allowed()
-    );
+    assert!(!allowed(&limiter, &checks, 3));
 }
 
 /// A window that has closed since the check has forgotten its units: refunding them must not
@@ -254,21 +242,11 @@ fn a_refund_gives_back_every_policy_of_the_check_and_its_lease() {
     let checks = [Check::new(b"a", &rate), Check::new(b"a", &slots)];
     let first = limiter.check_sync(&checks, at(0)).expect("checks");
     assert!(first.allowed() && first.lease.is_some());
-    assert!(
-        !limiter
-            .check_sync(&checks, at(1))
-            .expect("checks")
-            .allowed()
-    );
+    assert!(!allowed(&limiter, &checks, 1));
     limiter
         .refund_at(&checks, &first, Timestamp::from_micros(T0 + 2 * MS))
         .expect("refunds");
-    assert!(
-        limiter
-            .check_sync(&checks, at(3))
-            .expect("checks")
-            .allowed()
-    );
+    assert!(allowed(&limiter, &checks, 3));
 }
 
 /// A deny cache in front of the store remembers that the check spent the key's last unit; the
@@ -309,21 +287,13 @@ fn a_late_refund_of_a_sliding_window_comes_off_the_previous_window() {
         let limiter = MemoryLimiter::new();
         let first = limiter.check_sync(&checks, at(0)).expect("checks");
         assert!(first.allowed());
-        assert!(
-            limiter
-                .check_sync(&checks, at(1_100))
-                .expect("checks")
-                .allowed()
-        );
+        assert!(allowed(&limiter, &checks, 1_100));
         if refund {
             limiter
                 .refund_at(&checks, &first, Timestamp::from_micros(T0 + 1_150 * MS))
                 .expect("refunds");
         }
-        limiter
-            .check_sync(&checks, at(1_200))
-            .expect("checks")
-            .allowed()
+        allowed(&limiter, &checks, 1_200)
     };
     // Without the refund, 80% of the previous window's one unit still counts: 2.8 > 2.
     assert!(!run(false));
@@ -357,12 +327,7 @@ fn a_refund_that_does_not_fit_its_verdict_is_refused_and_changes_nothing() {
         .expect_err("a verdict from the year 584,000");
     assert!(err.to_string().contains("us"), "{err}");
     // Nothing was given back.
-    assert!(
-        !limiter
-            .check_sync(&checks, at(2))
-            .expect("checks")
-            .allowed()
-    );
+    assert!(!allowed(&limiter, &checks, 2));
 }
 
 /// A late refund gives back only what is left of the check's own units: those that came back
@@ -393,18 +358,9 @@ fn a_late_refund_gives_back_only_what_has_not_come_back_by_itself() {
         limiter
             .refund_at(&checks, &a, Timestamp::from_micros(T0 + 30_000 * MS))
             .expect("refunds");
+        assert!(allowed(&limiter, &checks, 30_001), "{p:?}");
         assert!(
-            limiter
-                .check_sync(&checks, at(30_001))
-                .expect("checks")
-                .allowed(),
-            "{p:?}"
-        );
-        assert!(
-            !limiter
-                .check_sync(&checks, at(30_002))
-                .expect("checks")
-                .allowed(),
+            !allowed(&limiter, &checks, 30_002),
             "{p:?}: more than a fresh state's room"
         );
     }
