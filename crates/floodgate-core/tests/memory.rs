@@ -527,3 +527,33 @@ async fn reset_forgets_state() {
     limiter.reset(b"k", &p).await.expect("reset");
     assert!(limiter.check_one(b"k", &p, 1).await.expect("check").allowed);
 }
+
+/// A renewed concurrency lease outlives its TTL; a lapsed or released one is not taken again.
+#[test]
+fn renewing_a_lease_extends_it_and_never_revives_it() {
+    use floodgate_core::{Check, CheckOptions, MemoryLimiter, Policy, Timestamp};
+    const T0: u64 = 1_709_214_330_000_000;
+    let ms = |ms: u64| Timestamp::from_micros(T0 + ms * 1_000);
+    let limiter = MemoryLimiter::new();
+    let one = Policy::concurrency(1, std::time::Duration::from_secs(1)).expect("valid");
+    let checks = [Check::new(b"worker", &one)];
+    let first = limiter
+        .check_sync(&checks, CheckOptions::at(ms(0)))
+        .expect("checks");
+    let lease = first.lease.expect("a lease");
+    assert!(limiter.renew_at(&checks, lease, ms(800)));
+    let during = limiter
+        .check_sync(&checks, CheckOptions::at(ms(1_500)))
+        .expect("checks");
+    assert!(!during.allowed(), "the renewed lease still holds the slot");
+    assert!(
+        !limiter.renew_at(&checks, lease, ms(1_900)),
+        "lapsed at 1.8 s"
+    );
+    let second = limiter
+        .check_sync(&checks, CheckOptions::at(ms(1_900)))
+        .expect("checks");
+    let lease = second.lease.expect("a lease");
+    assert!(limiter.release_at(&checks, lease, ms(1_950)));
+    assert!(!limiter.renew_at(&checks, lease, ms(2_000)), "released");
+}

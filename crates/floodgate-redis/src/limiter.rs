@@ -101,6 +101,13 @@ const RELEASE_SRC: &str = concat!(
 pub static CHECK_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(CHECK_SRC));
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_SRC));
 static UNDO: LazyLock<Script> = LazyLock::new(|| Script::new(UNDO_SRC));
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("lua/errors.lua"),
+        include_str!("lua/prelude.lua"),
+        include_str!("lua/renew.lua")
+    ))
+});
 
 /// One call of the check script: which script, its keys and arguments.
 #[derive(Clone, Debug)]
@@ -623,6 +630,53 @@ impl RedisLimiter {
             .map(drop)
     }
 
+    /// [`Limiter::renew`] as of `now` (simulations and tests; `None`: the server's time): one
+    /// call per concurrency key, each extended by its policy's lease TTL.
+    ///
+    /// # Errors
+    /// The first error of any key's call (the others are still renewed); a corrupt lease end
+    /// or a key of another type changes nothing in that key.
+    pub async fn renew_at(
+        &self,
+        checks: &[Check<'_>],
+        lease: LeaseId,
+        now: Option<Timestamp>,
+    ) -> Result<bool, Error> {
+        let id = lease.0.to_string();
+        let now = now.map_or(String::new(), |t| t.as_micros().to_string());
+        let mut held = true;
+        let mut first_error = None;
+        for c in checks {
+            let Kind::Concurrency(conc) = c.policy.kind() else {
+                continue;
+            };
+            let key = self.state_key(c.policy, c.key);
+            let ttl = conc.lease_ttl_us().to_string();
+            let reply = self
+                .inner
+                .conn
+                .invoke_script(
+                    &RENEW,
+                    &[key.as_slice()],
+                    &[id.as_bytes(), now.as_bytes(), ttl.as_bytes()],
+                )
+                .await;
+            match reply {
+                Ok(redis::Value::Int(n)) => held &= n == 1,
+                Ok(other) => {
+                    first_error.get_or_insert(Error::UnexpectedReply {
+                        expected: "0 or 1 from the renew script",
+                        got: format!("{other:?}").chars().take(200).collect(),
+                    });
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(held), Err)
+    }
+
     /// [`Limiter::refund`] as of `now` (simulations and tests; `None`: the server's time).
     ///
     /// # Errors
@@ -879,6 +933,10 @@ impl Limiter for RedisLimiter {
     /// estimate of GCRA, the funnel and the shaper is off by the difference.
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), Error> {
         self.refund_at(checks, verdict, None).await
+    }
+
+    async fn renew(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<bool, Error> {
+        self.renew_at(checks, lease, None).await
     }
 
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), Error> {

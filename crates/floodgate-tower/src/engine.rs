@@ -171,6 +171,7 @@ impl fmt::Debug for Refund {
 }
 
 /// A concurrency lease to give back (boxed in its guard: leases are rare, futures moved often).
+#[derive(Clone)]
 pub(crate) struct LeaseJob {
     rules: SmallVec<[usize; 2]>,
     keys: SmallVec<[Key; 2]>,
@@ -183,6 +184,8 @@ pub(crate) struct LeaseJob {
 pub(crate) struct LeaseGuard {
     engine: Arc<dyn DynEngine>,
     job: Option<Box<LeaseJob>>,
+    /// The task renewing the lease while the guard lives (see [`keep_alive`]).
+    renewing: Option<tokio::task::AbortHandle>,
 }
 
 impl LeaseGuard {
@@ -194,25 +197,64 @@ impl LeaseGuard {
         fallback: bool,
     ) -> Self {
         let (rules, keys) = items.unzip();
+        let job = LeaseJob {
+            rules,
+            keys,
+            lease,
+            fallback,
+        };
+        let renewing = keep_alive(&engine, &job);
         LeaseGuard {
             engine,
-            job: Some(Box::new(LeaseJob {
-                rules,
-                keys,
-                lease,
-                fallback,
-            })),
+            job: Some(Box::new(job)),
+            renewing,
         }
     }
 
     /// Drops the guard without releasing: another guard holds the lease now.
     fn disarm(&mut self) {
         self.job = None;
+        if let Some(renewing) = self.renewing.take() {
+            renewing.abort();
+        }
     }
+}
+
+/// Renews the lease of `job` every third of its (shortest) TTL until aborted, so that a body
+/// that outlasts the TTL (a long stream) keeps its slot; stops when the lease is found lapsed.
+/// Needs a Tokio runtime; without one the lease lapses after its TTL as before.
+fn keep_alive(engine: &Arc<dyn DynEngine>, job: &LeaseJob) -> Option<tokio::task::AbortHandle> {
+    let sh = engine.shared();
+    let ttl = job
+        .rules
+        .iter()
+        .filter_map(|&r| match sh.table[r].rule.policy().kind() {
+            Kind::Concurrency(c) => Some(c.lease_ttl_us()),
+            _ => None,
+        })
+        .min()?;
+    let handle = tokio::runtime::Handle::try_current().ok()?;
+    let period = Duration::from_micros((ttl / 3).max(1_000));
+    let engine = Arc::clone(engine);
+    let job = Arc::new(job.clone());
+    let task = handle.spawn(async move {
+        let mut next = tokio::time::Instant::now() + period;
+        loop {
+            tokio::time::sleep_until(next).await;
+            next += period;
+            if !Arc::clone(&engine).renew(Arc::clone(&job)).await {
+                break;
+            }
+        }
+    });
+    Some(task.abort_handle())
 }
 
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
+        if let Some(renewing) = self.renewing.take() {
+            renewing.abort();
+        }
         if let Some(job) = self.job.take() {
             Arc::clone(&self.engine).release(*job);
         }
@@ -241,6 +283,8 @@ pub(crate) trait DynEngine: Send + Sync + 'static {
     ) -> Called;
     fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided>;
     fn release(self: Arc<Self>, job: LeaseJob);
+    /// Renews a lease; `false` once it is no longer held (lapsed or released).
+    fn renew(self: Arc<Self>, job: Arc<LeaseJob>) -> BoxFuture<bool>;
     /// Gives back what an allowed request took (see [`Refund`]).
     fn refund(self: Arc<Self>, job: RefundJob);
     /// The limiter's deny cache and leasing counters (also copied into their metrics).
@@ -905,6 +949,37 @@ where
                 ),
             }
         }));
+    }
+
+    fn renew(self: Arc<Self>, job: Arc<LeaseJob>) -> BoxFuture<bool> {
+        Box::pin(async move {
+            let sh = &self.shared;
+            let checks = lease_checks(sh, &job);
+            if let Some(memory) = self.local(job.fallback) {
+                return memory.renew_sync(&checks, job.lease);
+            }
+            match timeout_unless_ready(sh.timeout, self.limiter.renew(&checks, job.lease)).await {
+                Some(Ok(held)) => {
+                    if !held {
+                        tracing::debug!(
+                            target: "floodgate",
+                            "a concurrency lease lapsed before it could be renewed"
+                        );
+                    }
+                    held
+                }
+                // Transient (the store down or slow): try again next period.
+                Some(Err(e)) => {
+                    tracing::debug!(
+                        target: "floodgate",
+                        error = %e,
+                        "could not renew a concurrency lease; trying again"
+                    );
+                    true
+                }
+                None => true,
+            }
+        })
     }
 
     fn refund(self: Arc<Self>, job: RefundJob) {

@@ -466,6 +466,10 @@ impl Limiter for RemoteStore {
         self.memory.release(checks, lease).await
     }
 
+    async fn renew(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<bool, MemoryError> {
+        self.memory.renew(checks, lease).await
+    }
+
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
         self.memory.refund(checks, verdict).await
     }
@@ -848,6 +852,10 @@ impl Limiter for BrokenStore {
         Ok(())
     }
 
+    async fn renew(&self, _: &[Check<'_>], _: LeaseId) -> Result<bool, MemoryError> {
+        Err(MemoryError::InvalidCheck("the store is broken".into()))
+    }
+
     async fn refund(&self, _: &[Check<'_>], _: &Verdict) -> Result<(), MemoryError> {
         Err(MemoryError::InvalidCheck("the store is broken".into()))
     }
@@ -977,4 +985,39 @@ async fn responses_matching_refund_when_do_not_count() {
     assert_eq!(client.get("/fail").await.status, 500);
     assert_eq!(client.get("/fail").await.status, 500);
     assert_eq!(client.get("/fail").await.status, 429);
+}
+
+/// A body that outlasts its lease's TTL keeps the lease: the layer renews it while the body
+/// lives, and gives it back when the body ends.
+#[tokio::test]
+async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy_named(
+                Policy::concurrency(1, Duration::from_millis(300)),
+                "one-stream",
+            ))
+            .key(GlobalKey),
+        )
+        .build()
+        .expect("layer");
+    let (app, senders) = common::held_stream_app(|app| app.layer(layer));
+    let addr = serve(app).await;
+    let (mut first, head) = common::open_stream(addr).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // Three TTLs later, the stream still holds the only slot.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let (_second, head) = common::open_stream(addr).await;
+    assert!(
+        head.starts_with("HTTP/1.1 429"),
+        "the lease lapsed mid-stream: {head}"
+    );
+    senders
+        .lock()
+        .expect("lock")
+        .remove(0)
+        .send(())
+        .expect("end");
+    let _ = common::read_to_end(&mut first).await;
+    let _third = common::wait_admitted(addr).await;
 }

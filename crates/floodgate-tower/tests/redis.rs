@@ -400,3 +400,40 @@ async fn refunds_reach_redis_through_the_deny_cache() {
     // That success counts: the next request is over the limit.
     assert_eq!(client.get("/").await.status, 429);
 }
+
+/// Over Redis too, a stream that outlasts its lease's TTL keeps its slot (the layer renews the
+/// lease while the body lives).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot_in_redis() {
+    let redis = start_redis();
+    let layer = RateLimitLayer::builder(limiter(&redis).await)
+        .rule(
+            Rule::new(
+                Policy::concurrency(1, Duration::from_millis(400))
+                    .expect("policy")
+                    .named("redis-stream")
+                    .expect("name"),
+            )
+            .key(GlobalKey),
+        )
+        .build()
+        .expect("layer");
+    let (app, senders) = common::held_stream_app(|app| app.layer(layer));
+    let addr = serve(app).await;
+    let (mut first, head) = common::open_stream(addr).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let (_second, head) = common::open_stream(addr).await;
+    assert!(
+        head.starts_with("HTTP/1.1 429"),
+        "the lease lapsed mid-stream: {head}"
+    );
+    senders
+        .lock()
+        .expect("lock")
+        .remove(0)
+        .send(())
+        .expect("end");
+    common::read_to_end(&mut first).await;
+    let _third = common::wait_admitted(addr).await;
+}

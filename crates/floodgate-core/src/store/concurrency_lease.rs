@@ -106,6 +106,18 @@ where
         }
     }
 
+    /// Extends the lease to a whole lease TTL from now ([`Limiter::renew`]); `Ok(false)` when
+    /// it had already lapsed (or was released) on some key, and is not held there any more.
+    ///
+    /// # Errors
+    /// The limiter's error.
+    pub async fn renew(&self) -> Result<bool, L::Error> {
+        match &self.held {
+            Some(held) => held.limiter.renew(&held.checks(), self.id).await,
+            None => Ok(false),
+        }
+    }
+
     /// Gives up the guard without releasing: the lease is held until its TTL, or until
     /// released by id ([`Limiter::release`]).
     pub fn forget(mut self) -> LeaseId {

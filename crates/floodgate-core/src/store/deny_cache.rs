@@ -380,6 +380,10 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
         self.inner.release(checks, lease).await
     }
 
+    async fn renew(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<bool, L::Error> {
+        self.inner.renew(checks, lease).await
+    }
+
     /// Refunds in the store, then forgets the cached denial of the same checks (made without a
     /// wait), which the refund makes wrong: a check that spent a key's last unit leaves one
     /// behind. Cached denials of other checks on the same keys run out at their time.

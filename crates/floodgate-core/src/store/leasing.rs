@@ -403,6 +403,10 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
         self.inner.release(checks, lease).await
     }
 
+    async fn renew(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<bool, L::Error> {
+        self.inner.renew(checks, lease).await
+    }
+
     /// Refunds in the store: the units go back to the shared budget, whether the check took
     /// them from a local lease or from the store. A check answered from a local lease is
     /// refunded as of the local time it was answered, while the store counted its units with

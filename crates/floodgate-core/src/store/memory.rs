@@ -556,6 +556,38 @@ impl<C: Clock> MemoryLimiter<C> {
         Ok(())
     }
 
+    /// Extends lease `lease` of `checks` (see [`Limiter::renew`]).
+    pub fn renew_sync(&self, checks: &[Check<'_>], lease: LeaseId) -> bool {
+        self.renew_at(checks, lease, self.inner.clock.now())
+    }
+
+    /// [`MemoryLimiter::renew_sync`] as of `now` (simulations).
+    pub fn renew_at(&self, checks: &[Check<'_>], lease: LeaseId, now: Timestamp) -> bool {
+        let now = now.as_micros();
+        let map = &self.inner.map;
+        let mut held = true;
+        for c in checks {
+            let Kind::Concurrency(conc) = c.policy.kind() else {
+                continue;
+            };
+            let hash = map.hash(c.policy.ident(), c.key);
+            let mut shard = map.lock(map.shard_of(hash));
+            let mut renewed = false;
+            if let Some(slot) = shard.find_mut(hash, c.policy.ident(), c.key) {
+                if let State::Concurrency(st) = &mut slot.value {
+                    renewed = conc.renew(st, lease.0, now);
+                }
+                if renewed {
+                    slot.set_expires_at(c.policy.kind().expires_at(&slot.value));
+                    let at = slot.expires_at();
+                    shard.note_expiry(at);
+                }
+            }
+            held &= renewed;
+        }
+        held
+    }
+
     /// Forgets `policy`'s state for `key`.
     pub fn reset_sync(&self, key: &[u8], policy: &Policy) {
         let map = &self.inner.map;
@@ -698,6 +730,10 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
     async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
         self.release_sync(checks, lease);
         Ok(())
+    }
+
+    async fn renew(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<bool, MemoryError> {
+        Ok(self.renew_sync(checks, lease))
     }
 
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {

@@ -109,6 +109,17 @@ pub trait Limiter: Send + Sync {
         lease: LeaseId,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
+    /// Extends the concurrency lease `lease` taken by an allowed check of `checks` to a whole
+    /// lease TTL from now, on every concurrency policy among them (the others are left
+    /// alone): for work that outlasts the TTL (a long stream), renewed well within it. Returns
+    /// whether every key still held the lease; one that had lapsed or been released is not
+    /// taken again.
+    fn renew(
+        &self,
+        checks: &[Check<'_>],
+        lease: LeaseId,
+    ) -> impl Future<Output = Result<bool, Self::Error>> + Send;
+
     /// Gives back what the allowed `verdict` of `checks` took, as if the request had not been
     /// made: for work that did not happen after all (the SMS provider refused the message, the
     /// call the limit guarded failed before doing anything). `checks` must be the checks the

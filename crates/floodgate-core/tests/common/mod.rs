@@ -70,6 +70,10 @@ impl Limiter for Store {
         self.inner.release(checks, lease).await
     }
 
+    async fn renew(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<bool, MemoryError> {
+        self.inner.renew(checks, lease).await
+    }
+
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
         self.inner.refund(checks, verdict).await
     }
