@@ -45,6 +45,8 @@ pub(crate) struct Shared {
     pub(crate) metrics: LayerMetrics,
     /// When an allowed request's response is given its units back (`refund_when`).
     pub(crate) refund_when: Option<RefundWhen>,
+    /// How long a response's concurrency lease is renewed at most (`renew_leases_up_to`).
+    pub(crate) renew_leases: Option<Duration>,
 }
 
 /// The layer's `refund_when` predicate, on the inner service's response status and headers.
@@ -67,6 +69,7 @@ impl fmt::Debug for Shared {
             .field("max_key_len", &self.max_key_len)
             .field("health", &self.health)
             .field("refund_when", &self.refund_when.is_some())
+            .field("renew_leases", &self.renew_leases)
             .finish()
     }
 }
@@ -220,11 +223,14 @@ impl LeaseGuard {
     }
 }
 
-/// Renews the lease of `job` every third of its (shortest) TTL until aborted, so that a body
-/// that outlasts the TTL (a long stream) keeps its slot; stops when the lease is found lapsed.
-/// Needs a Tokio runtime; without one the lease lapses after its TTL as before.
+/// Renews the lease of `job` every third of its (shortest) TTL, for at most the layer's
+/// `renew_leases_up_to` since the grant, until aborted (the guard dropped), so that a body that
+/// outlasts the TTL (a long stream) keeps its slot. Stops when the lease is found lapsed or the
+/// store refuses the key for good; a store that is down or slow is tried again next period.
+/// Needs a Tokio runtime with timers; without a runtime the lease lapses after its TTL.
 fn keep_alive(engine: &Arc<dyn DynEngine>, job: &LeaseJob) -> Option<tokio::task::AbortHandle> {
     let sh = engine.shared();
+    let max_hold = sh.renew_leases?;
     let ttl = job
         .rules
         .iter()
@@ -238,11 +244,16 @@ fn keep_alive(engine: &Arc<dyn DynEngine>, job: &LeaseJob) -> Option<tokio::task
     let engine = Arc::clone(engine);
     let job = Arc::new(job.clone());
     let task = handle.spawn(async move {
-        let mut next = tokio::time::Instant::now() + period;
+        let start = tokio::time::Instant::now();
+        let mut ticks = tokio::time::interval_at(start + period, period);
+        // A slow renewal does not make the next ones bunch up against the same slow store.
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tokio::time::sleep_until(next).await;
-            next += period;
-            if !Arc::clone(&engine).renew(Arc::clone(&job)).await {
+            let tick = ticks.tick().await;
+            if tick.duration_since(start) > max_hold {
+                break;
+            }
+            if !Arc::clone(&engine).renew(Arc::clone(&job), period).await {
                 break;
             }
         }
@@ -283,8 +294,9 @@ pub(crate) trait DynEngine: Send + Sync + 'static {
     ) -> Called;
     fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided>;
     fn release(self: Arc<Self>, job: LeaseJob);
-    /// Renews a lease; `false` once it is no longer held (lapsed or released).
-    fn renew(self: Arc<Self>, job: Arc<LeaseJob>) -> BoxFuture<bool>;
+    /// Renews a lease, waiting at most `within` for the store; `false` once there is no point
+    /// going on (the lease lapsed or was released, or the store refuses the key for good).
+    fn renew(self: Arc<Self>, job: Arc<LeaseJob>, within: Duration) -> BoxFuture<bool>;
     /// Gives back what an allowed request took (see [`Refund`]).
     fn refund(self: Arc<Self>, job: RefundJob);
     /// The limiter's deny cache and leasing counters (also copied into their metrics).
@@ -649,7 +661,11 @@ where
             }
         }
         if let Some(lease) = verdict.lease {
-            let items = job.items.iter_mut().filter(|i| sh.is_concurrency(i.rule));
+            // A check of cost 0 holds no lease: it is not released nor renewed.
+            let items = job
+                .items
+                .iter_mut()
+                .filter(|i| sh.is_concurrency(i.rule) && i.cost > 0);
             out.lease = Some(LeaseGuard::new(
                 Arc::clone(this),
                 items.map(|i| (i.rule, std::mem::take(&mut i.key))),
@@ -726,7 +742,10 @@ where
                     // wait: should the request be dropped meanwhile, this gives it back.
                     let mut guard = verdict.lease.map(|lease| {
                         let sh = &self.shared;
-                        let items = job.items.iter().filter(|i| sh.is_concurrency(i.rule));
+                        let items = job
+                            .items
+                            .iter()
+                            .filter(|i| sh.is_concurrency(i.rule) && i.cost > 0);
                         LeaseGuard::new(
                             Arc::clone(self) as Arc<dyn DynEngine>,
                             items.map(|i| (i.rule, i.key.clone())),
@@ -951,14 +970,15 @@ where
         }));
     }
 
-    fn renew(self: Arc<Self>, job: Arc<LeaseJob>) -> BoxFuture<bool> {
+    fn renew(self: Arc<Self>, job: Arc<LeaseJob>, within: Duration) -> BoxFuture<bool> {
         Box::pin(async move {
             let sh = &self.shared;
             let checks = lease_checks(sh, &job);
             if let Some(memory) = self.local(job.fallback) {
                 return memory.renew_sync(&checks, job.lease);
             }
-            match timeout_unless_ready(sh.timeout, self.limiter.renew(&checks, job.lease)).await {
+            let within = within.min(sh.timeout);
+            match timeout_unless_ready(within, self.limiter.renew(&checks, job.lease)).await {
                 Some(Ok(held)) => {
                     if !held {
                         tracing::debug!(
@@ -968,14 +988,17 @@ where
                     }
                     held
                 }
-                // Transient (the store down or slow): try again next period.
+                // The store down or slow: try again next period. A key it refuses for good (a
+                // corrupt state, another type) will not get better.
                 Some(Err(e)) => {
+                    let transient = L::is_unavailable(&e);
                     tracing::debug!(
                         target: "floodgate",
                         error = %e,
-                        "could not renew a concurrency lease; trying again"
+                        transient,
+                        "could not renew a concurrency lease"
                     );
-                    true
+                    transient
                 }
                 None => true,
             }

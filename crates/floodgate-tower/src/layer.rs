@@ -145,6 +145,7 @@ impl RateLimitLayer {
             deny_cache: true,
             leasing: None,
             refund_when: None,
+            renew_leases: None,
         }
     }
 
@@ -238,6 +239,7 @@ pub struct RateLimitLayerBuilder<L> {
     deny_cache: bool,
     leasing: Option<LeasingConfig>,
     refund_when: Option<RefundWhen>,
+    renew_leases: Option<Duration>,
 }
 
 impl<L> fmt::Debug for RateLimitLayerBuilder<L> {
@@ -381,6 +383,19 @@ where
         self
     }
 
+    /// Renews a response's concurrency lease every third of its TTL while the response lives
+    /// (its handler runs, its body streams), for at most `max` in all; off by default, when
+    /// a lease lapses at its TTL whatever the response is doing. For streams longer than the
+    /// TTL (server-sent events, downloads, gRPC streams): the slot stays taken while the body
+    /// lives, yet a replica that dies gives it back within one TTL, and a hung handler or a
+    /// stalled client holds it for at most `max` and a TTL. Costs a task and a timer per
+    /// leased response; needs a Tokio runtime with timers. A store that is down is tried again
+    /// at the next period; a lease found lapsed, or a key the store refuses, stops the renewal.
+    pub fn renew_leases_up_to(mut self, max: Duration) -> Self {
+        self.renew_leases = Some(max).filter(|m| !m.is_zero());
+        self
+    }
+
     /// Keys longer than this many bytes count as missing (default 1 KiB).
     pub fn max_key_len(mut self, max: usize) -> Self {
         self.max_key_len = max;
@@ -438,6 +453,7 @@ where
             max_key_len: self.max_key_len,
             metrics: LayerMetrics::default(),
             refund_when: self.refund_when,
+            renew_leases: self.renew_leases,
         };
         let local = (&self.limiter as &dyn std::any::Any).is::<MemoryLimiter>();
         let leasing = self.leasing.filter(|_| !local);

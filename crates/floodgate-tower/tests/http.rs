@@ -999,6 +999,7 @@ async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot() {
             ))
             .key(GlobalKey),
         )
+        .renew_leases_up_to(Duration::from_secs(60))
         .build()
         .expect("layer");
     let (app, senders) = common::held_stream_app(|app| app.layer(layer));
@@ -1020,4 +1021,38 @@ async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot() {
         .expect("end");
     let _ = common::read_to_end(&mut first).await;
     let _third = common::wait_admitted(addr).await;
+}
+
+/// Renewal has a bound: a response that holds its lease longer than `renew_leases_up_to` (a
+/// hung handler, a client that stopped reading) loses it one TTL after the last renewal.
+#[tokio::test]
+async fn a_lease_is_renewed_for_at_most_its_bound() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy_named(
+                Policy::concurrency(1, Duration::from_millis(300)),
+                "bounded-stream",
+            ))
+            .key(GlobalKey),
+        )
+        .renew_leases_up_to(Duration::from_millis(400))
+        .build()
+        .expect("layer");
+    let (app, _senders) = common::held_stream_app(|app| app.layer(layer));
+    let addr = serve(app).await;
+    let (_first, head) = common::open_stream(addr).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // Renewed at 100, 200, 300 and 400 ms: held until 700 ms, not after.
+    tokio::time::sleep(Duration::from_millis(550)).await;
+    let (_second, head) = common::open_stream(addr).await;
+    assert!(
+        head.starts_with("HTTP/1.1 429"),
+        "renewed too little: {head}"
+    );
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let (_third, head) = common::open_stream(addr).await;
+    assert!(
+        head.starts_with("HTTP/1.1 200"),
+        "renewed past its bound: {head}"
+    );
 }

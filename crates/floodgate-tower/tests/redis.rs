@@ -416,6 +416,7 @@ async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot_in_redis() {
             )
             .key(GlobalKey),
         )
+        .renew_leases_up_to(Duration::from_secs(60))
         .build()
         .expect("layer");
     let (app, senders) = common::held_stream_app(|app| app.layer(layer));
