@@ -987,10 +987,14 @@ async fn responses_matching_refund_when_do_not_count() {
     assert_eq!(client.get("/fail").await.status, 429);
 }
 
-/// A body that outlasts its lease's TTL keeps the lease: the layer renews it while the body
-/// lives, and gives it back when the body ends.
-#[tokio::test]
-async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot() {
+/// The senders that end held bodies.
+type Senders = Arc<Mutex<Vec<tokio::sync::oneshot::Sender<()>>>>;
+
+/// A server with one slot (a concurrency lease of 300 ms, renewed for up to `renew_for`), and
+/// the stream that took it.
+async fn one_renewed_stream(
+    renew_for: Duration,
+) -> (std::net::SocketAddr, Senders, tokio::net::TcpStream) {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(
             Rule::new(policy_named(
@@ -999,13 +1003,21 @@ async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot() {
             ))
             .key(GlobalKey),
         )
-        .renew_leases_up_to(Duration::from_secs(60))
+        .renew_leases_up_to(renew_for)
         .build()
         .expect("layer");
     let (app, senders) = common::held_stream_app(|app| app.layer(layer));
     let addr = serve(app).await;
-    let (mut first, head) = common::open_stream(addr).await;
+    let (first, head) = common::open_stream(addr).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    (addr, senders, first)
+}
+
+/// A body that outlasts its lease's TTL keeps the lease: the layer renews it while the body
+/// lives, and gives it back when the body ends.
+#[tokio::test]
+async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot() {
+    let (addr, senders, mut first) = one_renewed_stream(Duration::from_secs(60)).await;
     // Three TTLs later, the stream still holds the only slot.
     tokio::time::sleep(Duration::from_millis(900)).await;
     let (_second, head) = common::open_stream(addr).await;
@@ -1027,21 +1039,7 @@ async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot() {
 /// hung handler, a client that stopped reading) loses it one TTL after the last renewal.
 #[tokio::test]
 async fn a_lease_is_renewed_for_at_most_its_bound() {
-    let layer = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::concurrency(1, Duration::from_millis(300)),
-                "bounded-stream",
-            ))
-            .key(GlobalKey),
-        )
-        .renew_leases_up_to(Duration::from_millis(400))
-        .build()
-        .expect("layer");
-    let (app, _senders) = common::held_stream_app(|app| app.layer(layer));
-    let addr = serve(app).await;
-    let (_first, head) = common::open_stream(addr).await;
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let (addr, _senders, _first) = one_renewed_stream(Duration::from_millis(400)).await;
     // Renewed at 100, 200, 300 and 400 ms: held until 700 ms, not after.
     tokio::time::sleep(Duration::from_millis(550)).await;
     let (_second, head) = common::open_stream(addr).await;
