@@ -7,6 +7,7 @@ use smallvec::SmallVec;
 
 use super::sharded::{NewSlot, OnFull, Packable, Packed, Shard, ShardedMap, StoreStats};
 use super::{Check, CheckOptions, Limiter};
+use crate::algorithm::concurrency::{self, Concurrency};
 use crate::algorithm::gcra::{self, Gcra};
 use crate::algorithm::{Algorithm, Ctx, Outcome, Undo};
 use crate::clock::{Clock, SystemClock, duration_micros};
@@ -457,30 +458,46 @@ impl<C: Clock> MemoryLimiter<C> {
     /// [`MemoryLimiter::release_sync`] as of `now` (simulations).
     pub fn release_at(&self, checks: &[Check<'_>], lease: LeaseId, now: Timestamp) -> bool {
         let now = now.as_micros();
+        self.each_lease(checks, now, |conc, st| conc.release(st, lease.0, now))
+            .contains(&true)
+    }
+
+    /// Runs `f` on the state of each concurrency check of `checks` (under its shard's lock),
+    /// and says what it answered of each (`false` where there is no state). Each state then
+    /// gets its expiry again, and one that holds nothing as of `now` is dropped.
+    fn each_lease(
+        &self,
+        checks: &[Check<'_>],
+        now: u64,
+        mut f: impl FnMut(&Concurrency, &mut concurrency::State) -> bool,
+    ) -> SmallVec<[bool; 2]> {
         let map = &self.inner.map;
-        let mut released = false;
+        let mut answers = SmallVec::new();
         for c in checks {
             let Kind::Concurrency(conc) = c.policy.kind() else {
                 continue;
             };
             let hash = map.hash(c.policy.ident(), c.key);
             let mut shard = map.lock(map.shard_of(hash));
-            let empty = match shard.find_mut(hash, c.policy.ident(), c.key) {
+            let (answer, empty) = match shard.find_mut(hash, c.policy.ident(), c.key) {
                 Some(slot) => match &mut slot.value {
                     State::Concurrency(st) => {
-                        released |= conc.release(st, lease.0, now);
+                        let answer = f(conc, st);
                         slot.set_expires_at(c.policy.kind().expires_at(&slot.value));
-                        slot.expires_at() <= now
+                        let at = slot.expires_at();
+                        shard.note_expiry(at);
+                        (answer, at <= now)
                     }
-                    _ => false,
+                    _ => (false, false),
                 },
-                None => false,
+                None => (false, false),
             };
             if empty {
                 shard.remove(hash, c.policy.ident(), c.key);
             }
+            answers.push(answer);
         }
-        released
+        answers
     }
 
     /// Gives back what the allowed `verdict` of `checks` took (see [`Limiter::refund`]).
@@ -564,28 +581,9 @@ impl<C: Clock> MemoryLimiter<C> {
     /// [`MemoryLimiter::renew_sync`] as of `now` (simulations).
     pub fn renew_at(&self, checks: &[Check<'_>], lease: LeaseId, now: Timestamp) -> bool {
         let now = now.as_micros();
-        let map = &self.inner.map;
-        let mut held = true;
-        for c in checks {
-            let Kind::Concurrency(conc) = c.policy.kind() else {
-                continue;
-            };
-            let hash = map.hash(c.policy.ident(), c.key);
-            let mut shard = map.lock(map.shard_of(hash));
-            let mut renewed = false;
-            if let Some(slot) = shard.find_mut(hash, c.policy.ident(), c.key) {
-                if let State::Concurrency(st) = &mut slot.value {
-                    renewed = conc.renew(st, lease.0, now);
-                }
-                if renewed {
-                    slot.set_expires_at(c.policy.kind().expires_at(&slot.value));
-                    let at = slot.expires_at();
-                    shard.note_expiry(at);
-                }
-            }
-            held &= renewed;
-        }
-        held
+        !self
+            .each_lease(checks, now, |conc, st| conc.renew(st, lease.0, now))
+            .contains(&false)
     }
 
     /// Forgets `policy`'s state for `key`.
