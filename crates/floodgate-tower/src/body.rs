@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::engine::LeaseGuard;
+use crate::lease::BodyLease;
 
 /// The layer's service answers with [`ResponseBody`] around any inner body type: the default.
 ///
@@ -38,7 +38,7 @@ pin_project! {
     pub struct ResponseBody<B> {
         #[pin]
         inner: Inner<B>,
-        lease: Option<LeaseGuard>,
+        lease: Option<BodyLease>,
     }
 }
 
@@ -51,7 +51,7 @@ pin_project! {
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn new(body: B, lease: Option<LeaseGuard>) -> Self {
+    pub(crate) fn new(body: B, lease: Option<BodyLease>) -> Self {
         ResponseBody {
             inner: Inner::Body { body },
             lease,

@@ -12,8 +12,9 @@ use pin_project_lite::pin_project;
 use tower::Service;
 
 use crate::body::{Native, ResponseBody, Wrapped};
-use crate::engine::{Allowed, BoxFuture, Decided, LeaseGuard, Refund};
+use crate::engine::{Allowed, BoxFuture, Decided, Refund};
 use crate::headers::{self, HeaderBlock};
+use crate::lease::{self, BodyLease};
 
 pin_project! {
     /// The response future of [`crate::RateLimit`]; `K` is its body kind ([`Wrapped`] or
@@ -31,7 +32,7 @@ pin_project! {
 /// What a finished [`ResponseFuture`] has, before its body is shaped for the body kind.
 enum Finished<B> {
     /// The inner service's response, with the lease its body must hold.
-    Inner(Response<B>, Option<LeaseGuard>),
+    Inner(Response<B>, Option<BodyLease>),
     /// A response of the layer's own.
     Early(Response<Bytes>),
 }
@@ -40,7 +41,7 @@ enum Finished<B> {
 /// and absent by default: the future stays as small as the inner one, which is moved often.
 struct After {
     headers: HeaderBlock,
-    lease: Option<LeaseGuard>,
+    lease: Option<BodyLease>,
     refund: Option<Refund>,
 }
 
@@ -48,7 +49,7 @@ impl After {
     #[inline]
     fn boxed(
         headers: HeaderBlock,
-        lease: Option<LeaseGuard>,
+        lease: Option<BodyLease>,
         refund: Option<Refund>,
     ) -> Option<Box<After>> {
         match (lease, refund) {
@@ -108,7 +109,7 @@ where
         inner: &mut S,
         request: Request<B>,
         headers: HeaderBlock,
-        lease: Option<LeaseGuard>,
+        lease: Option<BodyLease>,
         refund: Option<Refund>,
     ) -> Self {
         Self::new(State::Calling {
@@ -156,6 +157,7 @@ where
                             if let Some(info) = info {
                                 request.extensions_mut().insert(info);
                             }
+                            let lease = lease::hand_over(&mut request, lease);
                             self.set(State::Calling {
                                 future: inner.call(request),
                                 after: After::boxed(headers, lease, refund),

@@ -56,8 +56,8 @@
 //!   allowed responses too with [`RateLimitLayerBuilder::headers_on_allowed`].
 //! - **Modes** ([`Mode`]): reject, or delay requests up to a maximum wait.
 //! - **Concurrency** policies hold their lease until the response body ends or is dropped. An
-//!   upgraded connection (a WebSocket after `101 Switching Protocols`) is not covered: its
-//!   response body is empty, so the lease ends with the handshake.
+//!   upgraded connection (a WebSocket after `101 Switching Protocols`, whose body is empty)
+//!   holds it while its handler keeps the request's [`HeldLease`].
 //! - **Failures** ([`OnStoreError`]): when the store errors or misses the layer's timeout, fail
 //!   open, fail closed (503), or decide with a local in-memory limiter. A failing store is left
 //!   alone for a retry interval, and each change of state is logged once.
@@ -89,6 +89,7 @@ mod health;
 mod info;
 pub mod key;
 mod layer;
+mod lease;
 mod rejection;
 mod rule;
 mod service;
@@ -104,6 +105,7 @@ pub use layer::{
     DEFAULT_STORE_RETRY_INTERVAL, DEFAULT_TIMEOUT, Mode, OnMissingKey, OnStoreError,
     RateLimitLayer, RateLimitLayerBuilder,
 };
+pub use lease::HeldLease;
 pub use rejection::{DefaultRejection, QUOTA_EXCEEDED, Rejection, RejectionHandler, RejectionKind};
 pub use rule::Rule;
 pub use service::RateLimit;

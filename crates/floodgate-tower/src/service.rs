@@ -12,6 +12,7 @@ use crate::body::{Native, ResponseBody, Wrapped};
 use crate::engine::{Allowed, Called, DynEngine, Job};
 use crate::future::ResponseFuture;
 use crate::key::RequestView;
+use crate::lease;
 
 /// Rate-limits the requests to `S` (made by [`crate::RateLimitLayer`]).
 ///
@@ -86,13 +87,8 @@ impl<S, K> RateLimit<S, K> {
                 if let Some(info) = allowed.info {
                     req.extensions_mut().insert(info);
                 }
-                ResponseFuture::call(
-                    &mut self.inner,
-                    req,
-                    allowed.headers,
-                    allowed.lease,
-                    allowed.refund,
-                )
+                let lease = lease::hand_over(&mut req, allowed.lease);
+                ResponseFuture::call(&mut self.inner, req, allowed.headers, lease, allowed.refund)
             }
             Called::Reject(response) => ResponseFuture::early(response),
             Called::Deciding => {

@@ -18,7 +18,8 @@ use floodgate_tower::key::{
     ClientIp, GlobalKey, HeaderKey, Key, PeerIp, RequestView, RouteKey, TrustedProxies,
 };
 use floodgate_tower::{
-    OnMissingKey, OnStoreError, RateLimitInfo, RateLimitLayer, Rejection, RejectionKind, Rule,
+    HeldLease, OnMissingKey, OnStoreError, RateLimitInfo, RateLimitLayer, Rejection, RejectionKind,
+    Rule,
 };
 use http::{Method, Response, StatusCode};
 
@@ -1053,4 +1054,128 @@ async fn a_lease_is_renewed_for_at_most_its_bound() {
         head.starts_with("HTTP/1.1 200"),
         "renewed past its bound: {head}"
     );
+}
+
+/// A server with one slot (a concurrency lease per layer) whose `/ws` switches protocols: the
+/// upgraded connection is served until the client hangs up, holding the request's
+/// [`HeldLease`] when `keep` (else it drops it in the handler). `/plain` says whether a request
+/// that asks for no upgrade got a `HeldLease`.
+async fn one_upgrade_slot(keep: bool) -> std::net::SocketAddr {
+    use tokio::io::AsyncReadExt;
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy_named(
+                Policy::concurrency(1, Duration::from_secs(60)),
+                "one-socket",
+            ))
+            .key(GlobalKey),
+        )
+        .build()
+        .expect("layer");
+    let app =
+        Router::new()
+            .route(
+                "/ws",
+                get(
+                    move |lease: Option<HeldLease>, mut req: axum::extract::Request| async move {
+                        let lease = lease.filter(|_| keep);
+                        let on_upgrade = hyper::upgrade::on(&mut req);
+                        tokio::spawn(async move {
+                            let _lease = lease;
+                            if let Ok(upgraded) = on_upgrade.await {
+                                let mut io = hyper_util::rt::TokioIo::new(upgraded);
+                                let mut buf = [0u8; 64];
+                                while matches!(io.read(&mut buf).await, Ok(n) if n > 0) {}
+                            }
+                        });
+                        Response::builder()
+                            .status(StatusCode::SWITCHING_PROTOCOLS)
+                            .header("connection", "upgrade")
+                            .header("upgrade", "echo")
+                            .body(axum::body::Body::empty())
+                            .expect("response")
+                    },
+                ),
+            )
+            .route(
+                "/plain",
+                get(|lease: Option<HeldLease>| async move {
+                    if lease.is_some() { "held" } else { "none" }
+                }),
+            )
+            .layer(layer);
+    serve(app).await
+}
+
+/// Asks `/ws` to switch protocols over raw HTTP/1.1; returns the connection and the head.
+async fn open_upgrade(addr: std::net::SocketAddr) -> (tokio::net::TcpStream, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(b"GET /ws HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: echo\r\n\r\n")
+        .await
+        .expect("write");
+    let mut buf = vec![0; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("head in time")
+        .expect("read");
+    (s, String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+/// Opens upgrades until one is switched, or panics after a few seconds.
+async fn wait_switched(addr: std::net::SocketAddr, why: &str) -> tokio::net::TcpStream {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (s, head) = open_upgrade(addr).await;
+        if head.starts_with("HTTP/1.1 101") {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{why}: {head}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A handler that keeps the request's `HeldLease` in the upgraded connection's task holds the
+/// slot for the connection's life, not just the handshake; the slot is back when it closes.
+#[tokio::test]
+async fn an_upgraded_connection_that_keeps_its_lease_holds_the_slot() {
+    let addr = one_upgrade_slot(true).await;
+    let (first, head) = open_upgrade(addr).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    // Long after the handshake's (empty) body ended, the connection still holds the slot.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (_second, head) = open_upgrade(addr).await;
+    assert!(
+        head.starts_with("HTTP/1.1 429"),
+        "the lease ended with the handshake: {head}"
+    );
+    drop(first);
+    let _third = wait_switched(addr, "the lease outlived its connection").await;
+    // A request that asks for no upgrade gets no HeldLease.
+    let client = HttpClient::new(addr);
+    let res = client.get("/plain").await;
+    assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+}
+
+/// Without the `HeldLease` kept, an upgrade's lease ends with the handshake, as any response's
+/// does with its body; a plain request gets no `HeldLease`.
+#[tokio::test]
+async fn an_upgrade_that_drops_its_lease_frees_the_slot_after_the_handshake() {
+    let addr = one_upgrade_slot(false).await;
+    let (_first, head) = open_upgrade(addr).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let _second = wait_switched(addr, "the dropped lease was still held").await;
+    drop(_second);
+    drop(_first);
+    let client = HttpClient::new(addr);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let res = client.get("/plain").await;
+        if res.status == StatusCode::OK {
+            assert_eq!(res.body, "none");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{:?}", res.status);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
