@@ -1056,55 +1056,50 @@ async fn a_lease_is_renewed_for_at_most_its_bound() {
     );
 }
 
-/// A server with one slot (a concurrency lease per layer) whose `/ws` switches protocols: the
-/// upgraded connection is served until the client hangs up, holding the request's
-/// [`HeldLease`] when `keep` (else it drops it in the handler). `/plain` says whether a request
-/// that asks for no upgrade got a `HeldLease`.
-async fn one_upgrade_slot(keep: bool) -> std::net::SocketAddr {
+/// One in flight, as `name`.
+fn one_in_flight(name: &str) -> Rule {
+    Rule::new(policy_named(
+        Policy::concurrency(1, Duration::from_secs(60)),
+        name,
+    ))
+    .key(GlobalKey)
+}
+
+/// An app whose `/ws` switches protocols: the upgraded connection is served until the client
+/// hangs up, holding the request's [`HeldLease`] when `keep` (else the handler drops it).
+/// `/plain` says whether a request that asks for no upgrade got a `HeldLease`.
+fn upgrade_app(keep: bool) -> Router {
     use tokio::io::AsyncReadExt;
-    let layer = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::concurrency(1, Duration::from_secs(60)),
-                "one-socket",
-            ))
-            .key(GlobalKey),
+    Router::new()
+        .route(
+            "/ws",
+            get(
+                move |lease: Option<HeldLease>, mut req: axum::extract::Request| async move {
+                    let lease = lease.filter(|_| keep);
+                    let on_upgrade = hyper::upgrade::on(&mut req);
+                    tokio::spawn(async move {
+                        let _lease = lease;
+                        if let Ok(upgraded) = on_upgrade.await {
+                            let mut io = hyper_util::rt::TokioIo::new(upgraded);
+                            let mut buf = [0u8; 64];
+                            while matches!(io.read(&mut buf).await, Ok(n) if n > 0) {}
+                        }
+                    });
+                    Response::builder()
+                        .status(StatusCode::SWITCHING_PROTOCOLS)
+                        .header("connection", "upgrade")
+                        .header("upgrade", "echo")
+                        .body(axum::body::Body::empty())
+                        .expect("response")
+                },
+            ),
         )
-        .build()
-        .expect("layer");
-    let app =
-        Router::new()
-            .route(
-                "/ws",
-                get(
-                    move |lease: Option<HeldLease>, mut req: axum::extract::Request| async move {
-                        let lease = lease.filter(|_| keep);
-                        let on_upgrade = hyper::upgrade::on(&mut req);
-                        tokio::spawn(async move {
-                            let _lease = lease;
-                            if let Ok(upgraded) = on_upgrade.await {
-                                let mut io = hyper_util::rt::TokioIo::new(upgraded);
-                                let mut buf = [0u8; 64];
-                                while matches!(io.read(&mut buf).await, Ok(n) if n > 0) {}
-                            }
-                        });
-                        Response::builder()
-                            .status(StatusCode::SWITCHING_PROTOCOLS)
-                            .header("connection", "upgrade")
-                            .header("upgrade", "echo")
-                            .body(axum::body::Body::empty())
-                            .expect("response")
-                    },
-                ),
-            )
-            .route(
-                "/plain",
-                get(|lease: Option<HeldLease>| async move {
-                    if lease.is_some() { "held" } else { "none" }
-                }),
-            )
-            .layer(layer);
-    serve(app).await
+        .route(
+            "/plain",
+            get(|lease: Option<HeldLease>| async move {
+                if lease.is_some() { "held" } else { "none" }
+            }),
+        )
 }
 
 /// Asks `/ws` to switch protocols over raw HTTP/1.1; returns the connection and the head.
@@ -1135,38 +1130,78 @@ async fn wait_switched(addr: std::net::SocketAddr, why: &str) -> tokio::net::Tcp
     }
 }
 
-/// A handler that keeps the request's `HeldLease` in the upgraded connection's task holds the
-/// slot for the connection's life, not just the handshake; the slot is back when it closes.
-#[tokio::test]
-async fn an_upgraded_connection_that_keeps_its_lease_holds_the_slot() {
-    let addr = one_upgrade_slot(true).await;
+/// With one slot, an upgraded connection that keeps its lease holds the slot: long after the
+/// handshake's (empty) body ended, a second one is turned away; the slot is back when the
+/// first closes.
+async fn assert_one_socket_at_a_time(addr: std::net::SocketAddr, case: &str) {
     let (first, head) = open_upgrade(addr).await;
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    // Long after the handshake's (empty) body ended, the connection still holds the slot.
+    assert!(head.starts_with("HTTP/1.1 101"), "{case}: {head}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     let (_second, head) = open_upgrade(addr).await;
     assert!(
         head.starts_with("HTTP/1.1 429"),
-        "the lease ended with the handshake: {head}"
+        "{case}: the lease ended with the handshake: {head}"
     );
     drop(first);
-    let _third = wait_switched(addr, "the lease outlived its connection").await;
-    // A request that asks for no upgrade gets no HeldLease.
-    let client = HttpClient::new(addr);
-    let res = client.get("/plain").await;
-    assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+    let _third = wait_switched(addr, &format!("{case}: the lease outlived its connection")).await;
+}
+
+/// A handler that keeps the request's `HeldLease` in the upgraded connection's task holds the
+/// slot for the connection's life, not just the handshake; whether the layer decides at once
+/// (in memory) or awaits its store.
+#[tokio::test]
+async fn an_upgraded_connection_that_keeps_its_lease_holds_the_slot() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(one_in_flight("one-socket"))
+        .build()
+        .expect("layer");
+    assert_one_socket_at_a_time(serve(upgrade_app(true).layer(layer)).await, "memory").await;
+    let awaited = RemoteStore {
+        memory: MemoryLimiter::new(),
+        answer: Answer::AfterWake,
+    };
+    let layer = RateLimitLayer::builder(awaited)
+        .rule(one_in_flight("one-socket"))
+        .build()
+        .expect("layer");
+    assert_one_socket_at_a_time(serve(upgrade_app(true).layer(layer)).await, "awaited").await;
+}
+
+/// Behind two layers, the inner layer's `HeldLease` holds the outer layer's lease too: the
+/// outer policy (one socket in all) still counts open connections.
+#[tokio::test]
+async fn a_held_lease_holds_the_leases_of_outer_layers_too() {
+    let outer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(one_in_flight("one-socket-in-all"))
+        .build()
+        .expect("layer");
+    let inner = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy_named(
+                Policy::concurrency(5, Duration::from_secs(60)),
+                "five-sockets",
+            ))
+            .key(GlobalKey),
+        )
+        .build()
+        .expect("layer");
+    let app = upgrade_app(true).route_layer(inner).layer(outer);
+    assert_one_socket_at_a_time(serve(app).await, "stacked").await;
 }
 
 /// Without the `HeldLease` kept, an upgrade's lease ends with the handshake, as any response's
 /// does with its body; a plain request gets no `HeldLease`.
 #[tokio::test]
 async fn an_upgrade_that_drops_its_lease_frees_the_slot_after_the_handshake() {
-    let addr = one_upgrade_slot(false).await;
-    let (_first, head) = open_upgrade(addr).await;
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(one_in_flight("one-socket"))
+        .build()
+        .expect("layer");
+    let addr = serve(upgrade_app(false).layer(layer)).await;
+    let (first, head) = open_upgrade(addr).await;
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    let _second = wait_switched(addr, "the dropped lease was still held").await;
-    drop(_second);
-    drop(_first);
+    let second = wait_switched(addr, "the dropped lease was still held").await;
+    drop((first, second));
     let client = HttpClient::new(addr);
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
