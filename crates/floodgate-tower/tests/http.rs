@@ -719,13 +719,7 @@ async fn a_request_dropped_while_it_waits_its_turn_gives_its_concurrency_lease_b
             .path_prefix("/shaped")
             .key(GlobalKey),
         )
-        .rule(
-            Rule::new(policy_named(
-                Policy::concurrency(1, Duration::from_secs(60)),
-                "one-at-a-time",
-            ))
-            .key(GlobalKey),
-        )
+        .rule(one_in_flight("one-at-a-time"))
         .delay(Duration::from_secs(5))
         .build()
         .expect("layer");
@@ -764,13 +758,7 @@ fn policy_named(p: Result<Policy, floodgate_core::PolicyError>, name: &str) -> P
 /// One request at a time, with headers on allowed responses too.
 fn one_at_a_time() -> RateLimitLayer {
     RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::concurrency(1, Duration::from_secs(60)),
-                "one-at-a-time",
-            ))
-            .key(GlobalKey),
-        )
+        .rule(one_in_flight("one-at-a-time"))
         .headers_on_allowed(true)
         .build()
         .expect("layer")
@@ -1102,32 +1090,18 @@ fn upgrade_app(keep: bool) -> Router {
         )
 }
 
+/// The request that asks `/ws` to switch protocols.
+const UPGRADE: &[u8] =
+    b"GET /ws HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: echo\r\n\r\n";
+
 /// Asks `/ws` to switch protocols over raw HTTP/1.1; returns the connection and the head.
 async fn open_upgrade(addr: std::net::SocketAddr) -> (tokio::net::TcpStream, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    s.write_all(b"GET /ws HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: echo\r\n\r\n")
-        .await
-        .expect("write");
-    let mut buf = vec![0; 4096];
-    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
-        .await
-        .expect("head in time")
-        .expect("read");
-    (s, String::from_utf8_lossy(&buf[..n]).into_owned())
+    common::send_raw(addr, UPGRADE).await
 }
 
 /// Opens upgrades until one is switched, or panics after a few seconds.
 async fn wait_switched(addr: std::net::SocketAddr, why: &str) -> tokio::net::TcpStream {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let (s, head) = open_upgrade(addr).await;
-        if head.starts_with("HTTP/1.1 101") {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "{why}: {head}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::wait_for_head(addr, UPGRADE, "HTTP/1.1 101", why).await
 }
 
 /// With one slot, an upgraded connection that keeps its lease holds the slot: long after the

@@ -201,11 +201,14 @@ pub fn held_stream_app(
 /// Sends `GET /stream` over raw HTTP/1.1 and returns the stream with what arrived first (the
 /// head and the first chunk), so that the test decides when the body is read or dropped.
 pub async fn open_stream(addr: SocketAddr) -> (tokio::net::TcpStream, String) {
+    send_raw(addr, b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n").await
+}
+
+/// Sends `request` on a new connection and returns it with what arrived first.
+pub async fn send_raw(addr: SocketAddr, request: &[u8]) -> (tokio::net::TcpStream, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    s.write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
-        .await
-        .expect("write");
+    s.write_all(request).await.expect("write");
     let mut buf = vec![0; 4096];
     let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
         .await
@@ -234,16 +237,30 @@ pub async fn read_to_end(s: &mut tokio::net::TcpStream) -> Vec<u8> {
 
 /// Opens streams until one is admitted, or panics after a few seconds.
 pub async fn wait_admitted(addr: SocketAddr) -> tokio::net::TcpStream {
+    wait_for_head(
+        addr,
+        b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n",
+        "HTTP/1.1 200",
+        "lease never released",
+    )
+    .await
+}
+
+/// Sends `request` on new connections until the answer's head starts with `head`, or panics
+/// with `why` after a few seconds.
+pub async fn wait_for_head(
+    addr: SocketAddr,
+    request: &[u8],
+    head: &str,
+    why: &str,
+) -> tokio::net::TcpStream {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     loop {
-        let (s, head) = open_stream(addr).await;
-        if head.starts_with("HTTP/1.1 200") {
+        let (s, got) = send_raw(addr, request).await;
+        if got.starts_with(head) {
             return s;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "lease never released: {head}"
-        );
+        assert!(std::time::Instant::now() < deadline, "{why}: {got}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
