@@ -23,6 +23,7 @@ use crate::health::StoreHealth;
 use crate::info::{DecisionSource, RateLimitInfo, RuleIds};
 use crate::key::{Extracted, Key, KeyError, KeyFuture, RequestView};
 use crate::layer::{MAX_DELAY_ATTEMPTS, Mode, OnMissingKey};
+use crate::lease::{Lapse, Renewal};
 use crate::rejection::{Rejection, RejectionHandler, RejectionKind};
 use crate::rule::RuleEntry;
 use crate::telemetry::{Escaped, LayerMetrics, Outcome};
@@ -189,15 +190,19 @@ pub(crate) struct LeaseGuard {
     job: Option<Box<LeaseJob>>,
     /// The task renewing the lease while the guard lives (see [`keep_alive`]).
     renewing: Option<tokio::task::AbortHandle>,
+    /// When the lease stops counting ([`crate::HeldLease::lost`]).
+    lapse: Lapse,
 }
 
 impl LeaseGuard {
-    /// A guard over `lease` for `items` (rule index, key): the concurrency rules of a check.
+    /// A guard over `lease` for `items` (rule index, key): the concurrency rules of a check
+    /// sent to the store at `asked`.
     fn new(
         engine: Arc<dyn DynEngine>,
         items: impl Iterator<Item = (usize, Key)>,
         lease: LeaseId,
         fallback: bool,
+        asked: tokio::time::Instant,
     ) -> Self {
         let (rules, keys) = items.unzip();
         let job = LeaseJob {
@@ -206,12 +211,23 @@ impl LeaseGuard {
             lease,
             fallback,
         };
-        let renewing = keep_alive(&engine, &job);
+        let ttl = lease_ttl(engine.shared(), &job.rules);
+        let until = ttl.and_then(|ttl| asked.checked_add(ttl));
+        let (renewing, lapse) = match keep_alive(&engine, &job, ttl, until) {
+            Some((task, renewal)) => (Some(task), Lapse::Renewed(renewal)),
+            None => (None, Lapse::Fixed(until)),
+        };
         LeaseGuard {
             engine,
             job: Some(Box::new(job)),
             renewing,
+            lapse,
         }
+    }
+
+    /// When the lease stops counting.
+    pub(crate) fn lapse(&self) -> &Lapse {
+        &self.lapse
     }
 
     /// Drops the guard without releasing: another guard holds the lease now.
@@ -228,21 +244,23 @@ impl LeaseGuard {
 /// outlasts the TTL (a long stream) keeps its slot. Stops when the lease is found lapsed or the
 /// store refuses the key for good; a store that is down or slow is tried again next period.
 /// Needs a Tokio runtime with timers; without a runtime the lease lapses after its TTL.
-fn keep_alive(engine: &Arc<dyn DynEngine>, job: &LeaseJob) -> Option<tokio::task::AbortHandle> {
-    let sh = engine.shared();
-    let max_hold = sh.renew_leases?;
-    let ttl = job
-        .rules
-        .iter()
-        .filter_map(|&r| match sh.table[r].rule.policy().kind() {
-            Kind::Concurrency(c) => Some(c.lease_ttl_us()),
-            _ => None,
-        })
-        .min()?;
+///
+/// `ttl` is the lease's, and `until` when it lapses unless renewed; the task tells what it
+/// learns to the [`Renewal`] it returns.
+fn keep_alive(
+    engine: &Arc<dyn DynEngine>,
+    job: &LeaseJob,
+    ttl: Option<Duration>,
+    until: Option<tokio::time::Instant>,
+) -> Option<(tokio::task::AbortHandle, Arc<Renewal>)> {
+    let max_hold = engine.shared().renew_leases?;
+    let (ttl, until) = (ttl?, until?);
     let handle = tokio::runtime::Handle::try_current().ok()?;
-    let period = Duration::from_micros((ttl / 3).max(1_000));
+    let period = (ttl / 3).max(Duration::from_millis(1));
     let engine = Arc::clone(engine);
     let job = Arc::new(job.clone());
+    let renewal = Arc::new(Renewal::new(until));
+    let told = Arc::clone(&renewal);
     let task = handle.spawn(async move {
         let start = tokio::time::Instant::now();
         let mut ticks = tokio::time::interval_at(start + period, period);
@@ -253,12 +271,41 @@ fn keep_alive(engine: &Arc<dyn DynEngine>, job: &LeaseJob) -> Option<tokio::task
             if tick.duration_since(start) > max_hold {
                 break;
             }
-            if !Arc::clone(&engine).renew(Arc::clone(&job), period).await {
-                break;
+            let sent = tokio::time::Instant::now();
+            match Arc::clone(&engine).renew(Arc::clone(&job), period).await {
+                Renewed::Held => told.extend(sent, ttl),
+                Renewed::Unknown => {}
+                Renewed::Gone => {
+                    told.lose();
+                    break;
+                }
             }
         }
     });
-    Some(task.abort_handle())
+    Some((task.abort_handle(), renewal))
+}
+
+/// The TTL of a lease over `rules` (the shortest of their concurrency policies').
+fn lease_ttl(sh: &Shared, rules: &[usize]) -> Option<Duration> {
+    rules
+        .iter()
+        .filter_map(|&r| match sh.table[r].rule.policy().kind() {
+            Kind::Concurrency(c) => Some(c.lease_ttl_us()),
+            _ => None,
+        })
+        .min()
+        .map(Duration::from_micros)
+}
+
+/// What a renewal found.
+pub(crate) enum Renewed {
+    /// The lease is held for another TTL.
+    Held,
+    /// No answer (the store down or slow): the lease may still be held; tried again next
+    /// period.
+    Unknown,
+    /// The lease lapsed or was released, or the store refuses its key for good.
+    Gone,
 }
 
 impl Drop for LeaseGuard {
@@ -294,9 +341,8 @@ pub(crate) trait DynEngine: Send + Sync + 'static {
     ) -> Called;
     fn decide(self: Arc<Self>, job: Job) -> BoxFuture<Decided>;
     fn release(self: Arc<Self>, job: LeaseJob);
-    /// Renews a lease, waiting at most `within` for the store; `false` once there is no point
-    /// going on (the lease lapsed or was released, or the store refuses the key for good).
-    fn renew(self: Arc<Self>, job: Arc<LeaseJob>, within: Duration) -> BoxFuture<bool>;
+    /// Renews a lease, waiting at most `within` for the store.
+    fn renew(self: Arc<Self>, job: Arc<LeaseJob>, within: Duration) -> BoxFuture<Renewed>;
     /// Gives back what an allowed request took (see [`Refund`]).
     fn refund(self: Arc<Self>, job: RefundJob);
     /// The limiter's deny cache and leasing counters (also copied into their metrics).
@@ -465,6 +511,8 @@ struct Verdicted {
     verdict: Verdict,
     source: DecisionSource,
     waited: Duration,
+    /// When the check that decided was sent (a lease's TTL runs from then).
+    asked: Instant,
 }
 
 impl<L> Engine<L>
@@ -493,7 +541,7 @@ where
         let this = Arc::clone(&self) as Arc<dyn DynEngine>;
         let grpc = job.grpc;
         let (result, waited) = match &result {
-            Some(r) => (Some((&r.verdict, r.source)), r.waited),
+            Some(r) => (Some((&r.verdict, r.source, r.asked)), r.waited),
             None => (None, Duration::ZERO),
         };
         let mut allowed = Allowed::default();
@@ -573,14 +621,14 @@ where
         &self,
         this: &Arc<dyn DynEngine>,
         job: &mut Checks,
-        result: Option<(&Verdict, DecisionSource)>,
+        result: Option<(&Verdict, DecisionSource, Instant)>,
         waited: Duration,
         span: Option<&tracing::Span>,
         grpc: impl FnOnce() -> bool,
         out: &mut Allowed,
     ) -> Option<Response<Bytes>> {
         let sh = &self.shared;
-        let Some((verdict, source)) = result else {
+        let Some((verdict, source, asked)) = result else {
             let entry = &sh.table[job.items[0].rule];
             entry
                 .metrics
@@ -671,6 +719,7 @@ where
                 items.map(|i| (i.rule, std::mem::take(&mut i.key))),
                 lease,
                 source == DecisionSource::Fallback,
+                tokio::time::Instant::from_std(asked),
             ));
         }
         if sh.headers.allowed {
@@ -699,11 +748,13 @@ where
             // One check, which reserves nothing ahead (no wait): the future the layer boxes per
             // request holds the limiter's future and little else.
             Mode::Reject => {
-                let (verdict, source) = self.check_once(&checks, CheckOptions::default()).await?;
+                let (verdict, source, asked) =
+                    self.check_once(&checks, CheckOptions::default()).await?;
                 Some(Verdicted {
                     verdict,
                     source,
                     waited: Duration::ZERO,
+                    asked,
                 })
             }
             // Sleeps, retries: boxed apart.
@@ -734,7 +785,7 @@ where
             } else {
                 CheckOptions::default()
             };
-            let (verdict, source) = self.check_once(checks, opts).await?;
+            let (verdict, source, asked) = self.check_once(checks, opts).await?;
             let waited = || started.map_or(Duration::ZERO, |s| s.elapsed());
             if verdict.allowed() {
                 if !verdict.wait.is_zero() {
@@ -751,6 +802,7 @@ where
                             items.map(|i| (i.rule, i.key.clone())),
                             lease,
                             source == DecisionSource::Fallback,
+                            tokio::time::Instant::from_std(asked),
                         )
                     });
                     tokio::time::sleep(verdict.wait).await;
@@ -762,6 +814,7 @@ where
                     verdict,
                     source,
                     waited: waited(),
+                    asked,
                 });
             }
             attempts += 1;
@@ -777,6 +830,7 @@ where
                         verdict,
                         source,
                         waited: waited(),
+                        asked,
                     });
                 }
             }
@@ -788,7 +842,7 @@ where
         &self,
         checks: &[Check<'_>],
         opts: CheckOptions,
-    ) -> Option<(Verdict, DecisionSource)> {
+    ) -> Option<(Verdict, DecisionSource, Instant)> {
         let sh = &self.shared;
         if !sh.health.skip_store() {
             let started = Instant::now();
@@ -799,7 +853,7 @@ where
             match result {
                 Some(Ok(verdict)) => {
                     sh.health.succeeded();
-                    return Some((verdict, DecisionSource::Store));
+                    return Some((verdict, DecisionSource::Store, started));
                 }
                 Some(Err(e)) => {
                     sh.metrics.store_error(false);
@@ -847,7 +901,7 @@ where
                 Ok(verdict) => {
                     sh.health.succeeded();
                     drop((checks, entered));
-                    let result = Some((verdict, DecisionSource::Store));
+                    let result = Some((verdict, DecisionSource::Store, started));
                     return self.conclude(
                         this,
                         job,
@@ -869,7 +923,7 @@ where
         drop((checks, entered));
         let result = fallback
             .as_ref()
-            .map(|(verdict, source)| (verdict, *source));
+            .map(|(verdict, source, asked)| (verdict, *source, *asked));
         self.conclude(this, job, result, Duration::ZERO, span.as_ref(), grpc, out)
     }
 }
@@ -889,10 +943,11 @@ impl Shared {
         &self,
         checks: &[Check<'_>],
         opts: CheckOptions,
-    ) -> Option<(Verdict, DecisionSource)> {
+    ) -> Option<(Verdict, DecisionSource, Instant)> {
         let fallback = self.fallback.as_ref()?;
+        let asked = Instant::now();
         match fallback.check_sync(checks, opts) {
-            Ok(verdict) => Some((verdict, DecisionSource::Fallback)),
+            Ok(verdict) => Some((verdict, DecisionSource::Fallback, asked)),
             Err(e) => {
                 tracing::debug!(target: "floodgate", error = %e, "the local fallback failed too");
                 None
@@ -970,23 +1025,24 @@ where
         }));
     }
 
-    fn renew(self: Arc<Self>, job: Arc<LeaseJob>, within: Duration) -> BoxFuture<bool> {
+    fn renew(self: Arc<Self>, job: Arc<LeaseJob>, within: Duration) -> BoxFuture<Renewed> {
         Box::pin(async move {
             let sh = &self.shared;
             let checks = lease_checks(sh, &job);
+            let held = |held| if held { Renewed::Held } else { Renewed::Gone };
             if let Some(memory) = self.local(job.fallback) {
-                return memory.renew_sync(&checks, job.lease);
+                return held(memory.renew_sync(&checks, job.lease));
             }
             let within = within.min(sh.timeout);
             match timeout_unless_ready(within, self.limiter.renew(&checks, job.lease)).await {
-                Some(Ok(held)) => {
-                    if !held {
+                Some(Ok(still)) => {
+                    if !still {
                         tracing::debug!(
                             target: "floodgate",
                             "a concurrency lease lapsed before it could be renewed"
                         );
                     }
-                    held
+                    held(still)
                 }
                 // The store down or slow: try again next period. A key it refuses for good (a
                 // corrupt state, another type) will not get better.
@@ -998,9 +1054,13 @@ where
                         transient,
                         "could not renew a concurrency lease"
                     );
-                    transient
+                    if transient {
+                        Renewed::Unknown
+                    } else {
+                        Renewed::Gone
+                    }
                 }
-                None => true,
+                None => Renewed::Unknown,
             }
         })
     }

@@ -1,9 +1,14 @@
 //! [`HeldLease`]: a concurrency lease that outlives the response, for upgraded connections.
 
 use std::fmt;
-use std::sync::Arc;
+use std::future::{Future, pending};
+use std::pin::{Pin, pin};
+use std::sync::{Arc, Mutex, PoisonError};
 
+use futures_util::future::select;
 use http::{Method, Request, header};
+use tokio::sync::Notify;
+use tokio::time::{Instant, sleep_until};
 
 use crate::engine::LeaseGuard;
 
@@ -29,13 +34,25 @@ use crate::engine::LeaseGuard;
 ///     // (A handler that turns the upgrade down answers here, and drops `lease`.)
 ///     let on_upgrade = hyper::upgrade::on(&mut req);
 ///     tokio::spawn(async move {
-///         let _lease = lease; // the slot is taken until this task ends
-///         if let Ok(_connection) = on_upgrade.await {
-///             // Serve the upgraded connection.
+///         // The slot is taken until this task ends.
+///         if let Ok(connection) = on_upgrade.await {
+///             match &lease {
+///                 // Closed when the lease is lost (see below).
+///                 Some(lease) => tokio::select! {
+///                     _ = serve(connection) => {}
+///                     _ = lease.lost() => {}
+///                 },
+///                 None => serve(connection).await,
+///             }
 ///         }
 ///     });
 ///     (StatusCode::SWITCHING_PROTOCOLS, [("connection", "upgrade"), ("upgrade", "my-protocol")])
 ///         .into_response()
+/// }
+///
+/// async fn serve(connection: hyper::upgrade::Upgraded) {
+///     // Speak the new protocol.
+/// #   drop(connection);
 /// }
 ///
 /// let _app: axum::Router = axum::Router::new().route("/socket", axum::routing::get(upgrade));
@@ -51,6 +68,11 @@ use crate::engine::LeaseGuard;
 ///   longer counts unless the layer renews its lease
 ///   ([`crate::RateLimitLayerBuilder::renew_leases_up_to`]; then up to that bound and a TTL,
 ///   so set the bound to the longest connection you will hold).
+/// - **Know when it is gone.** [`HeldLease::lost`] resolves when the lease stops counting: at
+///   its TTL, or its last renewal's, or as soon as a renewal finds the store no longer holds
+///   it (flushed, failed over to a replica that never had it, taken over after a long pause).
+///   Close the connection then, and the policy holds for every connection still open:
+///   `tokio::select! { _ = lease.lost() => break, message = socket.recv() => ... }`.
 /// - **Layers stack.** Behind several layers with concurrency policies, the innermost layer's
 ///   `HeldLease` also holds the outer layers' leases.
 /// - **Who gets one.** Requests that ask for no upgrade get no `HeldLease`, and pay nothing for
@@ -64,7 +86,128 @@ pub struct HeldLease(Arc<Held>);
 /// their drops.
 struct Held {
     guard: LeaseGuard,
-    _outer: Option<HeldLease>,
+    outer: Option<HeldLease>,
+}
+
+impl HeldLease {
+    /// Resolves when the lease stops counting, and with it the connection's place in the
+    /// policy; at once if it already has.
+    ///
+    /// That is when its TTL has run out since the layer asked for it (or since it last sent a
+    /// renewal the store accepted), or when a renewal finds the store no longer holds it. A
+    /// renewal that fails for want of the store (down, slow) changes nothing: if none succeeds,
+    /// the TTL runs out. Behind stacked layers, it resolves when the first of the leases it
+    /// holds is lost. Needs a Tokio runtime with timers.
+    ///
+    /// Cancel-safe: drop it, and call it again.
+    // Not an `async fn`: the outer leases' futures are this one's, boxed, and only a declared
+    // `Send` lets the recursion be `Send`.
+    #[allow(clippy::manual_async_fn)]
+    pub fn lost(&self) -> impl Future<Output = ()> + Send + '_ {
+        async move {
+            let own = pin!(self.0.guard.lapse().lost());
+            match &self.0.outer {
+                None => own.await,
+                Some(outer) => {
+                    let outer: Pin<Box<dyn Future<Output = ()> + Send + '_>> =
+                        Box::pin(outer.lost());
+                    select(own, outer).await;
+                }
+            }
+        }
+    }
+
+    /// Whether the lease has stopped counting (see [`HeldLease::lost`]).
+    pub fn is_lost(&self) -> bool {
+        let now = Instant::now();
+        let mut held = Some(self);
+        while let Some(lease) = held {
+            if lease.0.guard.lapse().is_lost(now) {
+                return true;
+            }
+            held = lease.0.outer.as_ref();
+        }
+        false
+    }
+}
+
+/// When a lease stops counting.
+pub(crate) enum Lapse {
+    /// At its TTL from the grant (`None`: no TTL known), as nothing renews it.
+    Fixed(Option<Instant>),
+    /// As its renewal finds.
+    Renewed(Arc<Renewal>),
+}
+
+impl Lapse {
+    fn is_lost(&self, now: Instant) -> bool {
+        match self {
+            Lapse::Fixed(until) => until.is_some_and(|until| now >= until),
+            Lapse::Renewed(renewal) => renewal.until().is_none_or(|until| now >= until),
+        }
+    }
+
+    async fn lost(&self) {
+        match self {
+            Lapse::Fixed(None) => pending().await,
+            Lapse::Fixed(Some(until)) => sleep_until(*until).await,
+            Lapse::Renewed(renewal) => renewal.lost().await,
+        }
+    }
+}
+
+/// What the task renewing a lease has learnt of it, for [`HeldLease::lost`].
+pub(crate) struct Renewal {
+    /// When the lease lapses unless renewed again; `None` once a renewal found it gone.
+    until: Mutex<Option<Instant>>,
+    changed: Notify,
+}
+
+impl Renewal {
+    pub(crate) fn new(until: Instant) -> Self {
+        Renewal {
+            until: Mutex::new(Some(until)),
+            changed: Notify::new(),
+        }
+    }
+
+    fn until(&self) -> Option<Instant> {
+        *self.until.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A renewal sent at `sent` was accepted: the lease lasts a TTL from then (the store
+    /// counts it from when it ran the renewal, a little later).
+    pub(crate) fn extend(&self, sent: Instant, ttl: std::time::Duration) {
+        let mut until = self.until.lock().unwrap_or_else(PoisonError::into_inner);
+        if let (Some(held), Some(later)) = (*until, sent.checked_add(ttl)) {
+            *until = Some(held.max(later));
+        }
+        drop(until);
+        self.changed.notify_waiters();
+    }
+
+    /// A renewal found the lease gone.
+    pub(crate) fn lose(&self) {
+        *self.until.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        self.changed.notify_waiters();
+    }
+
+    async fn lost(&self) {
+        loop {
+            // Listening before looking, so that a change in between is not missed.
+            let mut changed = pin!(self.changed.notified());
+            changed.as_mut().enable();
+            let Some(until) = self.until() else {
+                return;
+            };
+            if Instant::now() >= until {
+                return;
+            }
+            // Woken by a change or by the deadline (which a renewal may have moved meanwhile):
+            // looked at again either way.
+            select(changed, pin!(sleep_until(until))).await;
+        }
+    }
 }
 
 impl fmt::Debug for HeldLease {
@@ -99,10 +242,7 @@ pub(crate) fn hand_over<B>(
         return Some(BodyLease::Own { _guard: guard });
     }
     let outer = request.extensions_mut().remove::<HeldLease>();
-    let held = HeldLease(Arc::new(Held {
-        guard,
-        _outer: outer,
-    }));
+    let held = HeldLease(Arc::new(Held { guard, outer }));
     request.extensions_mut().insert(held.clone());
     Some(BodyLease::Shared { _held: held })
 }

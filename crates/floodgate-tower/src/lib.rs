@@ -58,7 +58,7 @@
 //! - **Concurrency** policies hold their lease until the response body ends or is dropped. An
 //!   upgraded connection (a WebSocket after `101 Switching Protocols`, whose body is empty)
 //!   holds it while its handler keeps the request's [`HeldLease`] (and at most a TTL, or the
-//!   renewal bound and a TTL).
+//!   renewal bound and a TTL), whose [`HeldLease::lost`] says when to close the connection.
 //! - **Failures** ([`OnStoreError`]): when the store errors or misses the layer's timeout, fail
 //!   open, fail closed (503), or decide with a local in-memory limiter. A failing store is left
 //!   alone for a retry interval, and each change of state is logged once.

@@ -1188,3 +1188,89 @@ async fn an_upgrade_that_drops_its_lease_frees_the_slot_after_the_handshake() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A layer with one concurrency rule: one slot, a lease of `ttl`, renewed for up to
+/// `renew_for` when given.
+fn one_slot(ttl: Duration, renew_for: Option<Duration>, name: &str) -> RateLimitLayer {
+    let builder = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy_named(Policy::concurrency(1, ttl), name)).key(GlobalKey));
+    match renew_for {
+        Some(bound) => builder.renew_leases_up_to(bound),
+        None => builder,
+    }
+    .build()
+    .expect("layer")
+}
+
+/// Awaits `lease.lost()` (for at most 5 s); how long it took.
+async fn time_to_loss(lease: &HeldLease) -> Duration {
+    let began = Instant::now();
+    tokio::time::timeout(Duration::from_secs(5), lease.lost())
+        .await
+        .expect("the lease was never lost");
+    assert!(lease.is_lost());
+    began.elapsed()
+}
+
+/// Unrenewed, a held lease is lost at its TTL: `lost()` waits that long, not less, and then
+/// the slot is free again.
+#[tokio::test]
+async fn a_held_lease_is_lost_at_its_ttl() {
+    let (app, slot) = common::lease_keeping_app();
+    let app = app.layer(one_slot(Duration::from_millis(400), None, "ttl"));
+    let lease = common::take_held_lease(app.clone(), &slot).await;
+    assert!(!lease.is_lost());
+    // Still held: a second upgrade is turned away.
+    assert_eq!(
+        common::ask_upgrade(app.clone()).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let took = time_to_loss(&lease).await;
+    assert!(took >= Duration::from_millis(300), "lost early: {took:?}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        common::ask_upgrade(app).await,
+        StatusCode::SWITCHING_PROTOCOLS,
+        "the store still held a lease `lost` gave up"
+    );
+}
+
+/// Renewed, a held lease is not lost while its renewals go on (well past its TTL), and is lost
+/// one TTL after the last, when the renewal bound stops them.
+#[tokio::test]
+async fn a_renewed_held_lease_is_lost_a_ttl_after_its_last_renewal() {
+    let (app, slot) = common::lease_keeping_app();
+    let layer = one_slot(
+        Duration::from_millis(300),
+        Some(Duration::from_millis(600)),
+        "renewed",
+    );
+    let lease = common::take_held_lease(app.layer(layer), &slot).await;
+    // Renewed every 100 ms up to 600 ms: held until about 900 ms.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!lease.is_lost(), "lost while renewed");
+    assert!(
+        tokio::time::timeout(Duration::ZERO, lease.lost())
+            .await
+            .is_err(),
+        "lost() resolved while renewed"
+    );
+    let took = time_to_loss(&lease).await;
+    assert!(
+        took >= Duration::from_millis(200),
+        "lost before its last renewal's TTL: {took:?} after 500 ms"
+    );
+}
+
+/// Behind stacked layers, a held lease is lost when the first of its leases is: here the outer
+/// layer's, whose TTL is the shorter.
+#[tokio::test]
+async fn a_held_lease_is_lost_with_an_outer_layers_lease() {
+    let (app, slot) = common::lease_keeping_app();
+    let inner = one_slot(Duration::from_secs(60), None, "inner");
+    let outer = one_slot(Duration::from_millis(300), None, "outer");
+    let lease = common::take_held_lease(app.route_layer(inner).layer(outer), &slot).await;
+    assert!(!lease.is_lost());
+    let took = time_to_loss(&lease).await;
+    assert!(took >= Duration::from_millis(200), "lost early: {took:?}");
+}

@@ -264,3 +264,45 @@ pub async fn wait_for_head(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The `HeldLease` the last request to [`lease_keeping_app`] was given.
+pub type LeaseSlot = std::sync::Arc<std::sync::Mutex<Option<floodgate_tower::HeldLease>>>;
+
+/// An app whose `/` keeps the request's `HeldLease` in the returned slot and answers `101`.
+pub fn lease_keeping_app() -> (Router, LeaseSlot) {
+    let slot = LeaseSlot::default();
+    let kept = slot.clone();
+    let app = Router::new().route(
+        "/",
+        axum::routing::get(
+            move |lease: Option<floodgate_tower::HeldLease>| async move {
+                *kept.lock().expect("slot") = lease;
+                StatusCode::SWITCHING_PROTOCOLS
+            },
+        ),
+    );
+    (app, slot)
+}
+
+/// Asks `app` (in process) to switch protocols on `/`; the status, once the response (and its
+/// body) is gone.
+pub async fn ask_upgrade(app: Router) -> StatusCode {
+    let request = Request::get("/")
+        .header("connection", "upgrade")
+        .header("upgrade", "test")
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let response = tower::ServiceExt::oneshot(app, request)
+        .await
+        .expect("infallible");
+    response.status()
+}
+
+/// Asks `app` to switch protocols, which it must grant; the `HeldLease` its handler kept.
+pub async fn take_held_lease(app: Router, slot: &LeaseSlot) -> floodgate_tower::HeldLease {
+    assert_eq!(ask_upgrade(app).await, StatusCode::SWITCHING_PROTOCOLS);
+    slot.lock()
+        .expect("slot")
+        .take()
+        .expect("an upgrade that took a concurrency lease has a HeldLease")
+}
