@@ -229,14 +229,6 @@ impl LeaseGuard {
     pub(crate) fn lapse(&self) -> &Lapse {
         &self.lapse
     }
-
-    /// Drops the guard without releasing: another guard holds the lease now.
-    fn disarm(&mut self) {
-        self.job = None;
-        if let Some(renewing) = self.renewing.take() {
-            renewing.abort();
-        }
-    }
 }
 
 /// Renews the lease of `job` every third of its (shortest) TTL, for at most the layer's
@@ -283,6 +275,12 @@ fn keep_alive(
         }
     });
     Some((task.abort_handle(), renewal))
+}
+
+/// `asked`, on Tokio's clock (which tests may pause or move ahead): what has passed since.
+fn on_tokio_clock(asked: Instant) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_sub(asked.elapsed()).unwrap_or(now)
 }
 
 /// The TTL of a lease over `rules` (the shortest of their concurrency policies').
@@ -513,6 +511,8 @@ struct Verdicted {
     waited: Duration,
     /// When the check that decided was sent (a lease's TTL runs from then).
     asked: Instant,
+    /// The guard of a lease held through a shaper's wait, for the response to keep.
+    guard: Option<LeaseGuard>,
 }
 
 impl<L> Engine<L>
@@ -534,9 +534,13 @@ where
         let span = self.span(&job);
         // Limiters' futures are large, and this one is boxed per request: awaited here
         // without the span's wrapper unless something listens (then boxed apart).
-        let result = match &span {
+        let mut result = match &span {
             Some(span) => Box::pin(self.verdict(&job).instrument(span.clone())).await,
             None => self.verdict(&job).await,
+        };
+        let mut allowed = Allowed {
+            lease: result.as_mut().and_then(|r| r.guard.take()),
+            ..Allowed::default()
         };
         let this = Arc::clone(&self) as Arc<dyn DynEngine>;
         let grpc = job.grpc;
@@ -544,7 +548,6 @@ where
             Some(r) => (Some((&r.verdict, r.source, r.asked)), r.waited),
             None => (None, Duration::ZERO),
         };
-        let mut allowed = Allowed::default();
         match self.conclude(
             &this,
             &mut job,
@@ -708,7 +711,8 @@ where
                 });
             }
         }
-        if let Some(lease) = verdict.lease {
+        // A lease held through a shaper's wait has its guard already.
+        if let Some(lease) = verdict.lease.filter(|_| out.lease.is_none()) {
             // A check of cost 0 holds no lease: it is not released nor renewed.
             let items = job
                 .items
@@ -719,7 +723,7 @@ where
                 items.map(|i| (i.rule, std::mem::take(&mut i.key))),
                 lease,
                 source == DecisionSource::Fallback,
-                tokio::time::Instant::from_std(asked),
+                on_tokio_clock(asked),
             ));
         }
         if sh.headers.allowed {
@@ -755,6 +759,7 @@ where
                     source,
                     waited: Duration::ZERO,
                     asked,
+                    guard: None,
                 })
             }
             // Sleeps, retries: boxed apart.
@@ -790,8 +795,9 @@ where
             if verdict.allowed() {
                 if !verdict.wait.is_zero() {
                     // A concurrency lease taken with the shaper's turn is held through the
-                    // wait: should the request be dropped meanwhile, this gives it back.
-                    let mut guard = verdict.lease.map(|lease| {
+                    // wait: should the request be dropped meanwhile, this gives it back. Then
+                    // it is the response's (renewed since the grant, if renewal is on).
+                    let guard = verdict.lease.map(|lease| {
                         let sh = &self.shared;
                         let items = job
                             .items
@@ -802,19 +808,24 @@ where
                             items.map(|i| (i.rule, i.key.clone())),
                             lease,
                             source == DecisionSource::Fallback,
-                            tokio::time::Instant::from_std(asked),
+                            on_tokio_clock(asked),
                         )
                     });
                     tokio::time::sleep(verdict.wait).await;
-                    if let Some(guard) = &mut guard {
-                        guard.disarm();
-                    }
+                    return Some(Verdicted {
+                        verdict,
+                        source,
+                        waited: waited(),
+                        asked,
+                        guard,
+                    });
                 }
                 return Some(Verdicted {
                     verdict,
                     source,
                     waited: waited(),
                     asked,
+                    guard: None,
                 });
             }
             attempts += 1;
@@ -831,6 +842,7 @@ where
                         source,
                         waited: waited(),
                         asked,
+                        guard: None,
                     });
                 }
             }

@@ -69,10 +69,11 @@ use crate::engine::LeaseGuard;
 ///   ([`crate::RateLimitLayerBuilder::renew_leases_up_to`]; then up to that bound and a TTL,
 ///   so set the bound to the longest connection you will hold).
 /// - **Know when it is gone.** [`HeldLease::lost`] resolves when the lease stops counting: at
-///   its TTL, or its last renewal's, or as soon as a renewal finds the store no longer holds
-///   it (flushed, failed over to a replica that never had it, taken over after a long pause).
-///   Close the connection then, and the policy holds for every connection still open:
-///   `tokio::select! { _ = lease.lost() => break, message = socket.recv() => ... }`.
+///   its TTL, or a TTL after its last accepted renewal, or, while the layer renews it, at the
+///   first renewal that finds the store no longer holds it (flushed, failed over to a replica
+///   that never had it). Close the connection then, as the example does: the connections left
+///   open are those the policy still counts, give or take a renewal period (a third of the
+///   TTL) after the store loses a lease.
 /// - **Layers stack.** Behind several layers with concurrency policies, the innermost layer's
 ///   `HeldLease` also holds the outer layers' leases.
 /// - **Who gets one.** Requests that ask for no upgrade get no `HeldLease`, and pay nothing for
@@ -91,15 +92,24 @@ struct Held {
 
 impl HeldLease {
     /// Resolves when the lease stops counting, and with it the connection's place in the
-    /// policy; at once if it already has.
+    /// policy; at once if it already has. Once lost, a lease stays lost.
     ///
-    /// That is when its TTL has run out since the layer asked for it (or since it last sent a
-    /// renewal the store accepted), or when a renewal finds the store no longer holds it. A
-    /// renewal that fails for want of the store (down, slow) changes nothing: if none succeeds,
-    /// the TTL runs out. Behind stacked layers, it resolves when the first of the leases it
-    /// holds is lost. Needs a Tokio runtime with timers.
+    /// - **At its TTL**, counted from when the layer sent the check that granted it, or from
+    ///   when it sent the last renewal the store accepted
+    ///   ([`crate::RateLimitLayerBuilder::renew_leases_up_to`]): never later than the store's
+    ///   own expiry, as the store counts from when it ran them. A renewal the store does not
+    ///   answer (down, slow) changes nothing, and one accepted only after the deadline does
+    ///   not bring the lease back.
+    /// - **At the first renewal that finds it gone** (the store flushed, or failed over to a
+    ///   replica that never had it), or that the store refuses for good (its key corrupted or
+    ///   of another type): so only while the layer renews it, and up to a renewal period (a
+    ///   third of the TTL) after the store lost it. A replica that missed the last renewals
+    ///   expires the lease sooner than this counts, by up to as much.
     ///
-    /// Cancel-safe: drop it, and call it again.
+    /// A lease granted by the layer's local fallback counts in that fallback only. A check
+    /// whose concurrency rules all cost 0 holds nothing, and its lease is never lost. Behind
+    /// stacked layers, it resolves when the first of the leases it holds is lost. Needs a
+    /// Tokio runtime with timers. Cancel-safe: drop it, and call it again.
     // Not an `async fn`: the outer leases' futures are this one's, boxed, and only a declared
     // `Send` lets the recursion be `Send`.
     #[allow(clippy::manual_async_fn)]
@@ -176,12 +186,16 @@ impl Renewal {
     }
 
     /// A renewal sent at `sent` was accepted: the lease lasts a TTL from then (the store
-    /// counts it from when it ran the renewal, a little later).
+    /// counts it from when it ran the renewal, a little later). An answer that comes after the
+    /// deadline changes nothing: `lost` may have resolved already, and a lost lease stays lost.
     pub(crate) fn extend(&self, sent: Instant, ttl: std::time::Duration) {
+        let now = Instant::now();
         let mut until = self.until.lock().unwrap_or_else(PoisonError::into_inner);
-        if let (Some(held), Some(later)) = (*until, sent.checked_add(ttl)) {
-            *until = Some(held.max(later));
-        }
+        *until = match (*until, sent.checked_add(ttl)) {
+            (Some(held), Some(later)) if now < held => Some(held.max(later)),
+            (Some(held), None) if now < held => Some(held),
+            _ => None,
+        };
         drop(until);
         self.changed.notify_waiters();
     }
@@ -265,5 +279,89 @@ mod axum_impl {
         ) -> Result<Option<Self>, Self::Rejection> {
             Ok(parts.extensions.remove::<HeldLease>())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    const TTL: Duration = Duration::from_millis(300);
+
+    /// Whether `lost` has resolved, without waiting.
+    async fn resolved(renewal: &Renewal) -> bool {
+        tokio::time::timeout(Duration::ZERO, renewal.lost())
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_accepted_renewal_moves_the_deadline_to_a_ttl_from_its_sending() {
+        let t0 = Instant::now();
+        let renewal = Renewal::new(t0 + TTL);
+        tokio::time::advance(Duration::from_millis(100)).await;
+        let sent = Instant::now();
+        // Answered 50 ms later: the TTL still counts from the sending.
+        tokio::time::advance(Duration::from_millis(50)).await;
+        renewal.extend(sent, TTL);
+        assert_eq!(renewal.until(), Some(sent + TTL));
+        tokio::time::advance(Duration::from_millis(249)).await;
+        assert!(!resolved(&renewal).await);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(resolved(&renewal).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiting_lost_follows_a_moved_deadline_and_wakes_on_a_loss() {
+        let t0 = Instant::now();
+        let renewal = Arc::new(Renewal::new(t0 + TTL));
+        let waiting = tokio::spawn({
+            let renewal = Arc::clone(&renewal);
+            async move {
+                renewal.lost().await;
+                Instant::now()
+            }
+        });
+        tokio::time::advance(Duration::from_millis(200)).await;
+        renewal.extend(Instant::now(), TTL);
+        // Past the first deadline: the moved one holds.
+        tokio::time::advance(Duration::from_millis(200)).await;
+        assert!(!waiting.is_finished());
+        renewal.lose();
+        let lost_at = waiting.await.expect("task");
+        assert_eq!(lost_at, t0 + Duration::from_millis(400));
+        assert!(Lapse::Renewed(renewal).is_lost(Instant::now()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_lease_stays_lost_even_if_a_late_renewal_is_accepted() {
+        let t0 = Instant::now();
+        let renewal = Renewal::new(t0 + TTL);
+        let sent = t0 + Duration::from_millis(250);
+        tokio::time::advance(Duration::from_millis(300)).await;
+        assert!(resolved(&renewal).await);
+        renewal.extend(sent, TTL);
+        assert_eq!(renewal.until(), None);
+        assert!(resolved(&renewal).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fixed_lapse_is_lost_at_its_deadline_and_one_without_is_never() {
+        let t0 = Instant::now();
+        let fixed = Lapse::Fixed(Some(t0 + TTL));
+        assert!(!fixed.is_lost(t0 + TTL - Duration::from_millis(1)));
+        assert!(fixed.is_lost(t0 + TTL));
+        let began = Instant::now();
+        fixed.lost().await;
+        assert_eq!(Instant::now() - began, TTL);
+        let never = Lapse::Fixed(None);
+        assert!(!never.is_lost(t0 + Duration::from_secs(1 << 30)));
+        assert!(
+            tokio::time::timeout(Duration::from_secs(3600), never.lost())
+                .await
+                .is_err()
+        );
     }
 }

@@ -1202,14 +1202,26 @@ fn one_slot(ttl: Duration, renew_for: Option<Duration>, name: &str) -> RateLimit
     .expect("layer")
 }
 
-/// Awaits `lease.lost()` (for at most 5 s); how long it took.
-async fn time_to_loss(lease: &HeldLease) -> Duration {
-    let began = Instant::now();
+/// Awaits `lease.lost()` (for at most 5 s); how long it took since `began`.
+async fn time_to_loss(lease: &HeldLease, began: Instant) -> Duration {
     tokio::time::timeout(Duration::from_secs(5), lease.lost())
         .await
         .expect("the lease was never lost");
     assert!(lease.is_lost());
     began.elapsed()
+}
+
+/// After `lost()`, the store gives the slot to another upgrade at once (within the time a
+/// renewal takes to reach it): `lost()` was not early.
+async fn assert_slot_free_soon(app: Router) {
+    let deadline = Instant::now() + Duration::from_millis(200);
+    while common::ask_upgrade(app.clone()).await != StatusCode::SWITCHING_PROTOCOLS {
+        assert!(
+            Instant::now() < deadline,
+            "the store still held a lease `lost` gave up"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// Unrenewed, a held lease is lost at its TTL: `lost()` waits that long, not less, and then
@@ -1218,6 +1230,7 @@ async fn time_to_loss(lease: &HeldLease) -> Duration {
 async fn a_held_lease_is_lost_at_its_ttl() {
     let (app, slot) = common::lease_keeping_app();
     let app = app.layer(one_slot(Duration::from_millis(400), None, "ttl"));
+    let began = Instant::now();
     let lease = common::take_held_lease(app.clone(), &slot).await;
     assert!(!lease.is_lost());
     // Still held: a second upgrade is turned away.
@@ -1225,14 +1238,9 @@ async fn a_held_lease_is_lost_at_its_ttl() {
         common::ask_upgrade(app.clone()).await,
         StatusCode::TOO_MANY_REQUESTS
     );
-    let took = time_to_loss(&lease).await;
-    assert!(took >= Duration::from_millis(300), "lost early: {took:?}");
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(
-        common::ask_upgrade(app).await,
-        StatusCode::SWITCHING_PROTOCOLS,
-        "the store still held a lease `lost` gave up"
-    );
+    let took = time_to_loss(&lease, began).await;
+    assert!(took >= Duration::from_millis(400), "lost early: {took:?}");
+    assert_slot_free_soon(app).await;
 }
 
 /// Renewed, a held lease is not lost while its renewals go on (well past its TTL), and is lost
@@ -1245,7 +1253,9 @@ async fn a_renewed_held_lease_is_lost_a_ttl_after_its_last_renewal() {
         Some(Duration::from_millis(600)),
         "renewed",
     );
-    let lease = common::take_held_lease(app.layer(layer), &slot).await;
+    let app = app.layer(layer);
+    let began = Instant::now();
+    let lease = common::take_held_lease(app.clone(), &slot).await;
     // Renewed every 100 ms up to 600 ms: held until about 900 ms.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!lease.is_lost(), "lost while renewed");
@@ -1255,11 +1265,9 @@ async fn a_renewed_held_lease_is_lost_a_ttl_after_its_last_renewal() {
             .is_err(),
         "lost() resolved while renewed"
     );
-    let took = time_to_loss(&lease).await;
-    assert!(
-        took >= Duration::from_millis(200),
-        "lost before its last renewal's TTL: {took:?} after 500 ms"
-    );
+    let took = time_to_loss(&lease, began).await;
+    assert!(took >= Duration::from_millis(500), "{took:?}");
+    assert_slot_free_soon(app).await;
 }
 
 /// Behind stacked layers, a held lease is lost when the first of its leases is: here the outer
@@ -1269,8 +1277,46 @@ async fn a_held_lease_is_lost_with_an_outer_layers_lease() {
     let (app, slot) = common::lease_keeping_app();
     let inner = one_slot(Duration::from_secs(60), None, "inner");
     let outer = one_slot(Duration::from_millis(300), None, "outer");
+    let began = Instant::now();
     let lease = common::take_held_lease(app.route_layer(inner).layer(outer), &slot).await;
     assert!(!lease.is_lost());
-    let took = time_to_loss(&lease).await;
-    assert!(took >= Duration::from_millis(200), "lost early: {took:?}");
+    let took = time_to_loss(&lease, began).await;
+    assert!(took >= Duration::from_millis(300), "lost early: {took:?}");
+}
+
+/// In delay mode, a lease taken with a shaper's turn is renewed from its grant, through the
+/// wait for the turn: a wait longer than its TTL does not leave it lost on arrival.
+#[tokio::test]
+async fn a_held_lease_that_waited_its_turn_is_renewed_through_the_wait() {
+    let (app, slot) = common::lease_keeping_app();
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy_named(
+                Policy::shaper(1, Duration::from_millis(600)),
+                "turns",
+            ))
+            .key(GlobalKey),
+        )
+        .rule(
+            Rule::new(policy_named(
+                Policy::concurrency(5, Duration::from_millis(300)),
+                "five",
+            ))
+            .key(GlobalKey),
+        )
+        .renew_leases_up_to(Duration::from_secs(60))
+        .delay(Duration::from_secs(2))
+        .build()
+        .expect("layer");
+    let app = app.layer(layer);
+    let _first = common::take_held_lease(app.clone(), &slot).await;
+    let began = Instant::now();
+    let second = common::take_held_lease(app, &slot).await;
+    assert!(
+        began.elapsed() >= Duration::from_millis(400),
+        "the second upgrade did not wait its turn"
+    );
+    assert!(!second.is_lost(), "lost on arrival");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!second.is_lost(), "lost while renewed");
 }
