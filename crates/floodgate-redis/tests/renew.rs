@@ -92,6 +92,42 @@ fn a_concurrency_lease_handle_renews_through_the_limiter() {
     });
 }
 
+/// Renewed in the background, a lease handle outlives its TTL in Redis; when Redis loses the
+/// lease (flushed, or failed over to a replica that never had it), the next renewal finds it
+/// gone and `lost` resolves, long before the TTL.
+#[test]
+fn a_lease_renewed_in_the_background_is_lost_when_redis_loses_it() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let one = Policy::concurrency(1, Duration::from_millis(1_500)).expect("valid");
+        let checks = [Check::new(b"background".as_slice(), &one)];
+        let (_, lease) = ConcurrencyLease::check(&redis, &checks, CheckOptions::default())
+            .await
+            .expect("checks");
+        let lease = lease.expect("a lease").renew_up_to(Duration::from_secs(60));
+        // Renewed every 500 ms: held well past its TTL.
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
+        assert!(!lease.is_lost(), "lost while renewed");
+        let other = redis
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("checks");
+        assert!(!other.allowed(), "the lease lapsed in Redis");
+        server.cmd_ok(&["FLUSHALL"]).expect("flushall");
+        let began = tokio::time::Instant::now();
+        tokio::time::timeout(Duration::from_secs(10), lease.lost())
+            .await
+            .expect("the lease was never lost");
+        let took = began.elapsed();
+        assert!(
+            took < Duration::from_millis(900),
+            "lost at its TTL, not at the renewal that found it gone: {took:?}"
+        );
+        assert!(lease.is_lost());
+    });
+}
+
 #[test]
 fn a_corrupt_lease_end_is_a_typed_error_and_changes_nothing() {
     let server = server();

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use floodgate_core::{
-    CacheStats, Check, CheckOptions, Decision, Kind, LeaseId, Limiter, MemoryLimiter, Verdict,
+    CacheStats, Check, CheckOptions, Decision, Kind, LeaseClock, LeaseId, Limiter, MemoryLimiter,
+    Verdict,
 };
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use smallvec::SmallVec;
@@ -23,7 +24,7 @@ use crate::health::StoreHealth;
 use crate::info::{DecisionSource, RateLimitInfo, RuleIds};
 use crate::key::{Extracted, Key, KeyError, KeyFuture, RequestView};
 use crate::layer::{MAX_DELAY_ATTEMPTS, Mode, OnMissingKey};
-use crate::lease::{Lapse, Renewal};
+use crate::lease::Lapse;
 use crate::rejection::{Rejection, RejectionHandler, RejectionKind};
 use crate::rule::RuleEntry;
 use crate::telemetry::{Escaped, LayerMetrics, Outcome};
@@ -212,10 +213,12 @@ impl LeaseGuard {
             fallback,
         };
         let ttl = lease_ttl(engine.shared(), &job.rules);
-        let until = ttl.and_then(|ttl| asked.checked_add(ttl));
-        let (renewing, lapse) = match keep_alive(&engine, &job, ttl, until) {
-            Some((task, renewal)) => (Some(task), Lapse::Renewed(renewal)),
-            None => (None, Lapse::Fixed(until)),
+        let (renewing, lapse) = match keep_alive(&engine, &job, ttl, asked) {
+            Some((task, clock)) => (Some(task), Lapse::Renewed(clock)),
+            None => (
+                None,
+                Lapse::Fixed(ttl.and_then(|ttl| asked.checked_add(ttl))),
+            ),
         };
         LeaseGuard {
             engine,
@@ -237,22 +240,22 @@ impl LeaseGuard {
 /// store refuses the key for good; a store that is down or slow is tried again next period.
 /// Needs a Tokio runtime with timers; without a runtime the lease lapses after its TTL.
 ///
-/// `ttl` is the lease's, and `until` when it lapses unless renewed; the task tells what it
-/// learns to the [`Renewal`] it returns.
+/// `ttl` is the lease's, granted by a check sent at `asked`; the task tells what it learns to
+/// the [`LeaseClock`] it returns.
 fn keep_alive(
     engine: &Arc<dyn DynEngine>,
     job: &LeaseJob,
     ttl: Option<Duration>,
-    until: Option<tokio::time::Instant>,
-) -> Option<(tokio::task::AbortHandle, Arc<Renewal>)> {
+    asked: tokio::time::Instant,
+) -> Option<(tokio::task::AbortHandle, Arc<LeaseClock>)> {
     let max_hold = engine.shared().renew_leases?;
-    let (ttl, until) = (ttl?, until?);
+    let ttl = ttl?;
     let handle = tokio::runtime::Handle::try_current().ok()?;
     let period = (ttl / 3).max(Duration::from_millis(1));
     let engine = Arc::clone(engine);
     let job = Arc::new(job.clone());
-    let renewal = Arc::new(Renewal::new(until));
-    let told = Arc::clone(&renewal);
+    let clock = Arc::new(LeaseClock::new(asked, Some(ttl)));
+    let told = Arc::clone(&clock);
     let task = handle.spawn(async move {
         let start = tokio::time::Instant::now();
         let mut ticks = tokio::time::interval_at(start + period, period);
@@ -265,7 +268,7 @@ fn keep_alive(
             }
             let sent = tokio::time::Instant::now();
             match Arc::clone(&engine).renew(Arc::clone(&job), period).await {
-                Renewed::Held => told.extend(sent, ttl),
+                Renewed::Held => told.renewed(sent, ttl),
                 Renewed::Unknown => {}
                 Renewed::Gone => {
                     told.lose();
@@ -274,7 +277,7 @@ fn keep_alive(
             }
         }
     });
-    Some((task.abort_handle(), renewal))
+    Some((task.abort_handle(), clock))
 }
 
 /// `asked`, on Tokio's clock (which tests may pause or move ahead): what has passed since.

@@ -3,11 +3,11 @@
 use std::fmt;
 use std::future::{Future, pending};
 use std::pin::{Pin, pin};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
+use floodgate_core::LeaseClock;
 use futures_util::future::select;
 use http::{Method, Request, header};
-use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
 
 use crate::engine::LeaseGuard;
@@ -146,14 +146,14 @@ pub(crate) enum Lapse {
     /// At its TTL from the grant (`None`: no TTL known), as nothing renews it.
     Fixed(Option<Instant>),
     /// As its renewal finds.
-    Renewed(Arc<Renewal>),
+    Renewed(Arc<LeaseClock>),
 }
 
 impl Lapse {
     fn is_lost(&self, now: Instant) -> bool {
         match self {
             Lapse::Fixed(until) => until.is_some_and(|until| now >= until),
-            Lapse::Renewed(renewal) => renewal.until().is_none_or(|until| now >= until),
+            Lapse::Renewed(clock) => clock.is_lost_at(now),
         }
     }
 
@@ -161,65 +161,7 @@ impl Lapse {
         match self {
             Lapse::Fixed(None) => pending().await,
             Lapse::Fixed(Some(until)) => sleep_until(*until).await,
-            Lapse::Renewed(renewal) => renewal.lost().await,
-        }
-    }
-}
-
-/// What the task renewing a lease has learnt of it, for [`HeldLease::lost`].
-pub(crate) struct Renewal {
-    /// When the lease lapses unless renewed again; `None` once a renewal found it gone.
-    until: Mutex<Option<Instant>>,
-    changed: Notify,
-}
-
-impl Renewal {
-    pub(crate) fn new(until: Instant) -> Self {
-        Renewal {
-            until: Mutex::new(Some(until)),
-            changed: Notify::new(),
-        }
-    }
-
-    fn until(&self) -> Option<Instant> {
-        *self.until.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// A renewal sent at `sent` was accepted: the lease lasts a TTL from then (the store
-    /// counts it from when it ran the renewal, a little later). An answer that comes after the
-    /// deadline changes nothing: `lost` may have resolved already, and a lost lease stays lost.
-    pub(crate) fn extend(&self, sent: Instant, ttl: std::time::Duration) {
-        let now = Instant::now();
-        let mut until = self.until.lock().unwrap_or_else(PoisonError::into_inner);
-        *until = match (*until, sent.checked_add(ttl)) {
-            (Some(held), Some(later)) if now < held => Some(held.max(later)),
-            (Some(held), None) if now < held => Some(held),
-            _ => None,
-        };
-        drop(until);
-        self.changed.notify_waiters();
-    }
-
-    /// A renewal found the lease gone.
-    pub(crate) fn lose(&self) {
-        *self.until.lock().unwrap_or_else(PoisonError::into_inner) = None;
-        self.changed.notify_waiters();
-    }
-
-    async fn lost(&self) {
-        loop {
-            // Listening before looking, so that a change in between is not missed.
-            let mut changed = pin!(self.changed.notified());
-            changed.as_mut().enable();
-            let Some(until) = self.until() else {
-                return;
-            };
-            if Instant::now() >= until {
-                return;
-            }
-            // Woken by a change or by the deadline (which a renewal may have moved meanwhile):
-            // looked at again either way.
-            select(changed, pin!(sleep_until(until))).await;
+            Lapse::Renewed(clock) => clock.lost().await,
         }
     }
 }
@@ -279,89 +221,5 @@ mod axum_impl {
         ) -> Result<Option<Self>, Self::Rejection> {
             Ok(parts.extensions.remove::<HeldLease>())
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::*;
-
-    const TTL: Duration = Duration::from_millis(300);
-
-    /// Whether `lost` has resolved, without waiting.
-    async fn resolved(renewal: &Renewal) -> bool {
-        tokio::time::timeout(Duration::ZERO, renewal.lost())
-            .await
-            .is_ok()
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn an_accepted_renewal_moves_the_deadline_to_a_ttl_from_its_sending() {
-        let t0 = Instant::now();
-        let renewal = Renewal::new(t0 + TTL);
-        tokio::time::advance(Duration::from_millis(100)).await;
-        let sent = Instant::now();
-        // Answered 50 ms later: the TTL still counts from the sending.
-        tokio::time::advance(Duration::from_millis(50)).await;
-        renewal.extend(sent, TTL);
-        assert_eq!(renewal.until(), Some(sent + TTL));
-        tokio::time::advance(Duration::from_millis(249)).await;
-        assert!(!resolved(&renewal).await);
-        tokio::time::advance(Duration::from_millis(1)).await;
-        assert!(resolved(&renewal).await);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_waiting_lost_follows_a_moved_deadline_and_wakes_on_a_loss() {
-        let t0 = Instant::now();
-        let renewal = Arc::new(Renewal::new(t0 + TTL));
-        let waiting = tokio::spawn({
-            let renewal = Arc::clone(&renewal);
-            async move {
-                renewal.lost().await;
-                Instant::now()
-            }
-        });
-        tokio::time::advance(Duration::from_millis(200)).await;
-        renewal.extend(Instant::now(), TTL);
-        // Past the first deadline: the moved one holds.
-        tokio::time::advance(Duration::from_millis(200)).await;
-        assert!(!waiting.is_finished());
-        renewal.lose();
-        let lost_at = waiting.await.expect("task");
-        assert_eq!(lost_at, t0 + Duration::from_millis(400));
-        assert!(Lapse::Renewed(renewal).is_lost(Instant::now()));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_lost_lease_stays_lost_even_if_a_late_renewal_is_accepted() {
-        let t0 = Instant::now();
-        let renewal = Renewal::new(t0 + TTL);
-        let sent = t0 + Duration::from_millis(250);
-        tokio::time::advance(Duration::from_millis(300)).await;
-        assert!(resolved(&renewal).await);
-        renewal.extend(sent, TTL);
-        assert_eq!(renewal.until(), None);
-        assert!(resolved(&renewal).await);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_fixed_lapse_is_lost_at_its_deadline_and_one_without_is_never() {
-        let t0 = Instant::now();
-        let fixed = Lapse::Fixed(Some(t0 + TTL));
-        assert!(!fixed.is_lost(t0 + TTL - Duration::from_millis(1)));
-        assert!(fixed.is_lost(t0 + TTL));
-        let began = Instant::now();
-        fixed.lost().await;
-        assert_eq!(Instant::now() - began, TTL);
-        let never = Lapse::Fixed(None);
-        assert!(!never.is_lost(t0 + Duration::from_secs(1 << 30)));
-        assert!(
-            tokio::time::timeout(Duration::from_secs(3600), never.lost())
-                .await
-                .is_err()
-        );
     }
 }

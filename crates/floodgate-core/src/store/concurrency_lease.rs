@@ -2,9 +2,13 @@
 
 use std::any::Any;
 use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
 
-use super::{Check, CheckOptions, Limiter};
-use crate::{LeaseId, MemoryLimiter, Policy, Verdict};
+use tokio::time::Instant;
+
+use super::{Check, CheckOptions, LeaseClock, Limiter};
+use crate::{Kind, LeaseId, MemoryLimiter, Policy, Verdict};
 
 /// A concurrency lease held for the life of a value: released by
 /// [`ConcurrencyLease::release`], or when dropped: at once for a [`MemoryLimiter`], otherwise
@@ -14,6 +18,12 @@ use crate::{LeaseId, MemoryLimiter, Policy, Verdict};
 /// [`release`](ConcurrencyLease::release) where the work ends to have it back at once.
 ///
 /// Binding the lease to `_` (`let (verdict, _) = ...`) drops it, and releases it, at once.
+///
+/// A lease lasts its policy's lease TTL unless renewed: for work that may run longer, renew it
+/// in the background with [`renew_up_to`](ConcurrencyLease::renew_up_to) (or by hand with
+/// [`renew`](ConcurrencyLease::renew)), and select on [`lost`](ConcurrencyLease::lost) to stop
+/// the work when the lease no longer counts (its TTL passed without a renewal, or the store
+/// lost it).
 ///
 /// ```
 /// use std::time::Duration;
@@ -27,13 +37,20 @@ use crate::{LeaseId, MemoryLimiter, Policy, Verdict};
 /// let checks = [Check::new(b"tenant-7", &exports)];
 /// let (verdict, lease) = ConcurrencyLease::check(&limiter, &checks, CheckOptions::default()).await?;
 /// if let Some(lease) = lease {
-///     // ... run the export ...
+///     // An export may outlast the TTL: renewed meanwhile, for up to an hour.
+///     let lease = lease.renew_up_to(Duration::from_secs(3600));
+///     tokio::select! {
+///         () = run_export() => {}
+///         // The slot is no longer ours (the store lost the lease): stop.
+///         () = lease.lost() => {}
+///     }
 ///     lease.release().await?;
 /// } else {
 ///     assert!(!verdict.allowed());
 /// }
 /// # Ok(())
 /// # }
+/// # async fn run_export() {}
 /// ```
 #[must_use = "dropping the lease releases it at once"]
 pub struct ConcurrencyLease<L>
@@ -48,15 +65,65 @@ where
 struct Held<L> {
     limiter: L,
     /// The concurrency checks the lease was taken with: (key, policy, cost).
-    checks: Vec<(Box<[u8]>, Policy, u64)>,
+    checks: Arc<[OwnedCheck]>,
+    /// The lease's TTL (the shortest of its policies').
+    ttl: Option<Duration>,
+    /// When the lease stops counting.
+    clock: Arc<LeaseClock>,
+    /// The task renewing the lease ([`ConcurrencyLease::renew_up_to`]).
+    renewing: Option<tokio::task::AbortHandle>,
+}
+
+/// A check the lease keeps: (key, policy, cost).
+type OwnedCheck = (Box<[u8]>, Policy, u64);
+
+impl<L> Held<L> {
+    /// The concurrency checks of `checks`, sent at `asked`.
+    fn new(limiter: L, checks: &[Check<'_>], asked: Instant) -> Self {
+        let checks: Arc<[_]> = checks
+            .iter()
+            .filter(|c| matches!(c.policy.kind(), Kind::Concurrency(_)))
+            .map(|c| (Box::from(c.key), c.policy.clone(), c.cost))
+            .collect();
+        let ttl = checks
+            .iter()
+            .filter_map(|(_, policy, _)| match policy.kind() {
+                Kind::Concurrency(c) => Some(Duration::from_micros(c.lease_ttl_us())),
+                _ => None,
+            })
+            .min();
+        Held {
+            limiter,
+            checks,
+            ttl,
+            clock: Arc::new(LeaseClock::new(asked, ttl)),
+            renewing: None,
+        }
+    }
+
+    fn checks(&self) -> Vec<Check<'_>> {
+        owned_checks(&self.checks)
+    }
+}
+
+fn owned_checks(checks: &[OwnedCheck]) -> Vec<Check<'_>> {
+    checks
+        .iter()
+        .map(|(key, policy, cost)| Check::new(key, policy).cost(*cost))
+        .collect()
 }
 
 impl<L> Held<L> {
-    fn checks(&self) -> Vec<Check<'_>> {
-        self.checks
-            .iter()
-            .map(|(key, policy, cost)| Check::new(key, policy).cost(*cost))
-            .collect()
+    fn stop_renewing(&mut self) {
+        if let Some(renewing) = self.renewing.take() {
+            renewing.abort();
+        }
+    }
+}
+
+impl<L> Drop for Held<L> {
+    fn drop(&mut self) {
+        self.stop_renewing();
     }
 }
 
@@ -75,17 +142,11 @@ where
         checks: &[Check<'_>],
         opts: CheckOptions,
     ) -> Result<(Verdict, Option<ConcurrencyLease<L>>), L::Error> {
+        let asked = Instant::now();
         let verdict = limiter.check(checks, opts).await?;
         let lease = verdict.lease.map(|id| ConcurrencyLease {
             id,
-            held: Some(Held {
-                limiter: limiter.clone(),
-                checks: checks
-                    .iter()
-                    .filter(|c| matches!(c.policy.kind(), crate::Kind::Concurrency(_)))
-                    .map(|c| (Box::from(c.key), c.policy.clone(), c.cost))
-                    .collect(),
-            }),
+            held: Some(Held::new(limiter.clone(), checks, asked)),
         });
         Ok((verdict, lease))
     }
@@ -101,29 +162,119 @@ where
     /// The limiter's error; the lease then lapses after its TTL.
     pub async fn release(mut self) -> Result<(), L::Error> {
         match self.held.take() {
-            Some(held) => held.limiter.release(&held.checks(), self.id).await,
+            Some(mut held) => {
+                held.stop_renewing();
+                held.limiter.release(&held.checks(), self.id).await
+            }
             None => Ok(()),
         }
     }
 
     /// Extends the lease to a whole lease TTL from now ([`Limiter::renew`]); `Ok(false)` when
     /// it had already lapsed (or was released) on some key, and is not held there any more.
+    /// What it finds moves [`lost`](ConcurrencyLease::lost) on, or resolves it.
     ///
     /// # Errors
     /// The limiter's error.
     pub async fn renew(&self) -> Result<bool, L::Error> {
         match &self.held {
-            Some(held) => held.limiter.renew(&held.checks(), self.id).await,
+            Some(held) => renew(&held.limiter, &held.checks, self.id, held.ttl, &held.clock).await,
             None => Ok(false),
         }
     }
 
+    /// Renews the lease in the background every third of its TTL, for at most `max` from
+    /// now, until it is released or dropped: work that runs longer than the TTL keeps its
+    /// slot, yet a process that dies gives it back within a TTL, and one that hangs within
+    /// `max` and a TTL. A store that is down or slow is tried again at the next period (the TTL
+    /// running on); a lease found lapsed, or that the store refuses for good, stops the renewal
+    /// and is lost ([`lost`](ConcurrencyLease::lost)).
+    ///
+    /// Needs a Tokio runtime with timers: elsewhere, and for a lease whose policies have no
+    /// TTL, it renews nothing. Calling it again changes nothing.
+    #[must_use = "the lease is released when dropped"]
+    pub fn renew_up_to(mut self, max: Duration) -> Self {
+        let id = self.id;
+        let Some(held) = &mut self.held else {
+            return self;
+        };
+        let (Some(ttl), None) = (held.ttl, &held.renewing) else {
+            return self;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return self;
+        };
+        let period = (ttl / 3).max(Duration::from_millis(1));
+        let (limiter, checks, clock) = (
+            held.limiter.clone(),
+            Arc::clone(&held.checks),
+            Arc::clone(&held.clock),
+        );
+        let task = runtime.spawn(async move {
+            let start = Instant::now();
+            let mut ticks = tokio::time::interval_at(start + period, period);
+            // A slow renewal does not make the next ones bunch up against the same slow store.
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let tick = ticks.tick().await;
+                if tick.duration_since(start) > max {
+                    break;
+                }
+                match renew(&limiter, &checks, id, Some(ttl), &clock).await {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) if L::is_unavailable(&e) => {}
+                    Err(_) => {
+                        clock.lose();
+                        break;
+                    }
+                }
+            }
+        });
+        held.renewing = Some(task.abort_handle());
+        self
+    }
+
+    /// Resolves when the lease stops counting, at once if it has (see [`LeaseClock`]): at its
+    /// TTL, counted from when its check (or the last renewal the store accepted) was sent,
+    /// never later than the store's own expiry; or when a renewal finds the store no longer
+    /// holds it. Once lost, it stays lost. Select on it next to the work the lease is for.
+    /// Needs a Tokio runtime with timers. Cancel-safe.
+    pub async fn lost(&self) {
+        if let Some(held) = &self.held {
+            held.clock.lost().await;
+        }
+    }
+
+    /// Whether the lease has stopped counting (see [`lost`](ConcurrencyLease::lost)).
+    pub fn is_lost(&self) -> bool {
+        self.held.as_ref().is_none_or(|held| held.clock.is_lost())
+    }
+
     /// Gives up the guard without releasing: the lease is held until its TTL, or until
-    /// released by id ([`Limiter::release`]).
+    /// released by id ([`Limiter::release`]). Background renewal stops.
     pub fn forget(mut self) -> LeaseId {
         self.held = None;
         self.id
     }
+}
+
+/// Renews lease `id` over `checks` (of TTL `ttl`), telling `clock` what it finds.
+async fn renew<L: Limiter>(
+    limiter: &L,
+    checks: &[OwnedCheck],
+    id: LeaseId,
+    ttl: Option<Duration>,
+    clock: &LeaseClock,
+) -> Result<bool, L::Error> {
+    let sent = Instant::now();
+    let held = limiter.renew(&owned_checks(checks), id).await?;
+    match (held, ttl) {
+        (true, Some(ttl)) => clock.renewed(sent, ttl),
+        (true, None) => {}
+        (false, _) => clock.lose(),
+    }
+    Ok(held)
 }
 
 impl<L> Drop for ConcurrencyLease<L>
@@ -131,9 +282,10 @@ where
     L: Limiter + Clone + 'static,
 {
     fn drop(&mut self) {
-        let Some(held) = self.held.take() else {
+        let Some(mut held) = self.held.take() else {
             return;
         };
+        held.stop_renewing();
         let id = self.id;
         if let Some(memory) = (&held.limiter as &dyn Any).downcast_ref::<MemoryLimiter>() {
             memory.release_sync(&held.checks(), id);
@@ -196,10 +348,7 @@ mod tests {
             .expect("check");
         let lease = ConcurrencyLease {
             id: verdict.lease.expect("a lease"),
-            held: Some(Held {
-                limiter: limiter.clone(),
-                checks: vec![(Box::from(&b"k"[..]), policy.clone(), 1)],
-            }),
+            held: Some(Held::new(limiter.clone(), &checks, Instant::now())),
         };
         assert!(
             !limiter
@@ -259,5 +408,105 @@ mod tests {
         .await
         .expect("check");
         assert!(verdict.allowed() && lease.is_none());
+    }
+
+    fn one_of(ttl: Duration) -> Policy {
+        Policy::concurrency(1, ttl)
+            .and_then(|p| p.named("one-timed"))
+            .expect("policy")
+    }
+
+    /// Waits up to 5 s for `lease` to be lost; how long since `began`.
+    async fn time_to_loss(lease: &ConcurrencyLease<MemoryLimiter>, began: Instant) -> Duration {
+        tokio::time::timeout(Duration::from_secs(5), lease.lost())
+            .await
+            .expect("the lease was never lost");
+        assert!(lease.is_lost());
+        began.elapsed()
+    }
+
+    /// Whether the slot comes free within 200 ms (the store expires a lease a little after
+    /// `lost` gives it up, never before).
+    async fn slot_frees_soon(limiter: &MemoryLimiter, policy: &Policy) -> bool {
+        let deadline = Instant::now() + Duration::from_millis(200);
+        loop {
+            if let Some(lease) = take(limiter, policy).await {
+                drop(lease);
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn an_unrenewed_lease_is_lost_at_its_ttl() {
+        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_millis(300)));
+        let began = Instant::now();
+        let lease = take(&limiter, &policy).await.expect("admitted");
+        assert!(!lease.is_lost());
+        let took = time_to_loss(&lease, began).await;
+        assert!(took >= Duration::from_millis(300), "lost early: {took:?}");
+        assert!(slot_frees_soon(&limiter, &policy).await);
+    }
+
+    #[tokio::test]
+    async fn a_renewed_lease_outlives_its_ttl_and_is_lost_a_ttl_after_its_bound() {
+        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_millis(300)));
+        let began = Instant::now();
+        let lease = take(&limiter, &policy)
+            .await
+            .expect("admitted")
+            .renew_up_to(Duration::from_millis(600));
+        // Renewed every 100 ms up to 600 ms: held until about 900 ms.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!lease.is_lost(), "lost while renewed");
+        assert!(
+            take(&limiter, &policy).await.is_none(),
+            "lapsed in the store"
+        );
+        let took = time_to_loss(&lease, began).await;
+        assert!(took >= Duration::from_millis(500), "{took:?}");
+        assert!(slot_frees_soon(&limiter, &policy).await);
+    }
+
+    #[tokio::test]
+    async fn a_renewal_that_finds_the_lease_gone_loses_it_before_its_ttl() {
+        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_secs(3)));
+        let lease = take(&limiter, &policy)
+            .await
+            .expect("admitted")
+            .renew_up_to(Duration::from_secs(60));
+        // Released behind its back (as a store that lost it would say).
+        let began = Instant::now();
+        limiter
+            .release(&[Check::new(b"k", &policy)], lease.id())
+            .await
+            .expect("release");
+        // Renewals every second: the first one finds it gone.
+        let took = time_to_loss(&lease, began).await;
+        assert!(took < Duration::from_secs(2), "lost at its TTL: {took:?}");
+    }
+
+    #[tokio::test]
+    async fn a_renewal_by_hand_moves_the_deadline_or_loses_the_lease() {
+        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_millis(300)));
+        let lease = take(&limiter, &policy).await.expect("admitted");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(lease.renew().await.expect("renew"));
+        // Past the first TTL, within the renewed one.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!lease.is_lost(), "the renewal did not move the deadline");
+        limiter
+            .release(&[Check::new(b"k", &policy)], lease.id())
+            .await
+            .expect("release");
+        assert!(!lease.renew().await.expect("renew"));
+        assert!(
+            lease.is_lost(),
+            "a renewal that found it gone did not lose it"
+        );
     }
 }

@@ -2,6 +2,7 @@
 
 mod concurrency_lease;
 mod deny_cache;
+mod lease_clock;
 mod leasing;
 mod memory;
 pub(crate) mod sharded;
@@ -11,6 +12,7 @@ use std::time::Duration;
 
 pub use concurrency_lease::ConcurrencyLease;
 pub use deny_cache::{DenyCache, DenyCacheStats};
+pub use lease_clock::LeaseClock;
 pub use leasing::{Leasing, LeasingConfig, LeasingStats};
 pub use memory::{DEFAULT_MAX_KEYS, MemoryLimiter, MemoryLimiterBuilder};
 pub use sharded::{OnFull, StoreStats};
