@@ -556,6 +556,23 @@ impl RedisLimiter {
                 }
             }
             wait = Duration::ZERO;
+        } else if let Some(&(_, at)) = counted.first() {
+            // One time for the verdict, the first part's: each later part's reset times are
+            // moved to count from it, so that `at + reset_after` stays the instant each key is
+            // full again (what a refund gives back depends on it).
+            for (part, now) in &counted[1..] {
+                for &i in part.iter() {
+                    if let Some(d) = &mut decisions[i] {
+                        d.reset_after = if *now >= at {
+                            d.reset_after
+                                .saturating_add(Duration::from_micros(now - at))
+                        } else {
+                            d.reset_after
+                                .saturating_sub(Duration::from_micros(at - now))
+                        };
+                    }
+                }
+            }
         }
         let decisions = decisions
             .into_iter()
@@ -928,9 +945,10 @@ impl Limiter for RedisLimiter {
     }
 
     /// One call of `lua/undo.lua` per cluster slot, as of the verdict's time (the server's).
-    /// On a cluster, a check across slots is refunded as of its first part's time: on a node
-    /// whose clock differs, a window or log may give nothing back, and the drain-in-order
-    /// estimate of GCRA, the funnel and the shaper is off by the difference.
+    /// On a cluster, a check across slots is decided as of its first part's time (the later
+    /// parts' reset times are moved to count from it), and refunded as of that time: a window
+    /// or log whose part ran in another window (a boundary crossed between the parts, or a
+    /// node whose clock differs) may give nothing back.
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), Error> {
         self.refund_at(checks, verdict, None).await
     }

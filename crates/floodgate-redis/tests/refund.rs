@@ -96,6 +96,63 @@ fn a_check_across_slots_is_refunded_in_every_slot() {
     });
 }
 
+/// The parts of a check across slots run one after the other, each as of its node's time. A
+/// refund gives each part its units back even when the later part ran well after the first
+/// (here 300 ms, its node paused meanwhile): its reset time counts from the verdict's time.
+#[test]
+fn a_check_across_slots_whose_parts_ran_apart_is_refunded_in_full() {
+    let cluster = cluster();
+    run(LIMIT, async {
+        let redis = cluster_limiter(&cluster).await;
+        let a = Policy::per_minute(1)
+            .and_then(|p| p.named("per-phone"))
+            .expect("valid");
+        let b = Policy::per_minute(1)
+            .and_then(|p| p.named("per-ip"))
+            .expect("valid");
+        // Parts run in slot order: a phone in an earlier slot than an IP, on another node.
+        let nodes = std::cell::RefCell::new(std::collections::HashMap::new());
+        let node_of = |policy: &Policy, key: &str| {
+            let slot = key_slot(&redis.state_key(policy, key.as_bytes()));
+            let node = *nodes
+                .borrow_mut()
+                .entry(slot)
+                .or_insert_with(|| cluster.node_for_slot(slot).expect("a node"));
+            (slot, node)
+        };
+        let phones = (0..100).map(|i| format!("+155501{i:02}"));
+        let ips = (0..10_000).map(|i| format!("10.0.{}.{}", i / 256, i % 256));
+        let (phone, other, later) = phones
+            .flat_map(|p| ips.clone().map(move |ip| (p.clone(), ip)))
+            .find_map(|(phone, ip)| {
+                let ((s, n), (t, m)) = (node_of(&a, &phone), node_of(&b, &ip));
+                (s < t && n != m).then_some((phone, ip, m))
+            })
+            .expect("a phone and an IP in later slots on different nodes");
+        let first = phone.as_bytes();
+        let checks = [Check::new(first, &a), Check::new(other.as_bytes(), &b)];
+        cluster.node(later).pause().expect("pause");
+        let (sent, resumed) = tokio::join!(redis.check(&checks, CheckOptions::default()), async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            cluster.node(later).resume()
+        });
+        resumed.expect("resume");
+        let sent = sent.expect("checks");
+        assert!(sent.allowed());
+        redis.refund(&checks, &sent).await.expect("refunds");
+        // At once, each key has its unit back.
+        assert!(redis.check_one(first, &a, 1).await.expect("checks").allowed);
+        assert!(
+            redis
+                .check_one(other.as_bytes(), &b, 1)
+                .await
+                .expect("checks")
+                .allowed,
+            "the later part got back only what it would have drained by itself"
+        );
+    });
+}
+
 /// A state someone else overwrote with garbage: the refund says so, naming the key, and
 /// leaves the key as it found it.
 #[test]
