@@ -558,18 +558,19 @@ impl RedisLimiter {
             wait = Duration::ZERO;
         } else if let Some(&(_, at)) = counted.first() {
             // One time for the verdict, the first part's: each later part's reset times are
-            // moved to count from it, so that `at + reset_after` stays the instant each key is
-            // full again (what a refund gives back depends on it).
+            // moved to count from it (still whole milliseconds, rounded up), so that
+            // `at + reset_after` stays the instant each key is full again (what a refund gives
+            // back depends on it).
             for (part, now) in &counted[1..] {
                 for &i in part.iter() {
                     if let Some(d) = &mut decisions[i] {
-                        d.reset_after = if *now >= at {
-                            d.reset_after
-                                .saturating_add(Duration::from_micros(now - at))
+                        let us = u64::try_from(d.reset_after.as_micros()).unwrap_or(u64::MAX);
+                        let us = if *now >= at {
+                            us.saturating_add(now - at)
                         } else {
-                            d.reset_after
-                                .saturating_sub(Duration::from_micros(at - now))
+                            us.saturating_sub(at - now)
                         };
+                        d.reset_after = Duration::from_millis(us.div_ceil(1_000));
                     }
                 }
             }
@@ -948,7 +949,8 @@ impl Limiter for RedisLimiter {
     /// On a cluster, a check across slots is decided as of its first part's time (the later
     /// parts' reset times are moved to count from it), and refunded as of that time: a window
     /// or log whose part ran in another window (a boundary crossed between the parts, or a
-    /// node whose clock differs) may give nothing back.
+    /// node whose clock differs) may give nothing back, and on a node whose clock differs the
+    /// drain-in-order estimate of GCRA, the funnel and the shaper is off by the difference.
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), Error> {
         self.refund_at(checks, verdict, None).await
     }

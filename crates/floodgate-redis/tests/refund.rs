@@ -139,6 +139,12 @@ fn a_check_across_slots_whose_parts_ran_apart_is_refunded_in_full() {
         resumed.expect("resume");
         let sent = sent.expect("checks");
         assert!(sent.allowed());
+        // The later part's reset time counts from the first part's time.
+        assert!(
+            sent.decisions[1].reset_after >= Duration::from_millis(60_250),
+            "{:?}",
+            sent.decisions[1]
+        );
         redis.refund(&checks, &sent).await.expect("refunds");
         // At once, each key has its unit back.
         assert!(redis.check_one(first, &a, 1).await.expect("checks").allowed);

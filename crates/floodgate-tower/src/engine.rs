@@ -263,7 +263,9 @@ fn keep_alive(
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let tick = ticks.tick().await;
-            if tick.duration_since(start) > max_hold {
+            // Lost (its deadline passed unrenewed): a renewal the store still accepts would
+            // hold a slot its holder was told is gone.
+            if tick.duration_since(start) > max_hold || told.is_lost() {
                 break;
             }
             let sent = tokio::time::Instant::now();

@@ -223,3 +223,28 @@ mod axum_impl {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unrenewed_lapse_is_lost_at_its_deadline_and_one_without_is_never() {
+        let ttl = Duration::from_millis(300);
+        let t0 = Instant::now();
+        let fixed = Lapse::Fixed(Some(t0 + ttl));
+        assert!(!fixed.is_lost(t0 + ttl - Duration::from_millis(1)));
+        assert!(fixed.is_lost(t0 + ttl));
+        fixed.lost().await;
+        assert_eq!(Instant::now() - t0, ttl);
+        let never = Lapse::Fixed(None);
+        assert!(!never.is_lost(t0 + Duration::from_secs(1 << 30)));
+        assert!(
+            tokio::time::timeout(Duration::from_secs(3600), never.lost())
+                .await
+                .is_err()
+        );
+    }
+}

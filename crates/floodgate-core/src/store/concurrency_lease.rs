@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::lease_clock::Deadline;
 use super::{Check, CheckOptions, LeaseClock, Limiter};
 use crate::{Kind, LeaseId, MemoryLimiter, Policy, Verdict};
 
@@ -80,9 +81,10 @@ type OwnedCheck = (Box<[u8]>, Policy, u64);
 impl<L> Held<L> {
     /// The concurrency checks of `checks`, sent at `asked`.
     fn new(limiter: L, checks: &[Check<'_>], asked: Instant) -> Self {
+        // A check of cost 0 holds nothing: nothing to release or renew.
         let checks: Arc<[_]> = checks
             .iter()
-            .filter(|c| matches!(c.policy.kind(), Kind::Concurrency(_)))
+            .filter(|c| matches!(c.policy.kind(), Kind::Concurrency(_)) && c.cost > 0)
             .map(|c| (Box::from(c.key), c.policy.clone(), c.cost))
             .collect();
         let ttl = checks
@@ -212,12 +214,23 @@ where
         );
         let task = runtime.spawn(async move {
             let start = Instant::now();
-            let mut ticks = tokio::time::interval_at(start + period, period);
+            // The first renewal a period from now, or at once if the lease has less than two
+            // periods left (the call came long after the grant).
+            let first = match clock.deadline() {
+                Deadline::At(at) => at
+                    .checked_sub(period * 2)
+                    .unwrap_or(start)
+                    .clamp(start, start + period),
+                _ => start + period,
+            };
+            let mut ticks = tokio::time::interval_at(first, period);
             // A slow renewal does not make the next ones bunch up against the same slow store.
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 let tick = ticks.tick().await;
-                if tick.duration_since(start) > max {
+                // Lost (its deadline passed unrenewed): a renewal the store still accepts
+                // would hold a slot its holder was told is gone.
+                if tick.duration_since(start) > max || clock.is_lost() {
                     break;
                 }
                 match renew(&limiter, &checks, id, Some(ttl), &clock).await {
@@ -454,22 +467,60 @@ mod tests {
 
     #[tokio::test]
     async fn a_renewed_lease_outlives_its_ttl_and_is_lost_a_ttl_after_its_bound() {
-        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_millis(300)));
+        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_millis(900)));
         let began = Instant::now();
         let lease = take(&limiter, &policy)
             .await
             .expect("admitted")
-            .renew_up_to(Duration::from_millis(600));
-        // Renewed every 100 ms up to 600 ms: held until about 900 ms.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+            .renew_up_to(Duration::from_millis(1_200));
+        // Renewed every 300 ms up to 1.2 s: held until about 2.1 s (1.8 s if the last tick
+        // came late and was skipped).
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
         assert!(!lease.is_lost(), "lost while renewed");
         assert!(
             take(&limiter, &policy).await.is_none(),
             "lapsed in the store"
         );
         let took = time_to_loss(&lease, began).await;
-        assert!(took >= Duration::from_millis(500), "{took:?}");
+        assert!(took >= Duration::from_millis(1_800), "{took:?}");
         assert!(slot_frees_soon(&limiter, &policy).await);
+    }
+
+    #[tokio::test]
+    async fn a_lease_over_a_check_of_cost_zero_renews_its_other_keys() {
+        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_millis(600)));
+        // The peek (cost 0) holds nothing: renewing it must not find the lease gone.
+        let checks = [
+            Check::new(b"k", &policy),
+            Check::new(b"peeked", &policy).cost(0),
+        ];
+        let (_, lease) = ConcurrencyLease::check(&limiter, &checks, CheckOptions::default())
+            .await
+            .expect("check");
+        let lease = lease
+            .expect("admitted")
+            .renew_up_to(Duration::from_secs(60));
+        tokio::time::sleep(Duration::from_millis(900)).await;
+        assert!(!lease.is_lost(), "lost for the key it never held");
+        assert!(
+            take(&limiter, &policy).await.is_none(),
+            "lapsed in the store"
+        );
+    }
+
+    #[tokio::test]
+    async fn renewing_long_after_the_grant_renews_at_once() {
+        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_millis(900)));
+        let lease = take(&limiter, &policy).await.expect("admitted");
+        // Two thirds of the TTL gone: waiting a period for the first renewal would be too late.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let lease = lease.renew_up_to(Duration::from_secs(60));
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(!lease.is_lost(), "lost before its first renewal");
+        assert!(
+            take(&limiter, &policy).await.is_none(),
+            "lapsed in the store"
+        );
     }
 
     #[tokio::test]
@@ -492,12 +543,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_renewal_by_hand_moves_the_deadline_or_loses_the_lease() {
-        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_millis(300)));
+        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_secs(1)));
         let lease = take(&limiter, &policy).await.expect("admitted");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(lease.renew().await.expect("renew"));
-        // Past the first TTL, within the renewed one.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Past the first TTL, well within the renewed one.
+        tokio::time::sleep(Duration::from_millis(700)).await;
         assert!(!lease.is_lost(), "the renewal did not move the deadline");
         limiter
             .release(&[Check::new(b"k", &policy)], lease.id())

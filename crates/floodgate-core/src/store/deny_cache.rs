@@ -238,7 +238,8 @@ fn denial_for(checks: &[Check<'_>], verdict: &Verdict) -> Option<Duration> {
     if verdict.allowed() {
         // The check spent a key's last unit: denied until the next one comes, when the
         // algorithm says exactly when. Decisions round durations up to whole milliseconds, so
-        // this is never earlier than the store would admit (at most a millisecond later).
+        // this is never earlier than the store would admit (at most a millisecond later; on a
+        // cluster, a check across slots may add the time between its parts).
         return checks
             .iter()
             .zip(&verdict.decisions)

@@ -13,8 +13,10 @@ use tokio::time::{Instant, sleep_until};
 /// granted it was sent, moved on by each renewal the store accepts (a TTL after the renewal
 /// was sent), or at once when a renewal finds the store no longer holds it. Never later than
 /// the store's own expiry, which counts from when the store ran the check or renewal, a little
-/// later. Once lost, a lease stays lost: a renewal accepted after the deadline does not bring
-/// it back, since [`LeaseClock::lost`] may have resolved already.
+/// later: so long as both count real time (not with [`CheckOptions::at`](crate::CheckOptions),
+/// a [`ManualClock`](crate::ManualClock), or a paused Tokio clock against a real store) and
+/// the store's clock does not step. Once lost, a lease stays lost: a renewal accepted after
+/// the deadline does not bring it back, since [`LeaseClock::lost`] may have resolved already.
 ///
 /// [`ConcurrencyLease`](crate::ConcurrencyLease) keeps one, and floodgate-tower's `HeldLease`
 /// too; a holder that renews its lease itself records what it learns with
@@ -28,7 +30,7 @@ pub struct LeaseClock {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Deadline {
+pub(crate) enum Deadline {
     /// Counts until then, unless renewed.
     At(Instant),
     /// No TTL: counts until lost (a lease that holds nothing, as a check of cost 0 takes).
@@ -49,7 +51,7 @@ impl LeaseClock {
         }
     }
 
-    fn deadline(&self) -> Deadline {
+    pub(crate) fn deadline(&self) -> Deadline {
         *self.until.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -57,8 +59,9 @@ impl LeaseClock {
     /// TTL after `sent`. An answer that comes at or after the deadline marks the lease lost
     /// instead.
     pub fn renewed(&self, sent: Instant, ttl: Duration) {
-        let now = Instant::now();
         let mut until = self.until.lock().unwrap_or_else(PoisonError::into_inner);
+        // Read under the lock: `lost` marks a passed deadline lost under it too.
+        let now = Instant::now();
         *until = match *until {
             Deadline::At(held) if now < held => match sent.checked_add(ttl) {
                 Some(later) => Deadline::At(held.max(later)),
@@ -75,6 +78,14 @@ impl LeaseClock {
     pub fn lose(&self) {
         *self.until.lock().unwrap_or_else(PoisonError::into_inner) = Deadline::Lost;
         self.changed.notify_waiters();
+    }
+
+    /// Marks the lease lost once its deadline `at` has passed, unless a renewal moved it.
+    fn expire(&self, at: Instant) {
+        let mut until = self.until.lock().unwrap_or_else(PoisonError::into_inner);
+        if *until == Deadline::At(at) {
+            *until = Deadline::Lost;
+        }
     }
 
     /// Whether the lease has stopped counting by `now`.
@@ -103,6 +114,7 @@ impl LeaseClock {
                 Deadline::Never => changed.await,
                 Deadline::At(at) => {
                     if Instant::now() >= at {
+                        self.expire(at);
                         return;
                     }
                     // Woken by a change or by the deadline (which a renewal may have moved
