@@ -75,6 +75,29 @@ struct Node {
     down_until: Mutex<Option<Instant>>,
 }
 
+/// Who a server is, from its `INFO`: its process, and its replication history.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Identity {
+    run_id: Option<String>,
+    replid: Option<String>,
+}
+
+impl Identity {
+    fn of(info: &str) -> Self {
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+                .map(str::to_owned)
+        };
+        Identity {
+            run_id: field("run_id"),
+            replid: field("master_replid"),
+        }
+    }
+}
+
 impl Node {
     fn new(shown: String, url: Option<String>, locks: OnceCell<RedisLocks>) -> Self {
         Self {
@@ -172,7 +195,8 @@ pub struct Redlock {
 }
 
 impl Redlock {
-    /// Redlock over these lock clients, one per independent server.
+    /// Redlock over these lock clients, one per independent server. Call
+    /// [`Redlock::check_independence`] to have them asked who they are.
     ///
     /// # Errors
     /// [`Error::Invalid`] for no node, or a server given twice (the same URL).
@@ -189,11 +213,13 @@ impl Redlock {
 
     /// Connects to every URL (each an independent server) with default settings and release
     /// notifications. Nodes that cannot be reached now are connected on later use, as long as
-    /// a quorum is reachable now.
+    /// a quorum is reachable now. The nodes reached are asked who they are
+    /// ([`Redlock::check_independence`]).
     ///
     /// # Errors
-    /// [`Error::Invalid`] for no URL, an invalid URL or one given twice; [`Error::NoQuorum`]
-    /// when fewer than a majority connect.
+    /// [`Error::Invalid`] for no URL, an invalid URL or one given twice, or two URLs that reach
+    /// one server or one replication group; [`Error::NoQuorum`] when fewer than a majority
+    /// connect.
     pub async fn connect<I, U>(urls: I) -> Result<Self, Error>
     where
         I: IntoIterator<Item = U>,
@@ -222,7 +248,60 @@ impl Redlock {
         if errors.len() > redlock.nodes.len() - redlock.quorum {
             return Err(redlock.no_quorum(errors));
         }
+        redlock.check_independence().await?;
         Ok(redlock)
+    }
+
+    /// Asks every connected node who it is, and refuses two that are not independent: one
+    /// server reached twice (two spellings of its address, such as `localhost` and
+    /// `127.0.0.1`, or two of its databases), found by the process id `INFO` reports
+    /// (`run_id`); or a master and its replica, found by the replication id they share
+    /// (`master_replid`). Either would let fewer servers than a quorum grant the lock, and a
+    /// failover of one lose it.
+    ///
+    /// [`Redlock::connect`] runs it; call it after [`Redlock::new`]. Nodes not connected yet,
+    /// nodes that do not answer within the node timeout, and servers that refuse `INFO` (renamed
+    /// or disabled) are skipped, not refused.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the two nodes.
+    pub async fn check_independence(&self) -> Result<(), Error> {
+        let info = |locks: RedisLocks| async move {
+            locks
+                .conn()
+                .query::<String>(redis::cmd("INFO"))
+                .await
+                .map_err(Error::from)
+        };
+        let answers = join_all(self.nodes.iter().map(|node| async move {
+            // Not connected yet: asked nothing.
+            node.locks.get()?;
+            match node.timed(self.node_timeout, info).await {
+                Ok(text) => Some((node, Identity::of(&text))),
+                Err(e) => {
+                    tracing::debug!(node = %node.shown, error = %e, "Redlock node's INFO unknown");
+                    None
+                }
+            }
+        }))
+        .await;
+        let known: Vec<(&Node, Identity)> = answers.into_iter().flatten().collect();
+        for (i, (node, id)) in known.iter().enumerate() {
+            for (earlier, seen) in &known[..i] {
+                let why = if id.run_id.is_some() && id.run_id == seen.run_id {
+                    "are one server"
+                } else if id.replid.is_some() && id.replid == seen.replid {
+                    "are one replication group (a master and its replica)"
+                } else {
+                    continue;
+                };
+                return Err(Error::Invalid(format!(
+                    "Redlock nodes {} and {} {why}: each node must be an independent server",
+                    earlier.shown, node.shown
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn from_nodes(nodes: Vec<Node>) -> Result<Self, Error> {
@@ -550,5 +629,27 @@ impl LockStore for Redlock {
 
     fn clock_drift(&self, ttl: Duration) -> Duration {
         ttl / 100 + Duration::from_millis(2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Identity;
+
+    #[test]
+    fn identity_reads_run_id_and_replication_id_from_info() {
+        let info = "# Server\r\nredis_version:7.2.4\r\nrun_id:abc123\r\n\r\n# Replication\r\nrole:master\r\nmaster_replid:def456\r\nmaster_replid2:0000\r\n";
+        assert_eq!(
+            Identity::of(info),
+            Identity {
+                run_id: Some("abc123".to_owned()),
+                replid: Some("def456".to_owned()),
+            }
+        );
+        // `master_replid2` is not `master_replid`; missing fields are unknown, not equal.
+        assert_eq!(
+            Identity::of("master_replid2:1\r\nrun_id:\r\n"),
+            Identity::default()
+        );
     }
 }

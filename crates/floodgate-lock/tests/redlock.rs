@@ -312,3 +312,66 @@ fn an_invalid_node_url_is_a_configuration_error() {
         assert!(matches!(&e, Error::Invalid(m) if m.contains("URL")), "{e}");
     });
 }
+
+/// Two URLs that reach one server (here two of its databases) vote as two nodes: with one
+/// more server, that one server alone would be a quorum. `connect` asks each node who it is
+/// and refuses them; independent servers pass.
+#[test]
+fn one_server_behind_two_urls_is_refused() {
+    let servers = servers(2);
+    run(Duration::from_secs(20), async {
+        let (a, b) = (servers.servers()[0].url(), servers.servers()[1].url());
+        let urls = [a.clone(), format!("{a}/1"), b.clone()];
+        let e = Redlock::connect(urls.iter())
+            .await
+            .expect_err("one server twice");
+        assert!(
+            matches!(&e, Error::Invalid(m) if m.contains("are one server")),
+            "{e}"
+        );
+        let independent = Redlock::connect([a, b].iter())
+            .await
+            .expect("independent servers");
+        independent
+            .check_independence()
+            .await
+            .expect("still independent");
+    });
+}
+
+/// A master and its replica are one replication group: a failover would hand the replica's
+/// (possibly older) copy of the lock to the next holder. `connect` refuses them too.
+#[test]
+fn a_master_and_its_replica_are_refused() {
+    let servers = servers(2);
+    let master = &servers.servers()[0];
+    // Sync at once rather than after the default 5 s wait for more replicas.
+    master
+        .cmd_ok(&["CONFIG", "SET", "repl-diskless-sync-delay", "0"])
+        .expect("CONFIG SET");
+    let replica = floodgate_testkit::RedisServer::builder()
+        .config(format!("replicaof 127.0.0.1 {}", master.port()))
+        .start()
+        .expect("replica");
+    // The replica takes the master's replication id once it has synced.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let info = replica.cmd(&["INFO", "replication"]).expect("INFO");
+        let info = String::from_utf8_lossy(info.as_bytes().expect("bulk")).into_owned();
+        if info.contains("master_link_status:up") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never synced: {info}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    run(Duration::from_secs(20), async {
+        let urls = [master.url(), replica.url(), servers.servers()[1].url()];
+        let e = Redlock::connect(urls.iter())
+            .await
+            .expect_err("a master and its replica");
+        assert!(
+            matches!(&e, Error::Invalid(m) if m.contains("one replication group")),
+            "{e}"
+        );
+    });
+}
