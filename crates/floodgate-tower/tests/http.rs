@@ -1265,8 +1265,12 @@ async fn a_renewed_held_lease_is_lost_a_ttl_after_its_last_renewal() {
             .is_err(),
         "lost() resolved while renewed"
     );
+    // The last renewal at 500 ms or later (600 ms unless a tick came late): lost from 800 ms.
     let took = time_to_loss(&lease, began).await;
-    assert!(took >= Duration::from_millis(500), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(700),
+        "lost before its last renewal's TTL: {took:?}"
+    );
     assert_slot_free_soon(app).await;
 }
 

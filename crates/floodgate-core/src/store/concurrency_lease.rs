@@ -429,6 +429,17 @@ mod tests {
             .expect("policy")
     }
 
+    /// `lease` still counts, for its holder and in the store (no other can take the slot).
+    async fn assert_still_held(
+        lease: &ConcurrencyLease<MemoryLimiter>,
+        limiter: &MemoryLimiter,
+        policy: &Policy,
+        why: &str,
+    ) {
+        assert!(!lease.is_lost(), "{why}");
+        assert!(take(limiter, policy).await.is_none(), "lapsed in the store");
+    }
+
     /// Waits up to 5 s for `lease` to be lost; how long since `began`.
     async fn time_to_loss(lease: &ConcurrencyLease<MemoryLimiter>, began: Instant) -> Duration {
         tokio::time::timeout(Duration::from_secs(5), lease.lost())
@@ -476,11 +487,7 @@ mod tests {
         // Renewed every 300 ms up to 1.2 s: held until about 2.1 s (1.8 s if the last tick
         // came late and was skipped).
         tokio::time::sleep(Duration::from_millis(1_500)).await;
-        assert!(!lease.is_lost(), "lost while renewed");
-        assert!(
-            take(&limiter, &policy).await.is_none(),
-            "lapsed in the store"
-        );
+        assert_still_held(&lease, &limiter, &policy, "lost while renewed").await;
         let took = time_to_loss(&lease, began).await;
         assert!(took >= Duration::from_millis(1_800), "{took:?}");
         assert!(slot_frees_soon(&limiter, &policy).await);
@@ -501,11 +508,7 @@ mod tests {
             .expect("admitted")
             .renew_up_to(Duration::from_secs(60));
         tokio::time::sleep(Duration::from_millis(900)).await;
-        assert!(!lease.is_lost(), "lost for the key it never held");
-        assert!(
-            take(&limiter, &policy).await.is_none(),
-            "lapsed in the store"
-        );
+        assert_still_held(&lease, &limiter, &policy, "lost for the key it never held").await;
     }
 
     #[tokio::test]
@@ -516,11 +519,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(700)).await;
         let lease = lease.renew_up_to(Duration::from_secs(60));
         tokio::time::sleep(Duration::from_millis(400)).await;
-        assert!(!lease.is_lost(), "lost before its first renewal");
-        assert!(
-            take(&limiter, &policy).await.is_none(),
-            "lapsed in the store"
-        );
+        assert_still_held(&lease, &limiter, &policy, "lost before its first renewal").await;
     }
 
     #[tokio::test]
