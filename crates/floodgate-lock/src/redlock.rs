@@ -80,6 +80,8 @@ struct Node {
 struct Identity {
     run_id: Option<String>,
     replid: Option<String>,
+    /// `role:slave`: it copies another server's dataset.
+    replica: bool,
 }
 
 impl Identity {
@@ -88,12 +90,14 @@ impl Identity {
             info.lines()
                 .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
                 .map(str::trim)
-                .filter(|v| !v.is_empty())
+                // Empty, or a placeholder of zeros: unknown, never equal to another.
+                .filter(|v| v.bytes().any(|b| b != b'0'))
                 .map(str::to_owned)
         };
         Identity {
             run_id: field("run_id"),
             replid: field("master_replid"),
+            replica: field("role").as_deref() == Some("slave"),
         }
     }
 }
@@ -255,13 +259,18 @@ impl Redlock {
     /// Asks every connected node who it is, and refuses two that are not independent: one
     /// server reached twice (two spellings of its address, such as `localhost` and
     /// `127.0.0.1`, or two of its databases), found by the process id `INFO` reports
-    /// (`run_id`); or a master and its replica, found by the replication id they share
-    /// (`master_replid`). Either would let fewer servers than a quorum grant the lock, and a
-    /// failover of one lose it.
+    /// (`run_id`); or servers that copy one dataset (a master and its replica, or two replicas
+    /// of one master), found by the replication id a replica takes from its master
+    /// (`master_replid`, when one of them reports `role:slave`). Either would let fewer servers
+    /// than a quorum grant the lock, and a failover of one lose it. Two masters with one
+    /// replication id (restored from one snapshot) are only warned about.
     ///
-    /// [`Redlock::connect`] runs it; call it after [`Redlock::new`]. Nodes not connected yet,
-    /// nodes that do not answer within the node timeout, and servers that refuse `INFO` (renamed
-    /// or disabled) are skipped, not refused.
+    /// Best effort, not proof of independence. [`Redlock::connect`] runs it; call it after
+    /// [`Redlock::new`]. Nodes are skipped, with a warning, when they are not connected yet,
+    /// do not answer within the node timeout (at least a second), or refuse `INFO` (renamed,
+    /// denied to the user by an ACL, or a cluster connection's map of answers). A replica still
+    /// in its first sync, or a replica promoted since (its replication id is new), looks
+    /// independent.
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the two nodes.
@@ -276,10 +285,17 @@ impl Redlock {
         let answers = join_all(self.nodes.iter().map(|node| async move {
             // Not connected yet: asked nothing.
             node.locks.get()?;
-            match node.timed(self.node_timeout, info).await {
+            // Once, at start: a slow answer is not a reason to skip the check.
+            let within = self.node_timeout.max(Duration::from_secs(1));
+            match node.timed(within, info).await {
                 Ok(text) => Some((node, Identity::of(&text))),
                 Err(e) => {
-                    tracing::debug!(node = %node.shown, error = %e, "Redlock node's INFO unknown");
+                    tracing::warn!(
+                        node = %node.shown,
+                        error = %e,
+                        "could not ask a Redlock node who it is (INFO): its independence is \
+                         not checked"
+                    );
                     None
                 }
             }
@@ -290,9 +306,16 @@ impl Redlock {
             for (earlier, seen) in &known[..i] {
                 let why = if id.run_id.is_some() && id.run_id == seen.run_id {
                     "are one server"
-                } else if id.replid.is_some() && id.replid == seen.replid {
-                    "are one replication group (a master and its replica)"
+                } else if id.replid.is_none() || id.replid != seen.replid {
+                    continue;
+                } else if id.replica || seen.replica {
+                    "copy one dataset (a master and its replica, or two replicas of one master)"
                 } else {
+                    tracing::warn!(
+                        nodes = %format_args!("{} and {}", earlier.shown, node.shown),
+                        "two Redlock masters share a replication id (restored from one \
+                         snapshot?): make sure neither replicates the other"
+                    );
                     continue;
                 };
                 return Err(Error::Invalid(format!(
@@ -644,12 +667,14 @@ mod tests {
             Identity {
                 run_id: Some("abc123".to_owned()),
                 replid: Some("def456".to_owned()),
+                replica: false,
             }
         );
-        // `master_replid2` is not `master_replid`; missing fields are unknown, not equal.
+        // `master_replid2` is not `master_replid`; missing, empty or zero fields are unknown.
         assert_eq!(
-            Identity::of("master_replid2:1\r\nrun_id:\r\n"),
+            Identity::of("master_replid2:1\r\nrun_id:\r\nmaster_replid:0000\r\n"),
             Identity::default()
         );
+        assert!(Identity::of("role:slave\r\n").replica);
     }
 }

@@ -370,7 +370,7 @@ fn a_master_and_its_replica_are_refused() {
             .await
             .expect_err("a master and its replica");
         assert!(
-            matches!(&e, Error::Invalid(m) if m.contains("one replication group")),
+            matches!(&e, Error::Invalid(m) if m.contains("copy one dataset")),
             "{e}"
         );
     });

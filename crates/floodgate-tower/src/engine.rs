@@ -214,7 +214,7 @@ impl LeaseGuard {
         };
         let ttl = lease_ttl(engine.shared(), &job.rules);
         let (renewing, lapse) = match keep_alive(&engine, &job, ttl, asked) {
-            Some((task, clock)) => (Some(task), Lapse::Renewed(clock)),
+            Some((task, clock)) => (Some(task), Lapse::Clock(clock)),
             None => (
                 None,
                 Lapse::Fixed(ttl.and_then(|ttl| asked.checked_add(ttl))),
@@ -256,6 +256,8 @@ fn keep_alive(
     let job = Arc::new(job.clone());
     let clock = Arc::new(LeaseClock::new(asked, Some(ttl)));
     let told = Arc::clone(&clock);
+    // floodgate-core's `ConcurrencyLease::renew_up_to` renews with a loop of the same shape:
+    // keep the two alike.
     let task = handle.spawn(async move {
         let start = tokio::time::Instant::now();
         let mut ticks = tokio::time::interval_at(start + period, period);

@@ -392,8 +392,8 @@ where
     /// leased response; needs a Tokio runtime with timers. A store that is down is tried again
     /// at the next period; a lease found lapsed, or a key the store refuses, stops the renewal.
     /// A [`crate::HeldLease`] kept by an upgraded connection's task is renewed the same way,
-    /// and [`crate::HeldLease::lost`] tells that task when renewal stops or finds the lease
-    /// gone.
+    /// and [`crate::HeldLease::lost`] tells that task when the lease stops counting: a TTL
+    /// after renewal stops, or at a renewal that finds it gone.
     pub fn renew_leases_up_to(mut self, max: Duration) -> Self {
         self.renew_leases = Some(max).filter(|m| !m.is_zero());
         self

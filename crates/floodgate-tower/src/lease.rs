@@ -2,11 +2,10 @@
 
 use std::fmt;
 use std::future::{Future, pending};
-use std::pin::{Pin, pin};
 use std::sync::Arc;
 
 use floodgate_core::LeaseClock;
-use futures_util::future::select;
+use futures_util::future::select_all;
 use http::{Method, Request, header};
 use tokio::time::{Instant, sleep_until};
 
@@ -108,52 +107,47 @@ impl HeldLease {
     ///
     /// A lease granted by the layer's local fallback counts in that fallback only. A check
     /// whose concurrency rules all cost 0 holds nothing, and its lease is never lost. Behind
-    /// stacked layers, it resolves when the first of the leases it holds is lost. Needs a
-    /// Tokio runtime with timers. Cancel-safe: drop it, and call it again.
-    // Not an `async fn`: the outer leases' futures are this one's, boxed, and only a declared
-    // `Send` lets the recursion be `Send`.
-    #[allow(clippy::manual_async_fn)]
-    pub fn lost(&self) -> impl Future<Output = ()> + Send + '_ {
+    /// stacked layers, it resolves when the first of the leases it holds is lost. It says
+    /// when, not why (the renewal logs why).
+    ///
+    /// The future borrows nothing and holds no slot: select on it next to the connection, or
+    /// hand it to another task. Needs a Tokio runtime with timers. Cancel-safe.
+    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        let lapses: Vec<Lapse> = self
+            .chain()
+            .map(|held| held.guard.lapse().clone())
+            .collect();
         async move {
-            let own = pin!(self.0.guard.lapse().lost());
-            match &self.0.outer {
-                None => own.await,
-                Some(outer) => {
-                    let outer: Pin<Box<dyn Future<Output = ()> + Send + '_>> =
-                        Box::pin(outer.lost());
-                    select(own, outer).await;
-                }
-            }
+            select_all(lapses.iter().map(|lapse| Box::pin(lapse.lost()))).await;
         }
     }
 
     /// Whether the lease has stopped counting (see [`HeldLease::lost`]).
     pub fn is_lost(&self) -> bool {
         let now = Instant::now();
-        let mut held = Some(self);
-        while let Some(lease) = held {
-            if lease.0.guard.lapse().is_lost(now) {
-                return true;
-            }
-            held = lease.0.outer.as_ref();
-        }
-        false
+        self.chain().any(|held| held.guard.lapse().is_lost(now))
+    }
+
+    /// This lease, then the outer layers' it holds.
+    fn chain(&self) -> impl Iterator<Item = &Held> {
+        std::iter::successors(Some(&*self.0), |held| held.outer.as_ref().map(|o| &*o.0))
     }
 }
 
 /// When a lease stops counting.
+#[derive(Clone)]
 pub(crate) enum Lapse {
     /// At its TTL from the grant (`None`: no TTL known), as nothing renews it.
     Fixed(Option<Instant>),
     /// As its renewal finds.
-    Renewed(Arc<LeaseClock>),
+    Clock(Arc<LeaseClock>),
 }
 
 impl Lapse {
     fn is_lost(&self, now: Instant) -> bool {
         match self {
             Lapse::Fixed(until) => until.is_some_and(|until| now >= until),
-            Lapse::Renewed(clock) => clock.is_lost_at(now),
+            Lapse::Clock(clock) => clock.is_lost_at(now),
         }
     }
 
@@ -161,7 +155,7 @@ impl Lapse {
         match self {
             Lapse::Fixed(None) => pending().await,
             Lapse::Fixed(Some(until)) => sleep_until(*until).await,
-            Lapse::Renewed(clock) => clock.lost().await,
+            Lapse::Clock(clock) => clock.lost().await,
         }
     }
 }

@@ -2,6 +2,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,7 +66,8 @@ where
 
 struct Held<L> {
     limiter: L,
-    /// The concurrency checks the lease was taken with: (key, policy, cost).
+    /// The concurrency checks the lease was taken with, but those of cost 0 (which hold
+    /// nothing): (key, policy, cost).
     checks: Arc<[OwnedCheck]>,
     /// The lease's TTL (the shortest of its policies').
     ttl: Option<Duration>,
@@ -79,7 +81,7 @@ struct Held<L> {
 type OwnedCheck = (Box<[u8]>, Policy, u64);
 
 impl<L> Held<L> {
-    /// The concurrency checks of `checks`, sent at `asked`.
+    /// What a lease granted to `checks` (sent to `limiter` at `asked`) holds.
     fn new(limiter: L, checks: &[Check<'_>], asked: Instant) -> Self {
         // A check of cost 0 holds nothing: nothing to release or renew.
         let checks: Arc<[_]> = checks
@@ -106,6 +108,12 @@ impl<L> Held<L> {
     fn checks(&self) -> Vec<Check<'_>> {
         owned_checks(&self.checks)
     }
+
+    fn stop_renewing(&mut self) {
+        if let Some(renewing) = self.renewing.take() {
+            renewing.abort();
+        }
+    }
 }
 
 fn owned_checks(checks: &[OwnedCheck]) -> Vec<Check<'_>> {
@@ -113,14 +121,6 @@ fn owned_checks(checks: &[OwnedCheck]) -> Vec<Check<'_>> {
         .iter()
         .map(|(key, policy, cost)| Check::new(key, policy).cost(*cost))
         .collect()
-}
-
-impl<L> Held<L> {
-    fn stop_renewing(&mut self) {
-        if let Some(renewing) = self.renewing.take() {
-            renewing.abort();
-        }
-    }
 }
 
 impl<L> Drop for Held<L> {
@@ -193,14 +193,14 @@ where
     /// and is lost ([`lost`](ConcurrencyLease::lost)).
     ///
     /// Needs a Tokio runtime with timers: elsewhere, and for a lease whose policies have no
-    /// TTL, it renews nothing. Calling it again changes nothing.
+    /// TTL, it renews nothing; nor with a zero `max`. Calling it again changes nothing.
     #[must_use = "the lease is released when dropped"]
     pub fn renew_up_to(mut self, max: Duration) -> Self {
         let id = self.id;
         let Some(held) = &mut self.held else {
             return self;
         };
-        let (Some(ttl), None) = (held.ttl, &held.renewing) else {
+        let (Some(ttl), None, false) = (held.ttl, &held.renewing, max.is_zero()) else {
             return self;
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -212,6 +212,8 @@ where
             Arc::clone(&held.checks),
             Arc::clone(&held.clock),
         );
+        // The tower layer renews its leases with a loop of the same shape
+        // (floodgate-tower's `engine::keep_alive`): keep the two alike.
         let task = runtime.spawn(async move {
             let start = Instant::now();
             // The first renewal a period from now, or at once if the lease has less than two
@@ -248,14 +250,19 @@ where
         self
     }
 
-    /// Resolves when the lease stops counting, at once if it has (see [`LeaseClock`]): at its
-    /// TTL, counted from when its check (or the last renewal the store accepted) was sent,
-    /// never later than the store's own expiry; or when a renewal finds the store no longer
-    /// holds it. Once lost, it stays lost. Select on it next to the work the lease is for.
-    /// Needs a Tokio runtime with timers. Cancel-safe.
-    pub async fn lost(&self) {
-        if let Some(held) = &self.held {
-            held.clock.lost().await;
+    /// Resolves when the lease stops counting, at once if it has: at its TTL, counted from
+    /// when its check (or the last renewal the store accepted) was sent, never later than the
+    /// store's own expiry when both count real time; or when a renewal finds the store no
+    /// longer holds it. Once lost, it stays lost. It says when, not why (the renewal logs why).
+    ///
+    /// The future borrows nothing: select on it next to the work the lease is for, or hand it
+    /// to another task. Needs a Tokio runtime with timers. Cancel-safe.
+    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        let clock = self.held.as_ref().map(|held| Arc::clone(&held.clock));
+        async move {
+            if let Some(clock) = clock {
+                clock.lost().await;
+            }
         }
     }
 

@@ -23,6 +23,9 @@ use tokio::time::{Instant, sleep_until};
 /// [`LeaseClock::renewed`] and [`LeaseClock::lose`].
 ///
 /// Times are on Tokio's clock ([`tokio::time::Instant`]), so that tests may pause it.
+///
+/// Public for floodgate's own crates (floodgate-tower); not part of the supported API.
+#[doc(hidden)]
 #[derive(Debug)]
 pub struct LeaseClock {
     until: Mutex<Deadline>,
