@@ -212,6 +212,7 @@ impl LeaseGuard {
             lease,
             fallback,
         };
+        count_held(engine.shared(), &job.rules, 1.0);
         let ttl = lease_ttl(engine.shared(), &job.rules);
         let (renewing, lapse) = match keep_alive(&engine, &job, ttl, asked) {
             Some((task, clock)) => (Some(task), Lapse::Clock(clock)),
@@ -319,8 +320,17 @@ impl Drop for LeaseGuard {
             renewing.abort();
         }
         if let Some(job) = self.job.take() {
+            count_held(self.engine.shared(), &job.rules, -1.0);
             Arc::clone(&self.engine).release(*job);
         }
+    }
+}
+
+/// Moves the held-leases gauge of each of `rules` by `change`.
+fn count_held(sh: &Shared, rules: &[usize], change: f64) {
+    for &r in rules {
+        let entry = &sh.table[r];
+        entry.metrics.lease_held(entry.rule.policy().name(), change);
     }
 }
 

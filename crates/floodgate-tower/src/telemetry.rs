@@ -15,6 +15,10 @@ pub const REQUESTS_TOTAL: &str = "floodgate_requests_total";
 pub const CHECK_DURATION_SECONDS: &str = "floodgate_check_duration_seconds";
 /// Store errors and timeouts, by `kind` (`error`, `timeout`).
 pub const STORE_ERRORS_TOTAL: &str = "floodgate_store_errors_total";
+/// Concurrency leases this layer holds now, by `policy`: responses whose body has not ended,
+/// and upgraded connections that keep their [`crate::HeldLease`] (at the store, or its local
+/// fallback).
+pub const LEASES_HELD: &str = "floodgate_leases_held";
 
 /// Checks the deny cache answered locally (denied without the store). Like every cache and
 /// leasing metric, copied from the layer's counters at most once a second while requests
@@ -90,6 +94,10 @@ fn describe() {
             metrics::describe_counter!(name, help);
         }
         metrics::describe_gauge!(DENY_CACHE_ENTRIES, "Denials held by the deny cache");
+        metrics::describe_gauge!(
+            LEASES_HELD,
+            "Concurrency leases held by responses and upgraded connections, by policy"
+        );
     });
 }
 
@@ -97,9 +105,20 @@ fn describe() {
 #[derive(Debug, Default)]
 pub(crate) struct PolicyMetrics {
     counters: OnceLock<[Counter; 4]>,
+    leases: OnceLock<Gauge>,
 }
 
 impl PolicyMetrics {
+    /// A lease of this (concurrency) policy was taken (`1.0`) or given back (`-1.0`).
+    pub(crate) fn lease_held(&self, policy: &str, change: f64) {
+        self.leases
+            .get_or_init(|| {
+                describe();
+                metrics::gauge!(LEASES_HELD, "policy" => policy.to_owned())
+            })
+            .increment(change);
+    }
+
     pub(crate) fn count(&self, policy: &str, outcome: Outcome) {
         let counters = self.counters.get_or_init(|| {
             describe();

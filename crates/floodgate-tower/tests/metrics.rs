@@ -152,6 +152,47 @@ async fn decisions_are_counted() {
     assert_eq!(samples.0.lock().expect("lock").len(), 3);
 }
 
+/// The held-leases gauge follows concurrency leases: up when a response takes one, down when
+/// its body is gone.
+#[tokio::test]
+async fn held_leases_are_a_gauge() {
+    let recorder = Recorded::default();
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(
+                Policy::concurrency(2, Duration::from_secs(60))
+                    .expect("policy")
+                    .named("sockets")
+                    .expect("name"),
+            )
+            .key(GlobalKey),
+        )
+        .build()
+        .expect("layer");
+    let mut svc = layer.layer(tower::service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(String::from("streamed")))
+    }));
+    let held = || recorder.gauge("floodgate_leases_held{policy=sockets}");
+    let mut responses = Vec::new();
+    for n in 1..=3 {
+        svc.ready().await.expect("ready");
+        let fut = metrics::with_local_recorder(&recorder, || svc.call(Request::new(())));
+        let response = fut.await.expect("response");
+        if n <= 2 {
+            assert_eq!(response.status(), StatusCode::OK);
+            responses.push(response);
+        } else {
+            // Turned away: it holds nothing.
+            assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        }
+        assert_eq!(held(), f64::from(n.min(2)), "after request {n}");
+    }
+    drop(responses.pop());
+    assert_eq!(held(), 1.0);
+    drop(responses);
+    assert_eq!(held(), 0.0);
+}
+
 /// Sends `n` requests through `svc` and returns their statuses.
 async fn send<S>(svc: &mut S, n: usize) -> Vec<StatusCode>
 where
