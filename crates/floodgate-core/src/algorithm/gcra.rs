@@ -9,6 +9,7 @@
 //! absent when allowed and when the quantity exceeds the limit (it can never fit); a quantity of
 //! 0 peeks. The emission interval is truncated to whole microseconds (redis-cell: nanoseconds).
 
+use std::fmt;
 use std::time::Duration;
 
 use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo, mul_span};
@@ -16,7 +17,7 @@ use crate::clock::duration_micros;
 use crate::error::PolicyError;
 
 /// GCRA parameters: an emission interval `T` and a tolerance `tau = T * (max_burst + 1)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Gcra {
     emission: u64,
     tolerance: u64,
@@ -31,6 +32,17 @@ pub struct Gcra {
 pub struct State {
     /// Theoretical arrival time of the next request.
     pub tat: u64,
+}
+
+impl fmt::Debug for Gcra {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Without `recip`, which follows from `emission`.
+        f.debug_struct("Gcra")
+            .field("emission", &self.emission)
+            .field("tolerance", &self.tolerance)
+            .field("limit", &self.limit)
+            .finish()
+    }
 }
 
 impl Gcra {
