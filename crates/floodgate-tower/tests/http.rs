@@ -640,13 +640,10 @@ async fn delay_mode_spaces_requests_out() {
     // A shaper: one every 100 ms; requests reserve their turn and wait for it.
     let arrivals = Arrivals::default();
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::shaper(10, Duration::from_secs(1)),
-                "shaper",
-            ))
-            .key(GlobalKey),
-        )
+        .rule(common::global(
+            Policy::shaper(10, Duration::from_secs(1)),
+            "shaper",
+        ))
         .delay(Duration::from_secs(2))
         .build()
         .expect("layer");
@@ -664,13 +661,10 @@ async fn delay_mode_spaces_requests_out() {
     // GCRA without burst: denied requests sleep their retry_after and try again.
     let arrivals = Arrivals::default();
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::gcra(0, 10, Duration::from_secs(1)),
-                "gcra",
-            ))
-            .key(GlobalKey),
-        )
+        .rule(common::global(
+            Policy::gcra(0, 10, Duration::from_secs(1)),
+            "gcra",
+        ))
         .delay(Duration::from_secs(2))
         .build()
         .expect("layer");
@@ -686,13 +680,10 @@ async fn delay_mode_spaces_requests_out() {
     // Past the maximum wait, requests are turned away.
     let arrivals = Arrivals::default();
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::shaper(4, Duration::from_secs(1)),
-                "slow",
-            ))
-            .key(GlobalKey),
-        )
+        .rule(common::global(
+            Policy::shaper(4, Duration::from_secs(1)),
+            "slow",
+        ))
         .delay(Duration::from_millis(300))
         .build()
         .expect("layer");
@@ -802,12 +793,7 @@ async fn assert_lease_lasts_until_the_body_ends(
     assert!(head.starts_with("HTTP/1.1 429"), "{head}");
 
     // End the first body and read it to the end: the lease is back.
-    senders
-        .lock()
-        .expect("lock")
-        .remove(0)
-        .send(())
-        .expect("end");
+    common::end_first(&senders);
     let rest = common::read_to_end(&mut first).await;
     assert!(
         rest.ends_with(b"0\r\n\r\n"),
@@ -976,22 +962,16 @@ async fn responses_matching_refund_when_do_not_count() {
     assert_eq!(client.get("/fail").await.status, 429);
 }
 
-/// The senders that end held bodies.
-type Senders = Arc<Mutex<Vec<tokio::sync::oneshot::Sender<()>>>>;
-
 /// A server with one slot (a concurrency lease of 300 ms, renewed for up to `renew_for`), and
 /// the stream that took it.
 async fn one_renewed_stream(
     renew_for: Duration,
-) -> (std::net::SocketAddr, Senders, tokio::net::TcpStream) {
+) -> (std::net::SocketAddr, common::Senders, tokio::net::TcpStream) {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::concurrency(1, Duration::from_millis(300)),
-                "one-stream",
-            ))
-            .key(GlobalKey),
-        )
+        .rule(common::global(
+            Policy::concurrency(1, Duration::from_millis(300)),
+            "one-stream",
+        ))
         .renew_leases_up_to(renew_for)
         .build()
         .expect("layer");
@@ -1006,22 +986,9 @@ async fn one_renewed_stream(
 /// lives, and gives it back when the body ends.
 #[tokio::test]
 async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot() {
-    let (addr, senders, mut first) = one_renewed_stream(Duration::from_secs(60)).await;
+    let (addr, senders, first) = one_renewed_stream(Duration::from_secs(60)).await;
     // Three TTLs later, the stream still holds the only slot.
-    tokio::time::sleep(Duration::from_millis(900)).await;
-    let (_second, head) = common::open_stream(addr).await;
-    assert!(
-        head.starts_with("HTTP/1.1 429"),
-        "the lease lapsed mid-stream: {head}"
-    );
-    senders
-        .lock()
-        .expect("lock")
-        .remove(0)
-        .send(())
-        .expect("end");
-    let _ = common::read_to_end(&mut first).await;
-    let _third = common::wait_admitted(addr).await;
+    common::assert_stream_keeps_its_slot(addr, &senders, first, Duration::from_millis(900)).await;
 }
 
 /// Renewal has a bound: a response that holds its lease longer than `renew_leases_up_to` (a
@@ -1046,11 +1013,7 @@ async fn a_lease_is_renewed_for_at_most_its_bound() {
 
 /// One in flight, as `name`.
 fn one_in_flight(name: &str) -> Rule {
-    Rule::new(policy_named(
-        Policy::concurrency(1, Duration::from_secs(60)),
-        name,
-    ))
-    .key(GlobalKey)
+    common::global(Policy::concurrency(1, Duration::from_secs(60)), name)
 }
 
 /// An app whose `/ws` switches protocols: the upgraded connection is served until the client
@@ -1150,13 +1113,10 @@ async fn a_held_lease_holds_the_leases_of_outer_layers_too() {
         .build()
         .expect("layer");
     let inner = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::concurrency(5, Duration::from_secs(60)),
-                "five-sockets",
-            ))
-            .key(GlobalKey),
-        )
+        .rule(common::global(
+            Policy::concurrency(5, Duration::from_secs(60)),
+            "five-sockets",
+        ))
         .build()
         .expect("layer");
     let app = upgrade_app(true).route_layer(inner).layer(outer);
@@ -1193,7 +1153,7 @@ async fn an_upgrade_that_drops_its_lease_frees_the_slot_after_the_handshake() {
 /// `renew_for` when given.
 fn one_slot(ttl: Duration, renew_for: Option<Duration>, name: &str) -> RateLimitLayer {
     let builder = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(Rule::new(policy_named(Policy::concurrency(1, ttl), name)).key(GlobalKey));
+        .rule(common::global(Policy::concurrency(1, ttl), name));
     match renew_for {
         Some(bound) => builder.renew_leases_up_to(bound),
         None => builder,
@@ -1294,20 +1254,14 @@ async fn a_held_lease_is_lost_with_an_outer_layers_lease() {
 async fn a_held_lease_that_waited_its_turn_is_renewed_through_the_wait() {
     let (app, slot) = common::lease_keeping_app();
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::shaper(1, Duration::from_millis(600)),
-                "turns",
-            ))
-            .key(GlobalKey),
-        )
-        .rule(
-            Rule::new(policy_named(
-                Policy::concurrency(5, Duration::from_millis(300)),
-                "five",
-            ))
-            .key(GlobalKey),
-        )
+        .rule(common::global(
+            Policy::shaper(1, Duration::from_millis(600)),
+            "turns",
+        ))
+        .rule(common::global(
+            Policy::concurrency(5, Duration::from_millis(300)),
+            "five",
+        ))
         .renew_leases_up_to(Duration::from_secs(60))
         .delay(Duration::from_secs(2))
         .build()

@@ -277,15 +277,10 @@ async fn a_paused_redis_hits_the_layer_timeout() {
 async fn a_concurrency_lease_in_redis_lasts_until_the_body_ends() {
     let redis = start_redis();
     let layer = RateLimitLayer::builder(limiter(&redis).await)
-        .rule(
-            Rule::new(
-                Policy::concurrency(1, Duration::from_secs(60))
-                    .expect("policy")
-                    .named("redis-one")
-                    .expect("name"),
-            )
-            .key(GlobalKey),
-        )
+        .rule(common::global(
+            Policy::concurrency(1, Duration::from_secs(60)),
+            "redis-one",
+        ))
         .build()
         .expect("layer");
     let (app, senders) = common::held_stream_app(|app| app.layer(layer));
@@ -294,12 +289,7 @@ async fn a_concurrency_lease_in_redis_lasts_until_the_body_ends() {
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     let (_second, head) = common::open_stream(addr).await;
     assert!(head.starts_with("HTTP/1.1 429"), "{head}");
-    senders
-        .lock()
-        .expect("lock")
-        .remove(0)
-        .send(())
-        .expect("end");
+    common::end_first(&senders);
     common::read_to_end(&mut first).await;
     // The release is an EVALSHA sent in the background.
     let third = common::wait_admitted(addr).await;
@@ -407,36 +397,18 @@ async fn refunds_reach_redis_through_the_deny_cache() {
 async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot_in_redis() {
     let redis = start_redis();
     let layer = RateLimitLayer::builder(limiter(&redis).await)
-        .rule(
-            Rule::new(
-                Policy::concurrency(1, Duration::from_millis(400))
-                    .expect("policy")
-                    .named("redis-stream")
-                    .expect("name"),
-            )
-            .key(GlobalKey),
-        )
+        .rule(common::global(
+            Policy::concurrency(1, Duration::from_millis(400)),
+            "redis-stream",
+        ))
         .renew_leases_up_to(Duration::from_secs(60))
         .build()
         .expect("layer");
     let (app, senders) = common::held_stream_app(|app| app.layer(layer));
     let addr = serve(app).await;
-    let (mut first, head) = common::open_stream(addr).await;
+    let (first, head) = common::open_stream(addr).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let (_second, head) = common::open_stream(addr).await;
-    assert!(
-        head.starts_with("HTTP/1.1 429"),
-        "the lease lapsed mid-stream: {head}"
-    );
-    senders
-        .lock()
-        .expect("lock")
-        .remove(0)
-        .send(())
-        .expect("end");
-    common::read_to_end(&mut first).await;
-    let _third = common::wait_admitted(addr).await;
+    common::assert_stream_keeps_its_slot(addr, &senders, first, Duration::from_millis(1_200)).await;
 }
 
 /// A held lease the store no longer has (flushed, or failed over to a replica that never had
@@ -447,15 +419,7 @@ async fn a_held_lease_the_store_lost_is_lost_at_the_next_renewal() {
     const TTL: Duration = Duration::from_secs(6);
     let redis = start_redis();
     let layer = RateLimitLayer::builder(limiter(&redis).await)
-        .rule(
-            Rule::new(
-                Policy::concurrency(1, TTL)
-                    .expect("policy")
-                    .named("redis-held")
-                    .expect("name"),
-            )
-            .key(GlobalKey),
-        )
+        .rule(common::global(Policy::concurrency(1, TTL), "redis-held"))
         .renew_leases_up_to(Duration::from_secs(60))
         .build()
         .expect("layer");

@@ -170,16 +170,51 @@ impl http_body::Body for HeldBody {
     }
 }
 
+/// The senders that end held bodies, in the order the bodies were opened.
+pub type Senders = std::sync::Arc<std::sync::Mutex<Vec<tokio::sync::oneshot::Sender<()>>>>;
+
+/// Ends the oldest held body still open.
+pub fn end_first(senders: &Senders) {
+    senders
+        .lock()
+        .expect("lock")
+        .remove(0)
+        .send(())
+        .expect("end");
+}
+
+/// A rule of `policy`, named `name`, on one global key.
+pub fn global(
+    policy: Result<floodgate_core::Policy, floodgate_core::PolicyError>,
+    name: &str,
+) -> floodgate_tower::Rule {
+    let policy = policy.and_then(|p| p.named(name)).expect("policy");
+    floodgate_tower::Rule::new(policy).key(floodgate_tower::key::GlobalKey)
+}
+
+/// The stream `first` (of a server with one slot, its lease renewed) still holds the slot
+/// `after` its start, well past the lease's TTL; once its body ends, the slot is back.
+pub async fn assert_stream_keeps_its_slot(
+    addr: SocketAddr,
+    senders: &Senders,
+    mut first: tokio::net::TcpStream,
+    after: Duration,
+) {
+    tokio::time::sleep(after).await;
+    let (_second, head) = open_stream(addr).await;
+    assert!(
+        head.starts_with("HTTP/1.1 429"),
+        "the lease lapsed mid-stream: {head}"
+    );
+    end_first(senders);
+    read_to_end(&mut first).await;
+    let _third = wait_admitted(addr).await;
+}
+
 /// A router whose `/stream` answers with a [`HeldBody`], put behind a layer by `layered`; the
 /// senders end the bodies in order.
-pub fn held_stream_app(
-    layered: impl FnOnce(Router) -> Router,
-) -> (
-    Router,
-    std::sync::Arc<std::sync::Mutex<Vec<tokio::sync::oneshot::Sender<()>>>>,
-) {
-    let senders: std::sync::Arc<std::sync::Mutex<Vec<tokio::sync::oneshot::Sender<()>>>> =
-        Default::default();
+pub fn held_stream_app(layered: impl FnOnce(Router) -> Router) -> (Router, Senders) {
+    let senders = Senders::default();
     let held = senders.clone();
     let app = Router::new().route(
         "/stream",
