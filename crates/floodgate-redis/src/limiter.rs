@@ -155,7 +155,8 @@ const FIELDS: usize = 6;
 /// On Redis Cluster, all policies of one user key share a slot (the user key is the hash tag)
 /// and are checked in one call; batches are formed per slot. A check across user keys in
 /// different slots (per client IP and global, say) is checked slot by slot: when a later slot
-/// denies, what the earlier slots counted is given back.
+/// denies or fails, or the check is dropped before it ends, what the earlier slots counted is
+/// given back.
 #[derive(Clone)]
 pub struct RedisLimiter {
     inner: Arc<Inner>,
@@ -499,7 +500,11 @@ impl RedisLimiter {
     /// (`undo.lua`) and the parts not reached are peeked at, so nothing stays counted.
     ///
     /// Between a part being counted and given back, other checks may see it counted: across
-    /// slots, all-or-nothing holds for the final state, not at every instant.
+    /// slots, all-or-nothing holds for the final state, not at every instant. A check dropped
+    /// half-way (its caller gave up, the layer's timeout) gives back the parts counted so far
+    /// in a task of its own; the part in flight then may still be counted when its node
+    /// answers, as a single-slot check dropped in flight may (its concurrency lease is given
+    /// back, as any lease granted to a caller that is gone).
     async fn run_across_slots(
         &self,
         checks: &[Check<'_>],
@@ -516,7 +521,13 @@ impl RedisLimiter {
             .map(|slot| (0..checks.len()).filter(|&i| slots[i] == *slot).collect())
             .collect();
         let mut decisions: Vec<Option<Decision>> = vec![None; checks.len()];
-        let mut counted: Vec<(&Vec<usize>, u64)> = Vec::new();
+        // Given back should this future be dropped (or fail) half-way.
+        let mut counted = Counted {
+            limiter: self,
+            checks,
+            parts: Vec::new(),
+            lease,
+        };
         let mut wait = Duration::ZERO;
         let mut denied_at = None;
         for (n, part) in parts.iter().enumerate() {
@@ -525,7 +536,7 @@ impl RedisLimiter {
             let (verdict, now) = match result {
                 Ok(v) => v,
                 Err(e) => {
-                    self.undo(checks, &counted, lease).await;
+                    counted.undo_now().await;
                     return Err(e);
                 }
             };
@@ -534,19 +545,19 @@ impl RedisLimiter {
             }
             if verdict.allowed() {
                 wait = wait.max(verdict.wait);
-                counted.push((part, now));
+                counted.parts.push((part, now));
             } else {
                 denied_at = Some(n);
                 break;
             }
         }
+        // A check across slots is decided, and refunded, as of its first part's time.
+        let mut at = Timestamp::EPOCH;
         if let Some(n) = denied_at {
-            self.undo(checks, &counted, lease).await;
+            let undone = counted.undo_now().await;
             // The parts given back, and the parts never reached, report what they would have
             // decided with nothing counted: a dry run of each.
-            let mut dry: Vec<&Vec<usize>> = counted.iter().map(|(p, _)| *p).collect();
-            dry.extend(&parts[n + 1..]);
-            for part in dry {
+            for part in undone.into_iter().chain(&parts[n + 1..]) {
                 let sub: Vec<Check<'_>> = part.iter().map(|&i| checks[i]).collect();
                 let mut group = self.encode_with(&sub, opts, 0)?;
                 group.dry_run = true;
@@ -556,21 +567,24 @@ impl RedisLimiter {
                 }
             }
             wait = Duration::ZERO;
-        } else if let Some(&(_, at)) = counted.first() {
-            // One time for the verdict, the first part's: each later part's reset times are
-            // moved to count from it (still whole milliseconds, rounded up), so that
-            // `at + reset_after` stays the instant each key is full again (what a refund gives
-            // back depends on it).
-            for (part, now) in &counted[1..] {
-                for &i in part.iter() {
-                    if let Some(d) = &mut decisions[i] {
-                        let us = u64::try_from(d.reset_after.as_micros()).unwrap_or(u64::MAX);
-                        let us = if *now >= at {
-                            us.saturating_add(now - at)
-                        } else {
-                            us.saturating_sub(at - now)
-                        };
-                        d.reset_after = Duration::from_millis(us.div_ceil(1_000));
+        } else {
+            let kept = counted.keep();
+            if let Some(&(_, first)) = kept.first() {
+                at = Timestamp::from_micros(first);
+                // Each later part's reset times are moved to count from the first part's time
+                // (still whole milliseconds, rounded up), so that `at + reset_after` stays the
+                // instant each key is full again (what a refund gives back depends on it).
+                for (part, now) in &kept[1..] {
+                    for &i in part.iter() {
+                        if let Some(d) = &mut decisions[i] {
+                            let us = u64::try_from(d.reset_after.as_micros()).unwrap_or(u64::MAX);
+                            let us = if *now >= first {
+                                us.saturating_add(now - first)
+                            } else {
+                                us.saturating_sub(first - now)
+                            };
+                            d.reset_after = Duration::from_millis(us.div_ceil(1_000));
+                        }
                     }
                 }
             }
@@ -584,10 +598,6 @@ impl RedisLimiter {
                 })
             })
             .collect::<Result<_, _>>()?;
-        // A check across slots is refunded as of its first part's time (see `refund`).
-        let at = counted
-            .first()
-            .map_or(Timestamp::EPOCH, |(_, now)| Timestamp::from_micros(*now));
         Ok(Verdict {
             decisions,
             wait,
@@ -596,34 +606,19 @@ impl RedisLimiter {
         })
     }
 
-    /// Gives back what the counted parts took. Failures are logged: the units come back on
-    /// their own when the state expires.
-    async fn undo(&self, checks: &[Check<'_>], counted: &[(&Vec<usize>, u64)], lease: u64) {
-        for (part, now) in counted {
-            // At once: each check's whole share comes back (no reset time limits it).
-            let whole = |_: usize| floodgate_core::algorithm::MAX_SPAN_US;
-            if let Err(e) = self
-                .undo_part(checks, part, *now, Some(*now), &whole, lease)
-                .await
-            {
-                tracing::warn!(error = %e, "could not give back a cross-slot check's units");
-            }
-        }
-    }
-
-    /// Gives back, in one call of `lua/undo.lua`, what the checks at `part` (one slot) took at
-    /// `at` (us), with lease `lease` (0: none), at `now` (us; `None`: the server's time);
-    /// `reset_after(i)` is check `i`'s decision's reset time (us).
-    async fn undo_part(
+    /// The keys and arguments of one call of `lua/undo.lua` that gives back what the checks at
+    /// `part` (one slot) took at `at` (us), with lease `lease` (0: none), at `now` (us; `None`:
+    /// the server's time); `reset_after(i)` is check `i`'s decision's reset time (us).
+    fn undo_call(
         &self,
         checks: &[Check<'_>],
         part: &[usize],
         at: u64,
         now: Option<u64>,
-        reset_after: &(dyn Fn(usize) -> u64 + Sync),
+        reset_after: &dyn Fn(usize) -> u64,
         lease: u64,
-    ) -> Result<(), Error> {
-        let keys: Vec<Vec<u8>> = part
+    ) -> UndoCall {
+        let keys = part
             .iter()
             .map(|&i| self.state_key(checks[i].policy, checks[i].key))
             .collect();
@@ -639,8 +634,13 @@ impl RedisLimiter {
             args.push(checks[i].cost.to_string().into_bytes());
             args.push(reset_after(i).to_string().into_bytes());
         }
-        let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-        let arg_refs: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+        UndoCall { keys, args }
+    }
+
+    /// Runs one call of `lua/undo.lua` (see [`RedisLimiter::undo_call`]).
+    async fn undo(&self, call: UndoCall) -> Result<(), Error> {
+        let key_refs: Vec<&[u8]> = call.keys.iter().map(Vec::as_slice).collect();
+        let arg_refs: Vec<&[u8]> = call.args.iter().map(Vec::as_slice).collect();
         self.inner
             .conn
             .invoke_script(&UNDO, &key_refs, &arg_refs)
@@ -737,10 +737,8 @@ impl RedisLimiter {
         // others twice): the first error is the answer.
         let mut first_error = None;
         for (_, part) in &parts {
-            if let Err(e) = self
-                .undo_part(checks, part, at, now, &reset_after, lease)
-                .await
-            {
+            let call = self.undo_call(checks, part, at, now, &reset_after, lease);
+            if let Err(e) = self.undo(call).await {
                 first_error.get_or_insert(e);
             }
         }
@@ -963,6 +961,85 @@ impl Limiter for RedisLimiter {
         let mut cmd = redis::cmd("DEL");
         cmd.arg(self.state_key(policy, key));
         self.inner.conn.query::<i64>(cmd).await.map(|_| ())
+    }
+}
+
+/// One call of `lua/undo.lua`, owned: it can outlive the check it gives back.
+struct UndoCall {
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+/// The parts of a check across cluster slots counted so far, each with the time (us) its node
+/// counted it at. Unless kept (the check was allowed), they are given back: by
+/// [`Counted::undo_now`], or when the check is dropped half-way (its caller gave up, a timeout
+/// cut it short) by a task of their own, so that a check across slots does not stay half
+/// counted, nor hold a concurrency lease no one will release.
+struct Counted<'a, 'c> {
+    limiter: &'a RedisLimiter,
+    checks: &'a [Check<'c>],
+    parts: Vec<(&'a Vec<usize>, u64)>,
+    lease: u64,
+}
+
+impl<'a> Counted<'a, '_> {
+    /// The undo call of a part counted at `now`: it gives back its checks' whole share as of
+    /// that time (no reset time limits it).
+    fn call(&self, part: &[usize], now: u64) -> UndoCall {
+        let whole = |_: usize| floodgate_core::algorithm::MAX_SPAN_US;
+        self.limiter
+            .undo_call(self.checks, part, now, Some(now), &whole, self.lease)
+    }
+
+    /// Gives back what the counted parts took, and returns those parts. Failures are logged:
+    /// the units come back on their own when the state expires. Dropped meanwhile, the parts
+    /// not yet given back are given back by a task of their own.
+    async fn undo_now(&mut self) -> Vec<&'a Vec<usize>> {
+        let parts = self.parts.iter().map(|(p, _)| *p).collect();
+        while let Some(&(part, now)) = self.parts.last() {
+            let call = self.call(part, now);
+            self.parts.pop();
+            if let Err(e) = self.limiter.undo(call).await {
+                tracing::warn!(error = %e, "could not give back a cross-slot check's units");
+            }
+        }
+        parts
+    }
+
+    /// The counted parts, which stay counted.
+    fn keep(mut self) -> Vec<(&'a Vec<usize>, u64)> {
+        std::mem::take(&mut self.parts)
+    }
+}
+
+impl Drop for Counted<'_, '_> {
+    fn drop(&mut self) {
+        if self.parts.is_empty() {
+            return;
+        }
+        let calls: Vec<UndoCall> = self
+            .parts
+            .iter()
+            .map(|&(part, now)| self.call(part, now))
+            .collect();
+        let limiter = self.limiter.clone();
+        let undo = async move {
+            for call in calls {
+                if let Err(e) = limiter.undo(call).await {
+                    tracing::warn!(
+                        error = %e,
+                        "could not give back the units of a cross-slot check dropped half-way"
+                    );
+                }
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(undo)),
+            Err(_) => tracing::warn!(
+                "a check across cluster slots was dropped half-way outside a tokio runtime: the \
+                 parts it counted come back when their states expire"
+            ),
+        }
     }
 }
 

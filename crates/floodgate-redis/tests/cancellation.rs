@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use floodgate_core::{Check, CheckOptions, ConcurrencyLease, Limiter, Policy};
 use floodgate_redis::{BatchConfig, ConnectionKind, RedisLimiter};
-use support::{limiter, run, server};
+use support::{cluster, cluster_limiter, keys_on_two_nodes, limiter, run, server};
 
 /// Loads the script and checks Redis answers (a call that met NOSCRIPT would prove nothing).
 async fn warm_up(limiter: &RedisLimiter, p: &Policy) {
@@ -174,5 +174,60 @@ fn a_dropped_lease_guard_gives_the_slot_back() {
                 .expect("up")
                 .allowed
         );
+    });
+}
+
+/// A check across cluster slots runs its parts one after the other. Dropped while a later part
+/// waits on a paused node, it gives back what its first part counted: the only slot of a
+/// concurrency policy, which would otherwise stay held for the lease's 30 s, and a rate unit.
+#[test]
+fn fault_a_check_across_slots_dropped_half_way_gives_back_its_first_part() {
+    let cluster = cluster();
+    run(Duration::from_secs(60), async {
+        let redis = cluster_limiter(&cluster).await;
+        let named = |p: Result<Policy, _>, name: &str| {
+            p.and_then(|p: Policy| p.named(name)).expect("valid")
+        };
+        let tenant = named(
+            Policy::concurrency(1, Duration::from_secs(30)),
+            "exports-per-tenant",
+        );
+        let per_tenant = named(Policy::per_minute(1), "per-tenant");
+        let per_ip = named(Policy::per_minute(1), "per-ip");
+        let (first, ip, later) = keys_on_two_nodes(&redis, &cluster, &per_tenant, &per_ip);
+        // One user key, one slot: the tenant's two policies are the first part.
+        let checks = [
+            Check::new(first.as_bytes(), &tenant),
+            Check::new(first.as_bytes(), &per_tenant),
+            Check::new(ip.as_bytes(), &per_ip),
+        ];
+        warm_up(&redis, &tenant).await;
+
+        cluster.node(later).pause().expect("pause");
+        let gave_up = tokio::time::timeout(
+            Duration::from_millis(300),
+            redis.check(&checks, CheckOptions::default()),
+        )
+        .await;
+        assert!(gave_up.is_err(), "the paused node answered: {gave_up:?}");
+        cluster.node(later).resume().expect("resume");
+
+        // The first part comes back at once (3 s at most), not when its lease or window ends.
+        let peek = [checks[0].cost(0), checks[1].cost(0)];
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+        loop {
+            let v = redis
+                .check(&peek, CheckOptions::default())
+                .await
+                .expect("checks");
+            if v.decisions.iter().all(|d| d.remaining == 1) {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the dropped check's first part is still counted: {v:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     });
 }

@@ -10,7 +10,7 @@ use floodgate_core::{Check, CheckOptions, DenyCache, Limiter, Policy};
 use floodgate_redis::keys::key_slot;
 use floodgate_redis::{ConnectionKind, RedisLimiter};
 
-use support::{cluster, cluster_limiter, limiter, run, server};
+use support::{cluster, cluster_limiter, keys_on_two_nodes, limiter, run, server};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -110,25 +110,7 @@ fn a_check_across_slots_whose_parts_ran_apart_is_refunded_in_full() {
     run(LIMIT, async {
         let redis = cluster_limiter(&cluster).await;
         let (a, b) = (one_a_minute("per-phone"), one_a_minute("per-ip"));
-        // Parts run in slot order: a phone in an earlier slot than an IP, on another node.
-        let nodes = std::cell::RefCell::new(std::collections::HashMap::new());
-        let node_of = |policy: &Policy, key: &str| {
-            let slot = key_slot(&redis.state_key(policy, key.as_bytes()));
-            let node = *nodes
-                .borrow_mut()
-                .entry(slot)
-                .or_insert_with(|| cluster.node_for_slot(slot).expect("a node"));
-            (slot, node)
-        };
-        let phones = (0..100).map(|i| format!("+155501{i:02}"));
-        let ips = (0..10_000).map(|i| format!("10.0.{}.{}", i / 256, i % 256));
-        let (phone, other, later) = phones
-            .flat_map(|p| ips.clone().map(move |ip| (p.clone(), ip)))
-            .find_map(|(phone, ip)| {
-                let ((s, n), (t, m)) = (node_of(&a, &phone), node_of(&b, &ip));
-                (s < t && n != m).then_some((phone, ip, m))
-            })
-            .expect("a phone and an IP in later slots on different nodes");
+        let (phone, other, later) = keys_on_two_nodes(&redis, &cluster, &a, &b);
         let first = phone.as_bytes();
         let checks = [Check::new(first, &a), Check::new(other.as_bytes(), &b)];
         cluster.node(later).pause().expect("pause");

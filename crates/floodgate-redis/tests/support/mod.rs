@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use floodgate_core::Policy;
+use floodgate_redis::keys::key_slot;
 use floodgate_redis::{BatchConfig, ConnectionKind, RedisConfig, RedisConn, RedisLimiter};
 use floodgate_testkit::RedisCluster;
 pub use floodgate_testkit::{cluster, run, server};
@@ -41,4 +43,34 @@ pub fn command_calls(server: &floodgate_testkit::RedisServer, command: &str) -> 
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
+}
+
+/// A phone number under `phone` and an IP under `ip` whose states live on different nodes of
+/// `cluster`, the phone's in an earlier slot (the parts of a check across slots run in slot
+/// order, so the IP's part runs second), and the index of the IP's node.
+pub fn keys_on_two_nodes(
+    redis: &RedisLimiter,
+    cluster: &RedisCluster,
+    phone: &Policy,
+    ip: &Policy,
+) -> (String, String, usize) {
+    let mut nodes = std::collections::HashMap::new();
+    let mut node_of = |policy: &Policy, key: &str| {
+        let slot = key_slot(&redis.state_key(policy, key.as_bytes()));
+        let node = *nodes
+            .entry(slot)
+            .or_insert_with(|| cluster.node_for_slot(slot).expect("a node"));
+        (slot, node)
+    };
+    for p in (0..100).map(|i| format!("+155501{i:02}")) {
+        let (s, n) = node_of(phone, &p);
+        for i in 0..10_000 {
+            let addr = format!("10.0.{}.{}", i / 256, i % 256);
+            let (t, m) = node_of(ip, &addr);
+            if s < t && n != m {
+                return (p, addr, m);
+            }
+        }
+    }
+    panic!("no phone and IP in later slots on different nodes")
 }
