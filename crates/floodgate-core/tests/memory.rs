@@ -557,3 +557,55 @@ fn renewing_a_lease_extends_it_and_never_revives_it() {
     assert!(limiter.release_at(&checks, lease, ms(1_950)));
     assert!(!limiter.renew_at(&checks, lease, ms(2_000)), "released");
 }
+
+/// A GCRA state later than any check could leave reads as no state: after the clock stepped
+/// back, or under a policy whose period was cut (same name), a key is not locked out for
+/// longer than its policy allows. Short keys (the compact table) and long ones, checked alone
+/// or beside another policy, alike.
+#[test]
+fn a_gcra_state_ahead_of_what_its_policy_allows_reads_as_none() {
+    let hourly = Policy::per_hour(2)
+        .and_then(|p| p.named("per-user"))
+        .expect("valid");
+    let window = Policy::fixed_window(100, Duration::from_secs(60)).expect("valid");
+    let long = [b'u'; 40];
+    for key in [b"user-1".as_slice(), &long] {
+        for beside in [false, true] {
+            let clock = clock();
+            let limiter = MemoryLimiter::builder().clock(clock.clone()).build();
+            let check = |policy: &Policy| {
+                let mut checks = vec![Check::new(key, policy)];
+                if beside {
+                    checks.push(Check::new(key, &window));
+                }
+                limiter
+                    .check_sync(&checks, CheckOptions::default())
+                    .expect("check")
+            };
+            let spend = || {
+                assert!(check(&hourly).allowed());
+                assert!(check(&hourly).allowed());
+                let full = check(&hourly);
+                assert!(!full.allowed(), "{full:?}");
+            };
+            let case = format!("a {}-byte key, beside a window: {beside}", key.len());
+
+            // The clock steps back an hour: the tat, an hour ahead of the check, is two.
+            spend();
+            clock.set(Timestamp::from_millis(1_700_000_000_000 - 3_600_000));
+            let v = check(&hourly);
+            assert!(v.allowed(), "{case}, stepped back: {v:?}");
+            assert_eq!(v.decisions[0].remaining, 1, "read as fresh");
+
+            // The same name, a period cut to a minute: an hour of tat is 59 minutes too many.
+            clock.set(Timestamp::from_millis(1_700_000_000_000 + 7_200_000));
+            spend();
+            let minutely = Policy::per_minute(2)
+                .and_then(|p| p.named("per-user"))
+                .expect("valid");
+            let v = check(&minutely);
+            assert!(v.allowed(), "{case}, cut period: {v:?}");
+            assert_eq!(v.decisions[0].remaining, 1, "read as fresh");
+        }
+    }
+}

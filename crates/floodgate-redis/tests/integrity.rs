@@ -488,3 +488,57 @@ fn releasing_beside_a_corrupt_lease_end_keeps_every_lease() {
         }
     });
 }
+
+/// A GCRA state later than any check could leave (here someone else's far-future value with no
+/// TTL, as a clock that stepped back or a cut period would leave a nearer one) reads as no
+/// state, on every path of the scripts: the check is allowed and writes a state that expires
+/// when it should, instead of locking the key out for as long as the value is ahead.
+#[test]
+fn a_gcra_state_no_check_could_leave_reads_as_none_and_heals() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let gcra = Policy::per_minute(5).expect("valid");
+        let window = Policy::fixed_window(5, Duration::from_secs(60)).expect("valid");
+        let pttl = |key: &[u8]| {
+            server
+                .cmd(&[b"PTTL".as_slice(), key])
+                .expect("PTTL")
+                .as_int()
+                .expect("an integer")
+        };
+        // A plain check (the GCRA batch script), a check of cost 2, and GCRA beside another
+        // algorithm (the check script's GCRA and generic paths).
+        let cases: [(&[u8], u64, bool, i64); 3] = [
+            (b"plain", 1, false, 12_000),
+            (b"cost-2", 2, false, 24_000),
+            (b"with-a-window", 1, true, 12_000),
+        ];
+        for (user, cost, with_window, ttl_ms) in cases {
+            let key = redis.state_key(&gcra, user);
+            for ahead in ["9007199254740991", "4102444800000000"] {
+                server
+                    .cmd(&[b"SET".as_slice(), &key, ahead.as_bytes()])
+                    .expect("SET");
+                let mut checks = vec![Check::new(user, &gcra).cost(cost)];
+                if with_window {
+                    checks.push(Check::new(user, &window));
+                }
+                let v = redis
+                    .check(&checks, CheckOptions::default())
+                    .await
+                    .expect("decides");
+                let name = String::from_utf8_lossy(user);
+                assert!(v.allowed(), "{name} {ahead}: {v:?}");
+                assert_eq!(v.decisions[0].remaining, 5 - cost, "{name}: {v:?}");
+                let ttl = pttl(&key);
+                assert!(
+                    ttl > ttl_ms - 2_000 && ttl <= ttl_ms,
+                    "{name} {ahead}: a TTL of {ttl} ms"
+                );
+                let left = server.cmd(&[b"DEL".as_slice(), &key]).expect("DEL");
+                assert_eq!(left.as_int(), Some(1));
+            }
+        }
+    });
+}

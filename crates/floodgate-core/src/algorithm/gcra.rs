@@ -8,6 +8,13 @@
 //! whole seconds: `limit = max_burst + 1`; `remaining` truncates toward zero; `retry_after` is
 //! absent when allowed and when the quantity exceeds the limit (it can never fit); a quantity of
 //! 0 peeks. The emission interval is truncated to whole microseconds (redis-cell: nanoseconds).
+//!
+//! One state differs: a TAT later than `now + tolerance`, which no check can leave behind, reads
+//! as no state (redis-cell denies until it drains). Such a TAT comes from a clock that stepped
+//! back (an NTP step, a failover to a Redis replica whose clock is behind), from a policy whose
+//! period was cut under the same name, or from someone else's write; without this, a key would
+//! be locked out for as long as the TAT is ahead (for good, given a far-future value with no
+//! TTL). The cost is at most one fresh burst per key when it happens.
 
 use std::fmt;
 use std::time::Duration;
@@ -106,6 +113,20 @@ impl Gcra {
         }
     }
 
+    /// Where a check at `now` starts the schedule: the stored `tat`, or `now` once it has
+    /// passed. A `tat` later than `now + tolerance` is one no check could have left (the
+    /// store's clock stepped back, the policy's burst was cut under the same name, someone
+    /// else wrote the value): it reads as no state, so a key is never locked out for longer
+    /// than its policy allows, and the next allowed check writes a state that is.
+    #[inline]
+    fn start(&self, tat: u64, now: u64) -> u64 {
+        if tat > now.saturating_add(self.tolerance) {
+            now
+        } else {
+            tat.max(now)
+        }
+    }
+
     /// The emission interval `T` in microseconds.
     pub fn emission_us(&self) -> u64 {
         self.emission
@@ -131,7 +152,7 @@ impl Algorithm for Gcra {
 
     fn decide(&self, state: &State, ctx: &Ctx) -> Outcome {
         let now = ctx.now;
-        let tat = state.tat.max(now);
+        let tat = self.start(state.tat, now);
         let increment = mul_span(self.emission, ctx.cost);
         let new_tat = increment.map(|inc| tat + inc);
         let (allowed, ttl, retry) = match new_tat {
@@ -149,7 +170,11 @@ impl Algorithm for Gcra {
 
     fn commit(&self, state: &mut State, ctx: &Ctx) {
         let inc = self.emission.saturating_mul(ctx.cost);
-        state.tat = state.tat.max(ctx.now).saturating_add(inc);
+        // A peek changes nothing: not even a state it reads as none, which another policy of
+        // the same name (with a longer period) may still hold as it is.
+        if inc > 0 {
+            state.tat = self.start(state.tat, ctx.now).saturating_add(inc);
+        }
     }
 
     fn undo(&self, state: &mut State, undo: &Undo) {
@@ -168,11 +193,14 @@ impl Algorithm for Gcra {
     #[inline]
     fn check(&self, state: &mut State, ctx: &Ctx) -> Outcome {
         let now = ctx.now;
-        let tat = state.tat.max(now);
+        let tat = self.start(state.tat, now);
         if let Some(inc) = mul_span(self.emission, ctx.cost) {
             let new_tat = tat + inc;
             if new_tat <= now + self.tolerance {
-                state.tat = new_tat;
+                // A peek changes nothing (see `commit`).
+                if inc > 0 {
+                    state.tat = new_tat;
+                }
                 let ttl = new_tat - now;
                 let remaining = self.per_emission(self.tolerance - ttl);
                 return Outcome::new(true, self.limit, remaining, None, ttl);
@@ -272,6 +300,51 @@ mod tests {
         }
         assert_eq!(run(&g, &mut st, 0, 1), (true, 16, 0, Some(2000), 32000));
         assert_eq!(run(&g, &mut st, 2000, 1), (false, 16, 0, None, 32000));
+    }
+
+    /// A TAT up to `now + tolerance` is one a check may leave, and decides as it stands; a
+    /// later one (a clock stepped back, a cut period, a foreign write) reads as no state, in
+    /// `decide`, `check` and `commit` alike.
+    #[test]
+    fn a_tat_no_check_could_leave_reads_as_no_state() {
+        let g = Gcra::new(4, 1, Duration::from_secs(1)).expect("valid");
+        let now = 1_700_000_000 * S;
+        let ctx = Ctx::new(now, 1);
+        let tolerance = g.tolerance_us();
+        // Full, to the microsecond: denied, retry after one emission interval.
+        let full = State {
+            tat: now + tolerance,
+        };
+        let d = g.decide(&full, &ctx).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after_ms(), Some(1000));
+        let mut st = full;
+        assert!(!g.check(&mut st, &ctx).decision.allowed);
+        assert_eq!(st, full, "a denial leaves the state as it was");
+        for tat in [
+            now + tolerance + 1,
+            now + 3_600 * S,
+            (1 << 53) - 1,
+            u64::MAX,
+        ] {
+            let d = g.decide(&State { tat }, &ctx).decision;
+            assert!(d.allowed, "{tat}: {d:?}");
+            assert_eq!((d.remaining, d.reset_after_ms()), (4, 1000), "{tat}");
+            let mut st = State { tat };
+            assert!(g.check(&mut st, &ctx).decision.allowed, "{tat}");
+            assert_eq!(st.tat, now + g.emission_us(), "{tat}: written as fresh");
+            let mut st = State { tat };
+            g.commit(&mut st, &ctx);
+            assert_eq!(st.tat, now + g.emission_us(), "{tat}: committed as fresh");
+            // A peek reads it as none too, and leaves it: a policy of the same name with a
+            // longer period may hold it.
+            let peek = Ctx::new(now, 0);
+            let mut st = State { tat };
+            let d = g.check(&mut st, &peek).decision;
+            assert_eq!((d.allowed, d.remaining), (true, 5), "{tat}");
+            g.commit(&mut st, &peek);
+            assert_eq!(st.tat, tat, "a peek changed the state");
+        }
     }
 
     #[test]

@@ -5,10 +5,21 @@
 -- never negative, and a changed one is positive), and the changed keys in order.
 local gcra_seen, gcra_changed = {}, {}
 
+-- Where a check at `now` starts the schedule (as floodgate-core's `Gcra::start`): the stored
+-- tat, or `now` once it has passed. A tat later than `now + tolerance` is one no check could
+-- have left (the server's clock stepped back, the policy's burst was cut under the same name,
+-- someone else wrote it): it reads as no state.
+local function gcra_start(tat, tolerance, now)
+  if tat > now + tolerance then
+    return now
+  end
+  return math.max(tat, now)
+end
+
 -- One decision on the state `tat`: the six outcome values, then the new tat when allowed.
 local function gcra_step(tat, p, now, cost)
   local emission, tolerance, limit = p[1], p[2], p[3]
-  tat = math.max(tat, now)
+  tat = gcra_start(tat, tolerance, now)
   local inc = emission * cost
   local allowed, ttl, retry, new_tat = false, tat - now, nil, nil
   if inc <= MAX_SPAN then
@@ -40,7 +51,7 @@ ALG.gcra = {
   end,
 
   commit = function(st, p, now, cost)
-    st.tat = math.max(st.tat, now) + p[1] * cost
+    st.tat = gcra_start(st.tat, p[2], now) + p[1] * cost
   end,
 
   save = function(key, st, p, now)

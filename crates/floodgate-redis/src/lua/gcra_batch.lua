@@ -91,7 +91,11 @@ for c = 1, nk, 256 do
         local v = tonum(ARGV[first + i])
         local p = v % np
         local e, upto = emission[p + 1], now + tolerance[p + 1]
-        -- GCRA, as gcra_step: admitted when the new tat is within the tolerance.
+        -- GCRA, as gcra_step: a tat no check could have left reads as none, and a check is
+        -- admitted when the new tat is within the tolerance.
+        if t > upto then
+          t = now
+        end
         for _ = 1, (v - p) / np do
           local after = (t > now and t or now) + e
           if after <= upto then
@@ -100,13 +104,16 @@ for c = 1, nk, 256 do
         end
       else
         -- The same step, once (keep the two identical).
+        if t > until1 then
+          t = now
+        end
         local after = (t > now and t or now) + e1
         if after <= until1 then
           t = after
         end
       end
-      -- A fresh or expired state always admits the first check, so a changed tat is later
-      -- than now, and a key read empty is always written.
+      -- A fresh or expired state (or one read as none) always admits the first check, so a
+      -- changed tat is later than now, and a key read empty is always written.
       if t ~= tat then
         local ttl = digits(floor((t - base) / 1000))
         if raw then
