@@ -193,20 +193,24 @@ impl Algorithm for Gcra {
     #[inline]
     fn check(&self, state: &mut State, ctx: &Ctx) -> Outcome {
         let now = ctx.now;
-        let tat = self.start(state.tat, now);
+        // Not `start`: a tat it would read as none fails the test below whatever the cost, and
+        // takes the other path.
+        let tat = state.tat.max(now);
         if let Some(inc) = mul_span(self.emission, ctx.cost) {
-            let new_tat = tat + inc;
+            let new_tat = tat.saturating_add(inc);
             if new_tat <= now + self.tolerance {
-                // A peek changes nothing (see `commit`).
-                if inc > 0 {
-                    state.tat = new_tat;
-                }
+                state.tat = new_tat;
                 let ttl = new_tat - now;
                 let remaining = self.per_emission(self.tolerance - ttl);
                 return Outcome::new(true, self.limit, remaining, None, ttl);
             }
         }
-        self.decide(state, ctx)
+        let out = self.decide(state, ctx);
+        if out.decision.allowed {
+            // Allowed on a tat read as none.
+            self.commit(state, ctx);
+        }
+        out
     }
 }
 
