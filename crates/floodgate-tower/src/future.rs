@@ -163,7 +163,8 @@ where
                                 after: After::boxed(headers, lease, refund),
                             });
                         }
-                        Decided::Reject(response) => {
+                        Decided::Reject(mut response) => {
+                            crate::grpc::answer_grpc_web(request.headers(), &mut response);
                             // Done: polled again, it says so instead of polling `decide`.
                             self.set(State::Early { response: None });
                             return Poll::Ready(Ok(Finished::Early(response)));

@@ -4,6 +4,12 @@
 //! A rate-limited call gets `RESOURCE_EXHAUSTED` (8), with the retry delay as `retry-after`
 //! metadata (whole seconds) and as a `google.rpc.RetryInfo` in `grpc-status-details-bin`
 //! (a `google.rpc.Status` protobuf, the "richer error model").
+//!
+//! A gRPC-Web call (`application/grpc-web*`, from a browser that reaches the layer before any
+//! gRPC-Web translation) gets the same trailers-only response in its own content type,
+//! `application/grpc-web+proto` or `application/grpc-web-text+proto`: gRPC-Web sends a
+//! trailers-only response's status in its headers too. The browser reads those headers only
+//! if CORS exposes them (`Access-Control-Expose-Headers: grpc-status, grpc-message`).
 
 use std::time::Duration;
 
@@ -27,6 +33,33 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
         .is_some_and(|ct| starts_with_ignore_case(ct.as_bytes(), b"application/grpc"))
+}
+
+/// A gRPC rejection (`content-type: application/grpc`, as [`trailers_only`] makes it, or a
+/// custom handler) of a gRPC-Web request, in the content type a gRPC-Web client expects.
+/// Nothing else changes: not other responses, nor those of other requests.
+pub(crate) fn answer_grpc_web<B>(request: &HeaderMap, response: &mut Response<B>) {
+    let is = |headers: &HeaderMap, value: &[u8]| {
+        headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|ct| ct.as_bytes().eq_ignore_ascii_case(value))
+    };
+    if !is(response.headers(), b"application/grpc") {
+        return;
+    }
+    let Some(ct) = request.get(http::header::CONTENT_TYPE) else {
+        return;
+    };
+    let web = if starts_with_ignore_case(ct.as_bytes(), b"application/grpc-web-text") {
+        "application/grpc-web-text+proto"
+    } else if starts_with_ignore_case(ct.as_bytes(), b"application/grpc-web") {
+        "application/grpc-web+proto"
+    } else {
+        return;
+    };
+    response
+        .headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(web));
 }
 
 fn starts_with_ignore_case(s: &[u8], prefix: &[u8]) -> bool {

@@ -11,6 +11,7 @@ use tower::Service;
 use crate::body::{Native, ResponseBody, Wrapped};
 use crate::engine::{Allowed, Called, DynEngine, Job};
 use crate::future::ResponseFuture;
+use crate::grpc;
 use crate::key::RequestView;
 use crate::lease;
 
@@ -90,7 +91,10 @@ impl<S, K> RateLimit<S, K> {
                 let lease = lease::hand_over(&mut req, allowed.lease);
                 ResponseFuture::call(&mut self.inner, req, allowed.headers, lease, allowed.refund)
             }
-            Called::Reject(response) => ResponseFuture::early(response),
+            Called::Reject(mut response) => {
+                grpc::answer_grpc_web(req.headers(), &mut response);
+                ResponseFuture::early(response)
+            }
             Called::Deciding => {
                 // Take the service that was made ready; leave a fresh clone in its place.
                 let clone = self.inner.clone();

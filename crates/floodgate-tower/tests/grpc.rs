@@ -123,13 +123,24 @@ async fn metadata_keys_and_missing_keys() {
     assert_eq!(status.code(), Code::InvalidArgument);
 }
 
-/// Any `application/grpc*` content type is a gRPC request; others get HTTP errors.
+/// Any `application/grpc*` content type is a gRPC request (gRPC-Web answered in its own content
+/// type); others get HTTP errors.
+/// The layer decides at once (reject mode), or in the response future (delay mode).
 #[tokio::test]
 async fn grpc_detection_by_content_type() {
-    let layer = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(Rule::new(policy(1, "detect")).key(GlobalKey))
-        .build()
-        .expect("layer");
+    for delay in [false, true] {
+        let builder = RateLimitLayer::builder(MemoryLimiter::new())
+            .rule(Rule::new(policy(1, "detect")).key(GlobalKey));
+        let builder = if delay {
+            builder.delay(Duration::from_millis(1))
+        } else {
+            builder
+        };
+        detection_by_content_type(builder.build().expect("layer")).await;
+    }
+}
+
+async fn detection_by_content_type(layer: RateLimitLayer) {
     let addr = greeter::serve(layer).await;
     let client: Client<_, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .http2_only(true)
@@ -175,6 +186,26 @@ async fn grpc_detection_by_content_type() {
         assert!(parts.headers.contains_key("grpc-status-details-bin"));
         assert!(parts.headers.contains_key("retry-after"));
         assert!(body.to_bytes().is_empty(), "trailers-only");
+    }
+    // gRPC-Web: the same trailers-only rejection, in the content type its clients expect.
+    for (ct, answered) in [
+        ("application/grpc-web", "application/grpc-web+proto"),
+        ("application/grpc-web+proto", "application/grpc-web+proto"),
+        (
+            "Application/gRPC-Web-Text",
+            "application/grpc-web-text+proto",
+        ),
+        (
+            "application/grpc-web-text+proto",
+            "application/grpc-web-text+proto",
+        ),
+    ] {
+        let (parts, body) = send(ct).await;
+        assert_eq!(parts.status, 200, "{ct}");
+        assert_eq!(parts.headers["content-type"], answered, "{ct}");
+        assert_eq!(parts.headers["grpc-status"], "8", "{ct}");
+        assert!(parts.headers.contains_key("retry-after"), "{ct}");
+        assert!(body.to_bytes().is_empty(), "{ct}: trailers-only");
     }
     let (parts, body) = send("application/json").await;
     assert_eq!(parts.status, 429);
