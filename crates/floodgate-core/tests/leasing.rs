@@ -184,3 +184,52 @@ async fn local_answers_age_the_lease_s_reset_time() {
         "not aged: {g:?} then {l:?} 3 ms later"
     );
 }
+
+/// A flood of unique keys does not push a leased hot key out of the tracked keys: its units
+/// stay spendable (answered locally, nothing wasted) while the flood's keys go to the store.
+#[tokio::test]
+async fn a_flood_of_unique_keys_does_not_evict_a_leased_key() {
+    use floodgate_core::{ManualClock, Timestamp};
+    let policy = Policy::per_second(10_000).expect("valid");
+    let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
+    let cfg = LeasingConfig {
+        max_keys: 640,
+        ..LeasingConfig::default()
+    };
+    let leasing = Leasing::with_config(store(), cfg, clock.clone());
+    let hot = [Check::new(b"hot", &policy)];
+    for _ in 0..64 {
+        leasing
+            .check(&hot, CheckOptions::default())
+            .await
+            .expect("check");
+        if leasing.stats().local > 0 {
+            break;
+        }
+    }
+    assert_eq!(leasing.stats().leases, 1, "{:?}", leasing.stats());
+    for i in 0..5_000u32 {
+        let key = format!("flood-{i}");
+        let v = leasing
+            .check(
+                &[Check::new(key.as_bytes(), &policy)],
+                CheckOptions::default(),
+            )
+            .await
+            .expect("check");
+        assert!(v.allowed());
+    }
+    let before = leasing.stats();
+    let v = leasing
+        .check(&hot, CheckOptions::default())
+        .await
+        .expect("check");
+    assert!(v.allowed());
+    let after = leasing.stats();
+    assert_eq!(
+        (after.local, after.store),
+        (before.local + 1, before.store),
+        "the hot key went to the store after the flood: {before:?} then {after:?}"
+    );
+    assert_eq!(after.wasted, 0, "{after:?}");
+}

@@ -27,7 +27,9 @@ pub struct LeasingConfig {
     pub lease_for: Duration,
     /// Checks within one lease period that make a key hot (default 16).
     pub hot_after: u32,
-    /// The most keys tracked at once (default 100,000).
+    /// The most keys tracked at once (default 100,000). When that many are tracked (a flood of
+    /// unique keys), new keys go to the store untracked until older ones expire: a key holding
+    /// a lease is never evicted to make room, which would strand its units.
     pub max_keys: usize,
 }
 
@@ -147,7 +149,9 @@ impl<L, C: Clock> Leasing<L, C> {
         Leasing {
             inner,
             shared: Arc::new(Shared {
-                map: ShardedMap::new(cfg.max_keys, 64, OnFull::EvictSoonest),
+                // Refuse rather than evict: evicting the soonest to expire would pick leased
+                // keys half-way through their lease before the flood's fresh ones.
+                map: ShardedMap::new(cfg.max_keys, 64, OnFull::Reject),
                 clock,
                 cfg,
                 taking: tokio::sync::Mutex::new(()),
@@ -340,6 +344,7 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
             let now = self.shared.clock.now().as_micros();
             let until = now + duration_micros(self.shared.cfg.lease_for);
             self.shared.leases.fetch_add(1, Ordering::Relaxed);
+            let expires_at = until + duration_micros(self.shared.cfg.lease_for);
             let mut shard = map.lock(map.shard_of(hash));
             if let Some(slot) = shard.find_mut(hash, c.policy.ident(), c.key) {
                 let local = &mut slot.value;
@@ -351,7 +356,29 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
                 local.lease_no = local.lease_no.wrapping_add(1);
                 local.decision = verdict.decisions[0];
                 local.granted = now;
-                slot.set_expires_at(until + duration_micros(self.shared.cfg.lease_for));
+                slot.set_expires_at(expires_at);
+            } else {
+                // Swept while the store answered (its counting period had run out): tracked
+                // anew with its lease, or, with no room left, its units are wasted.
+                let value = Local {
+                    units: n,
+                    until,
+                    lease_no: 1,
+                    decision: verdict.decisions[0],
+                    granted: now,
+                    seen: 0,
+                    period_start: now,
+                };
+                let slot = NewSlot {
+                    hash,
+                    ident: c.policy.ident(),
+                    key: c.key,
+                    value,
+                    expires_at,
+                };
+                if map.insert(&mut shard, slot, now).is_err() {
+                    self.shared.wasted.fetch_add(n, Ordering::Relaxed);
+                }
             }
         }
     }
