@@ -992,16 +992,13 @@ impl<'a> Counted<'a, '_> {
     }
 
     /// Gives back what the counted parts took, and returns those parts. Failures are logged:
-    /// the units come back on their own when the state expires. Dropped meanwhile, the parts
-    /// not yet given back are given back by a task of their own.
+    /// the units come back on their own when the state expires. The undo calls run in a task
+    /// of their own, awaited here: dropped meanwhile, this leaves them running.
     async fn undo_now(&mut self) -> Vec<&'a Vec<usize>> {
         let parts = self.parts.iter().map(|(p, _)| *p).collect();
-        while let Some(&(part, now)) = self.parts.last() {
-            let call = self.call(part, now);
-            self.parts.pop();
-            if let Err(e) = self.limiter.undo(call).await {
-                tracing::warn!(error = %e, "could not give back a cross-slot check's units");
-            }
+        if let Some(task) = self.spawn_undo() {
+            // A task that panicked has logged it; there is nothing more to do.
+            let _ = task.await;
         }
         parts
     }
@@ -1010,36 +1007,45 @@ impl<'a> Counted<'a, '_> {
     fn keep(mut self) -> Vec<(&'a Vec<usize>, u64)> {
         std::mem::take(&mut self.parts)
     }
-}
 
-impl Drop for Counted<'_, '_> {
-    fn drop(&mut self) {
+    /// Spawns one task that gives back every counted part (none are left counted here), on the
+    /// current tokio runtime; `None` when there is nothing to give back or no runtime.
+    fn spawn_undo(&mut self) -> Option<tokio::task::JoinHandle<()>> {
         if self.parts.is_empty() {
-            return;
+            return None;
         }
-        let calls: Vec<UndoCall> = self
-            .parts
-            .iter()
-            .map(|&(part, now)| self.call(part, now))
+        let calls: Vec<UndoCall> = std::mem::take(&mut self.parts)
+            .into_iter()
+            .map(|(part, now)| self.call(part, now))
             .collect();
         let limiter = self.limiter.clone();
         let undo = async move {
             for call in calls {
                 if let Err(e) = limiter.undo(call).await {
-                    tracing::warn!(
-                        error = %e,
-                        "could not give back the units of a cross-slot check dropped half-way"
-                    );
+                    tracing::warn!(error = %e, "could not give back a cross-slot check's units");
                 }
             }
         };
         match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn(undo)),
-            Err(_) => tracing::warn!(
-                "a check across cluster slots was dropped half-way outside a tokio runtime: the \
-                 parts it counted come back when their states expire"
-            ),
+            Ok(runtime) => Some(runtime.spawn(undo)),
+            Err(_) => {
+                tracing::warn!(
+                    "a check across cluster slots was dropped half-way outside a tokio runtime: \
+                     the parts it counted come back when their states expire"
+                );
+                None
+            }
         }
+    }
+}
+
+impl Drop for Counted<'_, '_> {
+    /// Dropped half-way (its caller gave up, a timeout cut it short): the counted parts are
+    /// given back by a task of their own, on the runtime the check was dropped on (a
+    /// current-thread runtime runs it when next driven; one shutting down drops it, and the
+    /// parts come back when their states expire).
+    fn drop(&mut self) {
+        drop(self.spawn_undo());
     }
 }
 

@@ -491,8 +491,10 @@ fn releasing_beside_a_corrupt_lease_end_keeps_every_lease() {
 
 /// A GCRA state later than any check could leave (here someone else's far-future value with no
 /// TTL, as a clock that stepped back or a cut period would leave a nearer one) reads as no
-/// state, on every path of the scripts: the check is allowed and writes a state that expires
-/// when it should, instead of locking the key out for as long as the value is ahead.
+/// state, on each path of the scripts (the batch script alone and per key, the check script's
+/// GCRA and group paths, a peek): the check is allowed and writes a state that expires when it
+/// should, instead of locking the key out for as long as the value is ahead; a peek writes
+/// nothing.
 #[test]
 fn a_gcra_state_no_check_could_leave_reads_as_none_and_heals() {
     let server = server();
@@ -540,5 +542,51 @@ fn a_gcra_state_no_check_could_leave_reads_as_none_and_heals() {
                 assert_eq!(left.as_int(), Some(1));
             }
         }
+
+        // Several checks of the key in one batch (the batch script's per-key form): the first
+        // reads the state as none, the others count on from there.
+        let batching = floodgate_redis::BatchConfig {
+            max_in_flight: 1,
+            ..floodgate_redis::BatchConfig::default()
+        };
+        let config = floodgate_redis::RedisConfig::new(&server.url()).expect("valid URL");
+        let in_order = support::limiter_batching(&config, batching).await;
+        let key = in_order.state_key(&gcra, b"batched");
+        server
+            .cmd(&[b"SET".as_slice(), &key, b"9007199254740991"])
+            .expect("SET");
+        let check = [Check::new(b"batched".as_slice(), &gcra)];
+        let all = tokio::task::unconstrained(futures_util::future::join_all(
+            (0..3).map(|_| in_order.check(&check, CheckOptions::default())),
+        ))
+        .await;
+        let mut remaining: Vec<u64> = all
+            .iter()
+            .map(|v| {
+                let v = v.as_ref().expect("decides");
+                assert!(v.allowed(), "{v:?}");
+                v.decisions[0].remaining
+            })
+            .collect();
+        remaining.sort_unstable();
+        assert_eq!(remaining, [2, 3, 4]);
+        let ttl = pttl(&key);
+        assert!(ttl > 34_000 && ttl <= 36_000, "a TTL of {ttl} ms");
+
+        // A peek reads such a state as none, and leaves it as it is.
+        let key = redis.state_key(&gcra, b"peeked");
+        server
+            .cmd(&[b"SET".as_slice(), &key, b"9007199254740991"])
+            .expect("SET");
+        let peek = redis
+            .check(
+                &[Check::new(b"peeked".as_slice(), &gcra).cost(0)],
+                CheckOptions::default(),
+            )
+            .await
+            .expect("decides");
+        assert_eq!(peek.decisions[0].remaining, 5, "{peek:?}");
+        let left = server.cmd(&[b"GET".as_slice(), &key]).expect("GET");
+        assert_eq!(left.as_bytes(), Some(b"9007199254740991".as_slice()));
     });
 }

@@ -6,8 +6,9 @@
 //! (a `google.rpc.Status` protobuf, the "richer error model").
 //!
 //! A gRPC-Web call (`application/grpc-web*`, from a browser that reaches the layer before any
-//! gRPC-Web translation) gets the same trailers-only response in its own content type,
-//! `application/grpc-web+proto` or `application/grpc-web-text+proto`: gRPC-Web sends a
+//! gRPC-Web translation) gets the same trailers-only response in its own content type
+//! (`application/grpc-web+proto`, `application/grpc-web-text+proto`, or the message format the
+//! request named, as `+json`): gRPC-Web sends a
 //! trailers-only response's status in its headers too. The browser reads those headers only
 //! if CORS exposes them (`Access-Control-Expose-Headers: grpc-status, grpc-message`).
 
@@ -47,19 +48,39 @@ pub(crate) fn answer_grpc_web<B>(request: &HeaderMap, response: &mut Response<B>
     if !is(response.headers(), b"application/grpc") {
         return;
     }
-    let Some(ct) = request.get(http::header::CONTENT_TYPE) else {
-        return;
-    };
-    let web = if starts_with_ignore_case(ct.as_bytes(), b"application/grpc-web-text") {
-        "application/grpc-web-text+proto"
-    } else if starts_with_ignore_case(ct.as_bytes(), b"application/grpc-web") {
-        "application/grpc-web+proto"
-    } else {
+    let Some(web) = request
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|ct| grpc_web_answer(ct.to_str().ok()?))
+    else {
         return;
     };
     response
         .headers_mut()
-        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static(web));
+        .insert(http::header::CONTENT_TYPE, web);
+}
+
+/// The content type of a gRPC-Web answer to a request of content type `ct`: its own base
+/// (`application/grpc-web` or `application/grpc-web-text`) and message format (`proto` when it
+/// names none, or one that is not a plain token); `None` for other content types.
+fn grpc_web_answer(ct: &str) -> Option<HeaderValue> {
+    let essence = ct.split(';').next().unwrap_or_default().trim();
+    let essence = essence.to_ascii_lowercase();
+    let (base, format) = match essence.split_once('+') {
+        Some((base, format)) => (base, Some(format)),
+        None => (essence.as_str(), None),
+    };
+    if base != "application/grpc-web" && base != "application/grpc-web-text" {
+        return None;
+    }
+    let format = format
+        .filter(|f| {
+            !f.is_empty()
+                && f.len() <= 32
+                && f.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        })
+        .unwrap_or("proto");
+    HeaderValue::from_str(&format!("{base}+{format}")).ok()
 }
 
 fn starts_with_ignore_case(s: &[u8], prefix: &[u8]) -> bool {

@@ -199,6 +199,13 @@ async fn detection_by_content_type(layer: RateLimitLayer) {
             "application/grpc-web-text+proto",
             "application/grpc-web-text+proto",
         ),
+        ("application/grpc-web+json", "application/grpc-web+json"),
+        (
+            "application/grpc-web; charset=utf-8",
+            "application/grpc-web+proto",
+        ),
+        // Not gRPC-Web, but gRPC all the same (`application/grpc*`).
+        ("application/grpc-webfoo", "application/grpc"),
     ] {
         let (parts, body) = send(ct).await;
         assert_eq!(parts.status, 200, "{ct}");

@@ -14,7 +14,9 @@
 //! back (an NTP step, a failover to a Redis replica whose clock is behind), from a policy whose
 //! period was cut under the same name, or from someone else's write; without this, a key would
 //! be locked out for as long as the TAT is ahead (for good, given a far-future value with no
-//! TTL). The cost is at most one fresh burst per key when it happens.
+//! TTL). The cost is one fresh burst per key each time it happens; while two policies of one
+//! name with different periods run side by side (a rolling deploy), each check of the longer
+//! one after a check of the shorter can get one.
 
 use std::fmt;
 use std::time::Duration;

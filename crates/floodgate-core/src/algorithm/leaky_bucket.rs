@@ -7,7 +7,10 @@
 //! The funnel is built from capacity and drain time rather than a rate because `1 / 1800` per
 //! second is awkward to write and to store. Its schedule is GCRA's with
 //! `max_burst = capacity - 1, count = capacity, period = drain`, so it admits exactly what that
-//! GCRA admits; the state is the water level and the time it was measured, as in the article.
+//! GCRA admits from any state the two can reach with a clock that does not step back (GCRA
+//! reads a state ahead of its tolerance as none; the funnel keeps a level measured in the
+//! future until then); the state is the water level and the time it was measured, as in the
+//! article.
 
 use std::time::Duration;
 
