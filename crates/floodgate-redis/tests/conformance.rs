@@ -431,3 +431,69 @@ fn conformance_cluster() {
         random_sequences(&redis, 48, false).await;
     });
 }
+
+/// GCRA with a clock that steps back and two policies of one name with different periods: the
+/// states either leaves ahead of the other's tolerance read as none on both backends alike,
+/// checked one by one (the check script) and in batches of plain checks (the batch script and
+/// the client's replay).
+#[test]
+fn gcra_states_ahead_of_the_tolerance_decide_alike() {
+    let server = server();
+    run(LIMIT, async {
+        let one_by_one = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        let policies = [
+            Policy::per_hour(6)
+                .and_then(|p| p.named("g"))
+                .expect("valid"),
+            Policy::per_minute(6)
+                .and_then(|p| p.named("g"))
+                .expect("valid"),
+            Policy::gcra(2, 1, Duration::from_secs(1)).expect("valid"),
+        ];
+        for seed in 0..8u64 {
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let memory = MemoryLimiter::new();
+            let keys: Vec<Vec<u8>> = (0..3)
+                .map(|k| format!("ahead-s{seed}-k{k}").into_bytes())
+                .collect();
+            let mut now = T0 + 10 * 3_600_000_000;
+            for i in 0..200 {
+                // Mostly forward, sometimes a step back (up to two hours).
+                if rng.u8(..10) == 0 {
+                    now -= rng.u64(0..7_200_000_000);
+                } else {
+                    now += rng.u64(0..20_000_000);
+                }
+                let opts = CheckOptions::at(Timestamp::from_micros(now));
+                // A round of plain checks (cost 1) issued at once, which batch together; or one
+                // check of any cost. (Checks of other forms in one batch are decided in no set
+                // order: concurrent checks have none.)
+                let plain = rng.bool();
+                let round: Vec<[Check<'_>; 1]> = (0..if plain { rng.usize(1..=4) } else { 1 })
+                    .map(|_| {
+                        let c =
+                            Check::new(&keys[rng.usize(..keys.len())], &policies[rng.usize(..3)]);
+                        [c.cost(if plain { 1 } else { rng.u64(0..=2) })]
+                    })
+                    .collect();
+                let got = tokio::task::unconstrained(futures_util::future::join_all(
+                    round.iter().map(|c| one_by_one.check(c, opts)),
+                ))
+                .await;
+                // The memory backend in the order the batch decides: the order of issue.
+                for (j, (c, got)) in round.iter().zip(got).enumerate() {
+                    let got = got.expect("redis decides");
+                    let want = memory.check_sync(c, opts).expect("memory decides");
+                    assert_eq!(
+                        got.decisions,
+                        want.decisions,
+                        "seed {seed}, event {i}, check {j} ({:?}, cost {}) at +{}us",
+                        c[0].policy.name(),
+                        c[0].cost,
+                        now.wrapping_sub(T0)
+                    );
+                }
+            }
+        }
+    });
+}

@@ -201,7 +201,11 @@ impl Algorithm for Gcra {
         if let Some(inc) = mul_span(self.emission, ctx.cost) {
             let new_tat = tat.saturating_add(inc);
             if new_tat <= now + self.tolerance {
-                state.tat = new_tat;
+                // A peek changes nothing, not even an expired state: the clock may step back
+                // before the next check (see `commit`).
+                if inc > 0 {
+                    state.tat = new_tat;
+                }
                 let ttl = new_tat - now;
                 let remaining = self.per_emission(self.tolerance - ttl);
                 return Outcome::new(true, self.limit, remaining, None, ttl);
@@ -351,6 +355,10 @@ mod tests {
             g.commit(&mut st, &peek);
             assert_eq!(st.tat, tat, "a peek changed the state");
         }
+        // Nor an expired one: the clock may step back before the next check.
+        let mut st = State { tat: now - 1 };
+        assert!(g.check(&mut st, &Ctx::new(now, 0)).decision.allowed);
+        assert_eq!(st.tat, now - 1, "a peek moved an expired state to now");
     }
 
     #[test]
