@@ -249,8 +249,11 @@ impl Kind {
         dispatch!(self, state, |a, s| a.decide(s, ctx))
     }
 
-    /// See [`Algorithm::commit`].
+    /// See [`Algorithm::commit`]. A peek (cost 0) changes nothing.
     pub fn commit(&self, state: &mut State, ctx: &Ctx) {
+        if ctx.cost == 0 {
+            return;
+        }
         let state = self.matching(state);
         dispatch!(self, state, |a, s| a.commit(s, ctx))
     }
@@ -263,8 +266,8 @@ impl Kind {
 
     /// See [`Algorithm::undo`]. A state of another algorithm is left alone (it holds nothing
     /// of this policy's).
-    pub fn undo(&self, state: &mut State, undo: &Undo) {
-        dispatch!(self, state, |a, s| a.undo(s, undo), _ => {})
+    pub fn undo(&self, state: &mut State, undo: &Undo) -> bool {
+        dispatch!(self, state, |a, s| a.undo(s, undo), _ => false)
     }
 
     /// [`Kind::check`] and, when allowed, [`Kind::expires_at`] of the new state, in one

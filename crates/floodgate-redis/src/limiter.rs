@@ -526,10 +526,12 @@ impl RedisLimiter {
             limiter: self,
             checks,
             parts: Vec::new(),
+            resets: vec![0; checks.len()],
             lease,
         };
         let mut wait = Duration::ZERO;
         let mut denied_at = None;
+        let mut first_time = None;
         for (n, part) in parts.iter().enumerate() {
             let sub: Vec<Check<'_>> = part.iter().map(|&i| checks[i]).collect();
             let result = self.run_group(self.encode_with(&sub, opts, lease)?).await;
@@ -540,8 +542,10 @@ impl RedisLimiter {
                     return Err(e);
                 }
             };
+            first_time.get_or_insert(now);
             for (&i, d) in part.iter().zip(&verdict.decisions) {
                 decisions[i] = Some(*d);
+                counted.resets[i] = u64::try_from(d.reset_after.as_micros()).unwrap_or(u64::MAX);
             }
             if verdict.allowed() {
                 wait = wait.max(verdict.wait);
@@ -552,7 +556,7 @@ impl RedisLimiter {
             }
         }
         // A check across slots is decided, and refunded, as of its first part's time.
-        let mut at = Timestamp::EPOCH;
+        let at = Timestamp::from_micros(first_time.unwrap_or(0));
         if let Some(n) = denied_at {
             let undone = counted.undo_now().await;
             // The parts given back, and the parts never reached, report what they would have
@@ -570,7 +574,6 @@ impl RedisLimiter {
         } else {
             let kept = counted.keep();
             if let Some(&(_, first)) = kept.first() {
-                at = Timestamp::from_micros(first);
                 // Each later part's reset times are moved to count from the first part's time
                 // (still whole milliseconds, rounded up), so that `at + reset_after` stays the
                 // instant each key is full again (what a refund gives back depends on it).
@@ -979,16 +982,24 @@ struct Counted<'a, 'c> {
     limiter: &'a RedisLimiter,
     checks: &'a [Check<'c>],
     parts: Vec<(&'a Vec<usize>, u64)>,
+    /// Each counted check's decision's `reset_after` (us): the window algorithms find the
+    /// window that counted it by it.
+    resets: Vec<u64>,
     lease: u64,
 }
 
 impl<'a> Counted<'a, '_> {
-    /// The undo call of a part counted at `now`: it gives back its checks' whole share as of
-    /// that time (no reset time limits it).
+    /// The undo call of a part counted at `now`: it gives back its checks' share as of that
+    /// time.
     fn call(&self, part: &[usize], now: u64) -> UndoCall {
-        let whole = |_: usize| floodgate_core::algorithm::MAX_SPAN_US;
+        let reset = |i: usize| {
+            self.resets
+                .get(i)
+                .copied()
+                .unwrap_or(floodgate_core::algorithm::MAX_SPAN_US)
+        };
         self.limiter
-            .undo_call(self.checks, part, now, Some(now), &whole, self.lease)
+            .undo_call(self.checks, part, now, Some(now), &reset, self.lease)
     }
 
     /// Gives back what the counted parts took, and returns those parts. Failures are logged:

@@ -174,8 +174,11 @@ impl Algorithm for Concurrency {
         }
     }
 
-    fn undo(&self, state: &mut State, undo: &Undo) {
+    fn undo(&self, state: &mut State, undo: &Undo) -> bool {
         state.leases.retain(|l| l.id != undo.lease);
+        // Only a set left empty goes (Redis deletes an empty sorted set); other leases stay
+        // until they expire, in both backends.
+        state.leases.is_empty()
     }
 
     fn expires_at(&self, state: &State) -> u64 {

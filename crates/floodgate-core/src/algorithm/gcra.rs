@@ -179,12 +179,13 @@ impl Algorithm for Gcra {
         }
     }
 
-    fn undo(&self, state: &mut State, undo: &Undo) {
+    fn undo(&self, state: &mut State, undo: &Undo) -> bool {
         let share = self.emission.saturating_mul(undo.cost);
         state.tat = state
             .tat
             .saturating_sub(undo.outstanding(share))
             .max(undo.at);
+        true
     }
 
     fn expires_at(&self, state: &State) -> u64 {

@@ -103,12 +103,18 @@ impl Algorithm for LeakyBucket {
         state.at = state.at.max(ctx.now);
     }
 
-    fn undo(&self, state: &mut State, undo: &Undo) {
+    fn undo(&self, state: &mut State, undo: &Undo) -> bool {
         let share = self.unit.saturating_mul(undo.cost);
         state.level = state.level.saturating_sub(undo.outstanding(share));
+        true
     }
 
     fn expires_at(&self, state: &State) -> u64 {
+        // An empty funnel is fresh, even one measured from a time ahead of the clock (a
+        // refund can empty it then), as the Redis backend deletes it.
+        if state.level == 0 {
+            return 0;
+        }
         state.at.saturating_add(state.level)
     }
 }

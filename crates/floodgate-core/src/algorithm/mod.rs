@@ -123,23 +123,31 @@ pub trait Algorithm {
     /// The outcome of the request described by `ctx`, without changing anything.
     fn decide(&self, state: &Self::State, ctx: &Ctx) -> Outcome;
 
-    /// Applies the request described by `ctx`. Only called after `decide` allowed it.
+    /// Applies the request described by `ctx`. Only called after `decide` allowed it, and never
+    /// for a peek (cost 0): a peek changes no state, not even to drop what has expired, so that
+    /// the memory and Redis backends hold the same states whatever the clock does next (a clock
+    /// that steps back sees again what a peek would have dropped).
     fn commit(&self, state: &mut Self::State, ctx: &Ctx);
 
     /// Gives back what an allowed check took (`undo` says which check, and when), and
     /// `state` may have moved on since. When nothing else was counted in between, the state is
     /// as if the check had never been made. Otherwise, see
     /// [`Limiter::refund`](crate::Limiter::refund). A concurrency check's lease is released.
-    fn undo(&self, state: &mut Self::State, undo: &Undo);
+    ///
+    /// Returns whether the state was rewritten, so that a store drops it when it holds nothing
+    /// as of the refund (the Redis backend writes it with its new TTL, or deletes it). False
+    /// when the check's units were no longer there to give back (a window that has moved on, a
+    /// reservation with others queued behind it): the state stays as it was.
+    fn undo(&self, state: &mut Self::State, undo: &Undo) -> bool;
 
     /// The time from which `state` is indistinguishable from [`Algorithm::fresh`]: it may be
     /// dropped then without changing any future decision (the Redis TTL, the memory eviction).
     fn expires_at(&self, state: &Self::State) -> u64;
 
-    /// Decides and, when allowed, commits: one check of one policy.
+    /// Decides and, when allowed and not a peek, commits: one check of one policy.
     fn check(&self, state: &mut Self::State, ctx: &Ctx) -> Outcome {
         let out = self.decide(state, ctx);
-        if out.decision.allowed {
+        if out.decision.allowed && ctx.cost > 0 {
             self.commit(state, ctx);
         }
         out

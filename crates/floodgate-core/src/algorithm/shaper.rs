@@ -107,17 +107,18 @@ impl Algorithm for Shaper {
         state.tat = state.tat.max(ctx.now).saturating_add(inc);
     }
 
-    fn undo(&self, state: &mut State, undo: &Undo) {
+    fn undo(&self, state: &mut State, undo: &Undo) -> bool {
         // A reservation with others queued behind it is not given back: the state is one time,
         // and freeing a slot in the middle of the queue would promise it twice.
         if state.tat > undo.at.saturating_add(undo.reset_after) {
-            return;
+            return false;
         }
         let share = self.interval.saturating_mul(undo.cost);
         state.tat = state
             .tat
             .saturating_sub(undo.outstanding(share))
             .max(undo.at);
+        true
     }
 
     fn expires_at(&self, state: &State) -> u64 {

@@ -30,7 +30,8 @@ pub struct Entry {
     pub cost: u64,
 }
 
-/// The log, oldest first. It may hold entries that have already left the window.
+/// The log, oldest first (by time, not by order of issue: a clock that steps back logs an
+/// entry before later ones). It may hold entries that have already left the window.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct State {
     /// Admitted requests, oldest first.
@@ -136,16 +137,22 @@ impl Algorithm for SlidingLog {
         if ctx.cost == 0 {
             return;
         }
-        match state.entries.back_mut() {
-            Some(last) if last.at == ctx.now => last.cost += ctx.cost,
-            _ => state.entries.push_back(Entry {
-                at: ctx.now,
-                cost: ctx.cost,
-            }),
+        // In time order, which is the order of issue unless the clock stepped back: the oldest
+        // entries leave the window first (as the Redis backend's sorted set has them).
+        let i = state.entries.partition_point(|e| e.at < ctx.now);
+        match state.entries.get_mut(i) {
+            Some(e) if e.at == ctx.now => e.cost += ctx.cost,
+            _ => state.entries.insert(
+                i,
+                Entry {
+                    at: ctx.now,
+                    cost: ctx.cost,
+                },
+            ),
         }
     }
 
-    fn undo(&self, state: &mut State, undo: &Undo) {
+    fn undo(&self, state: &mut State, undo: &Undo) -> bool {
         // The check's entry: the last one admitted at its time (checks admitted in the same
         // microsecond share one entry).
         if let Some(i) = state.entries.iter().rposition(|e| e.at == undo.at) {
@@ -155,6 +162,9 @@ impl Algorithm for SlidingLog {
                 state.entries.remove(i);
             }
         }
+        // Only a log left empty goes (Redis deletes an empty sorted set); other entries stay
+        // until they leave the window, in both backends.
+        state.entries.is_empty()
     }
 
     fn expires_at(&self, state: &State) -> u64 {

@@ -147,16 +147,22 @@ impl Algorithm for SlidingWindow {
         };
     }
 
-    fn undo(&self, state: &mut State, undo: &Undo) {
-        // The check was counted in the window holding its time: the current one, or the
+    fn undo(&self, state: &mut State, undo: &Undo) -> bool {
+        // The check was counted in the window its decision's reset time names (that window's
+        // end plus one window, rounded up to a whole millisecond): the one holding its time,
+        // or a later one when the clock had stepped back. It is the current window, or the
         // previous one if the state has moved on by one window since.
         let w = self.window_us();
-        let start = undo.at - undo.at % w;
+        let named = undo.at.saturating_add(undo.reset_after);
+        let start = (named - named % w).saturating_sub(2 * w);
         if state.start == start {
             state.curr = state.curr.saturating_sub(undo.cost);
         } else if state.start == start.saturating_add(w) {
             state.prev = state.prev.saturating_sub(undo.cost);
+        } else {
+            return false;
         }
+        true
     }
 
     fn expires_at(&self, state: &State) -> u64 {

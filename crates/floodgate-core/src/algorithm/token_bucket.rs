@@ -188,8 +188,9 @@ impl Algorithm for TokenBucket {
         state.last = last;
     }
 
-    fn undo(&self, state: &mut State, undo: &Undo) {
+    fn undo(&self, state: &mut State, undo: &Undo) -> bool {
         state.tokens = state.tokens.saturating_add(undo.cost).min(self.capacity);
+        true
     }
 
     fn expires_at(&self, state: &State) -> u64 {

@@ -483,10 +483,13 @@ impl<C: Clock> MemoryLimiter<C> {
                 Some(slot) => match &mut slot.value {
                     State::Concurrency(st) => {
                         let answer = f(conc, st);
-                        slot.set_expires_at(c.policy.kind().expires_at(&slot.value));
+                        // Exact, not the slot's whole seconds: a state that holds nothing
+                        // as of now is dropped, as the Redis backend deletes its key.
+                        let expires_at = c.policy.kind().expires_at(&slot.value);
+                        slot.set_expires_at(expires_at);
                         let at = slot.expires_at();
                         shard.note_expiry(at);
-                        (answer, at <= now)
+                        (answer, expires_at <= now)
                     }
                     _ => (false, false),
                 },
@@ -504,7 +507,7 @@ impl<C: Clock> MemoryLimiter<C> {
     ///
     /// Errors: [`MemoryError::InvalidCheck`] when `checks` are not as many as the verdict's
     /// decisions, or the verdict's time is past the year 3100; nothing is given back then. A
-    /// verdict from later than now counts as made now.
+    /// refund from before its verdict's time counts as made then.
     pub fn refund_sync(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
         self.refund_at(checks, verdict, self.inner.clock.now())
     }
@@ -527,10 +530,11 @@ impl<C: Clock> MemoryLimiter<C> {
                 verdict.decisions.len()
             )));
         }
-        let now = checked_now(now.as_micros())?;
-        // A verdict from later than now (another clock, a step back) counts as made now, as
-        // in the Redis backend.
-        let at = checked_now(verdict.at.as_micros())?.min(now);
+        // A refund from before its verdict (another clock, a step back) counts as made at the
+        // verdict's time, as in the Redis backend: the check's units come back as they were
+        // taken, and a state that holds nothing by then is dropped.
+        let at = checked_now(verdict.at.as_micros())?;
+        let now = checked_now(now.as_micros())?.max(at);
         let lease = verdict.lease.map_or(0, |l| l.0);
         let map = &self.inner.map;
         for (c, d) in checks.iter().zip(&verdict.decisions) {
@@ -549,9 +553,13 @@ impl<C: Clock> MemoryLimiter<C> {
                     let empty = shard
                         .find_mut(hash, c.policy.ident(), c.key)
                         .is_some_and(|slot| {
-                            kind.undo(&mut slot.value, &undo);
-                            slot.set_expires_at(kind.expires_at(&slot.value));
-                            slot.expires_at() <= now
+                            if !kind.undo(&mut slot.value, &undo) {
+                                return false;
+                            }
+                            // Exact, not the slot's whole seconds (see `each_lease`).
+                            let expires_at = kind.expires_at(&slot.value);
+                            slot.set_expires_at(expires_at);
+                            expires_at <= now
                         });
                     if empty {
                         shard.remove(hash, c.policy.ident(), c.key);

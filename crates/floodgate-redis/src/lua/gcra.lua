@@ -103,6 +103,6 @@ ALG.gcra = {
   -- only the part of its own share that has not drained by itself comes back.
   undo = function(idx, key, p, now, cost, _, st, u)
     st.tat = math.max(now, st.tat - outstanding(p[1] * cost, now, u))
-    ALG.gcra.save(key, st, p, now)
+    ALG.gcra.save(key, st, p, u.now)
   end,
 }

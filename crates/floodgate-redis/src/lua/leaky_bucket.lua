@@ -37,6 +37,6 @@ ALG.lb = {
 
   undo = function(idx, key, p, now, cost, _, st, u)
     st.level = math.max(0, st.level - outstanding(p[1] * cost, now, u))
-    ALG.lb.save(key, st, p, math.max(now, st.at))
+    ALG.lb.save(key, st, p, math.max(u.now, st.at))
   end,
 }

@@ -51,8 +51,8 @@ ALG.tb = {
     expire(key, expires_at, now)
   end,
 
-  undo = function(idx, key, p, now, cost, _, st)
+  undo = function(idx, key, p, now, cost, _, st, u)
     st.tokens = math.min(p[1], st.tokens + cost)
-    ALG.tb.save(key, st, p, now)
+    ALG.tb.save(key, st, p, u.now)
   end,
 }

@@ -48,7 +48,9 @@ for i, key in ipairs(KEYS) do
     u = { now = math.max(refund_now, now), reset = reset },
   }
 end
--- Each algorithm's undo starts from the state its load read (and checked) above.
+-- Each algorithm's undo starts from the state its load read (and checked) above, and writes
+-- it as of the refund's time (`u.now`): a state that holds nothing by then is deleted, as the
+-- memory backend drops it, so a clock that steps back finds neither.
 for i, key in ipairs(KEYS) do
   local u = undos[i]
   u.alg.undo(i - 1, key, u.p, now, u.cost, lease, u.st, u.u)
