@@ -558,10 +558,10 @@ fn renewing_a_lease_extends_it_and_never_revives_it() {
     assert!(!limiter.renew_at(&checks, lease, ms(2_000)), "released");
 }
 
-/// A GCRA state later than any check could leave reads as no state: after the clock stepped
-/// back, or under a policy whose period was cut (same name), a key is not locked out for
-/// longer than its policy allows. Short keys (the compact table) and long ones, checked alone
-/// or beside another policy, alike.
+/// A GCRA state more than twice the tolerance ahead reads as no state: after the clock stepped
+/// back, or under a policy whose period was cut (same name), a key is not locked out for more
+/// than twice what its policy allows; a smaller step back grants no burst. Short keys (the
+/// compact table) and long ones, checked alone or beside another policy, alike.
 #[test]
 fn a_gcra_state_ahead_of_what_its_policy_allows_reads_as_none() {
     let hourly = Policy::per_hour(2)
@@ -590,9 +590,20 @@ fn a_gcra_state_ahead_of_what_its_policy_allows_reads_as_none() {
             };
             let case = format!("a {}-byte key, beside a window: {beside}", key.len());
 
-            // The clock steps back an hour: the tat, an hour ahead of the check, is two.
+            // The clock steps back a second: the tat, a tolerance (an hour) and a second ahead,
+            // counts as it stands, so the step grants no burst.
             spend();
-            clock.set(Timestamp::from_millis(1_700_000_000_000 - 3_600_000));
+            clock.set(Timestamp::from_millis(1_700_000_000_000 - 1_000));
+            let v = check(&hourly);
+            assert!(!v.allowed(), "{case}, stepped back a second: {v:?}");
+            assert_eq!(
+                v.decisions[0].retry_after,
+                Some(Duration::from_millis(1_801_000)),
+                "{case}"
+            );
+
+            // Two hours back: the tat, three hours ahead, is more than twice the tolerance.
+            clock.set(Timestamp::from_millis(1_700_000_000_000 - 7_200_000));
             let v = check(&hourly);
             assert!(v.allowed(), "{case}, stepped back: {v:?}");
             assert_eq!(v.decisions[0].remaining, 1, "read as fresh");

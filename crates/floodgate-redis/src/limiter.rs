@@ -526,7 +526,6 @@ impl RedisLimiter {
             limiter: self,
             checks,
             parts: Vec::new(),
-            resets: vec![0; checks.len()],
             lease,
         };
         let mut wait = Duration::ZERO;
@@ -545,7 +544,6 @@ impl RedisLimiter {
             first_time.get_or_insert(now);
             for (&i, d) in part.iter().zip(&verdict.decisions) {
                 decisions[i] = Some(*d);
-                counted.resets[i] = u64::try_from(d.reset_after.as_micros()).unwrap_or(u64::MAX);
             }
             if verdict.allowed() {
                 wait = wait.max(verdict.wait);
@@ -982,24 +980,16 @@ struct Counted<'a, 'c> {
     limiter: &'a RedisLimiter,
     checks: &'a [Check<'c>],
     parts: Vec<(&'a Vec<usize>, u64)>,
-    /// Each counted check's decision's `reset_after` (us): the window algorithms find the
-    /// window that counted it by it.
-    resets: Vec<u64>,
     lease: u64,
 }
 
 impl<'a> Counted<'a, '_> {
-    /// The undo call of a part counted at `now`: it gives back its checks' share as of that
-    /// time.
+    /// The undo call of a part counted at `now`: it gives back its checks' whole share as of
+    /// that time (no reset time limits it).
     fn call(&self, part: &[usize], now: u64) -> UndoCall {
-        let reset = |i: usize| {
-            self.resets
-                .get(i)
-                .copied()
-                .unwrap_or(floodgate_core::algorithm::MAX_SPAN_US)
-        };
+        let whole = |_: usize| floodgate_core::algorithm::MAX_SPAN_US;
         self.limiter
-            .undo_call(self.checks, part, now, Some(now), &reset, self.lease)
+            .undo_call(self.checks, part, now, Some(now), &whole, self.lease)
     }
 
     /// Gives back what the counted parts took, and returns those parts. Failures are logged:

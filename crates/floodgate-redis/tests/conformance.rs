@@ -491,7 +491,7 @@ fn conformance_cluster() {
 }
 
 /// GCRA with a clock that steps back and two policies of one name with different periods: the
-/// states either leaves ahead of the other's tolerance read as none on both backends alike,
+/// states either leaves far ahead of the other's tolerance read as none on both backends alike,
 /// checked one by one (the check script) and in batches of plain checks (the batch script and
 /// the client's replay).
 #[test]

@@ -154,20 +154,19 @@ impl Algorithm for FixedWindow {
     }
 
     fn undo(&self, state: &mut State, undo: &Undo) -> bool {
-        // Only the window that counted the check gives units back: the one whose end its
-        // decision's reset time names (rounded up to a whole millisecond), whatever the clock
-        // did since. A later window never saw them; one that started after the check's time
-        // counted it when the clock had stepped back.
-        let end = match self.window {
-            Window::Rolling(len) => state.start.saturating_add(len),
-            Window::Calendar(cal) => cal.bounds(state.start).1,
+        // Only the window that counted the check gives units back: a later window never saw
+        // them. (Nor does one that started after the check's time, which counted it while the
+        // clock was behind: its units stay counted until it ends, in both backends.)
+        let counted = State {
+            start: state.start,
+            count: state.count.max(1),
         };
-        let named = undo.at.saturating_add(undo.reset_after);
-        if state.count == 0 || end > named || named - end >= 1_000 {
-            return false;
+        let (start, _, _) = self.current(&counted, undo.at);
+        if state.count > 0 && state.start == start && state.start <= undo.at {
+            state.count = state.count.saturating_sub(undo.cost);
+            return true;
         }
-        state.count = state.count.saturating_sub(undo.cost);
-        true
+        false
     }
 
     fn expires_at(&self, state: &State) -> u64 {

@@ -9,14 +9,16 @@
 //! absent when allowed and when the quantity exceeds the limit (it can never fit); a quantity of
 //! 0 peeks. The emission interval is truncated to whole microseconds (redis-cell: nanoseconds).
 //!
-//! One state differs: a TAT later than `now + tolerance`, which no check can leave behind, reads
-//! as no state (redis-cell denies until it drains). Such a TAT comes from a clock that stepped
-//! back (an NTP step, a failover to a Redis replica whose clock is behind), from a policy whose
-//! period was cut under the same name, or from someone else's write; without this, a key would
-//! be locked out for as long as the TAT is ahead (for good, given a far-future value with no
-//! TTL). The cost is one fresh burst per key each time it happens; while two policies of one
-//! name with different periods run side by side (a rolling deploy), each check of the longer
-//! one after a check of the shorter can get one.
+//! One state differs: a TAT more than twice the tolerance ahead of `now` reads as no state
+//! (redis-cell denies until it drains). No check leaves a TAT later than `now + tolerance`;
+//! one comes from a clock that stepped back (an NTP step, a failover to a Redis replica whose
+//! clock is behind), from a policy whose period was cut under the same name, or from someone
+//! else's write. Up to twice the tolerance ahead it counts as it stands, so a step back shorter
+//! than the tolerance never grants a burst; further ahead, a key would be locked out for as
+//! long as the TAT is ahead (for good, given a far-future value with no TTL). The cost is one
+//! fresh burst per key each time a step back longer than the tolerance meets it; while two
+//! policies of one name with periods more than twice apart run side by side (a rolling
+//! deploy), each check of the longer one after a check of the shorter can get one.
 
 use std::fmt;
 use std::time::Duration;
@@ -116,17 +118,27 @@ impl Gcra {
     }
 
     /// Where a check at `now` starts the schedule: the stored `tat`, or `now` once it has
-    /// passed. A `tat` later than `now + tolerance` is one no check could have left (the
-    /// store's clock stepped back, the policy's burst was cut under the same name, someone
-    /// else wrote the value): it reads as no state, so a key is never locked out for longer
-    /// than its policy allows, and the next allowed check writes a state that is.
+    /// passed. No check leaves a `tat` later than `now + tolerance`; one comes from a store
+    /// whose clock stepped back, a policy whose burst was cut under the same name, or someone
+    /// else's write. Up to twice the tolerance ahead it counts as it stands, so a step back
+    /// shorter than the tolerance never grants a burst (one SMS per 30 minutes stays one
+    /// across a failover to a server whose clock is a second behind); further ahead it reads
+    /// as no state, so a key is never locked out for more than twice what its policy allows,
+    /// and the next allowed check writes a state that is.
     #[inline]
     fn start(&self, tat: u64, now: u64) -> u64 {
-        if tat > now.saturating_add(self.tolerance) {
+        if tat.saturating_sub(now) > self.ahead_limit() {
             now
         } else {
             tat.max(now)
         }
+    }
+
+    /// How far ahead of the clock a `tat` may be and still count (see `start`).
+    #[inline]
+    fn ahead_limit(&self) -> u64 {
+        // The tolerance is at most MAX_SPAN_US (2^51): no overflow.
+        2 * self.tolerance
     }
 
     /// The emission interval `T` in microseconds.
@@ -313,8 +325,9 @@ mod tests {
         assert_eq!(run(&g, &mut st, 2000, 1), (false, 16, 0, None, 32000));
     }
 
-    /// A TAT up to `now + tolerance` is one a check may leave, and decides as it stands; a
-    /// later one (a clock stepped back, a cut period, a foreign write) reads as no state, in
+    /// A TAT up to `now + tolerance` is one a check may leave, and decides as it stands, as
+    /// does one up to twice the tolerance ahead (a clock stepped back a little); a later one (a
+    /// clock stepped back further, a cut period, a foreign write) reads as no state, in
     /// `decide`, `check` and `commit` alike.
     #[test]
     fn a_tat_no_check_could_leave_reads_as_no_state() {
@@ -332,8 +345,17 @@ mod tests {
         let mut st = full;
         assert!(!g.check(&mut st, &ctx).decision.allowed);
         assert_eq!(st, full, "a denial leaves the state as it was");
+        // Ahead of what a check leaves, by up to the tolerance again (a clock stepped back a
+        // little): it counts as it stands, the wait included.
+        for (tat, retry_ms) in [(now + tolerance + 1, 1001), (now + 2 * tolerance, 6000)] {
+            let mut st = State { tat };
+            let d = g.check(&mut st, &ctx).decision;
+            assert!(!d.allowed, "{tat}");
+            assert_eq!(d.retry_after_ms(), Some(retry_ms), "{tat}");
+            assert_eq!(st.tat, tat);
+        }
         for tat in [
-            now + tolerance + 1,
+            now + 2 * tolerance + 1,
             now + 3_600 * S,
             (1 << 53) - 1,
             u64::MAX,

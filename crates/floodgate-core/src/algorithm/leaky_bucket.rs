@@ -7,10 +7,11 @@
 //! The funnel is built from capacity and drain time rather than a rate because `1 / 1800` per
 //! second is awkward to write and to store. Its schedule is GCRA's with
 //! `max_burst = capacity - 1, count = capacity, period = drain`, so it admits exactly what that
-//! GCRA admits from any state the two can reach with a clock that does not step back (GCRA
-//! reads a state ahead of its tolerance as none; the funnel keeps a level measured in the
-//! future until then); the state is the water level and the time it was measured, as in the
-//! article.
+//! GCRA admits, also when the clock steps back (a state measured ahead of the clock drains
+//! from `at + level`, GCRA's tat, and one that would take more than twice a full funnel's
+//! drain time reads as empty, as GCRA reads a tat that far ahead; a level above full measured
+//! in the past, poured under a larger capacity, keeps the key denied until it drains
+//! instead); the state is the water level and the time it was measured, as in the article.
 
 use std::time::Duration;
 
@@ -72,8 +73,17 @@ impl LeakyBucket {
         self.drained(state, now) as f64 / self.unit as f64
     }
 
+    /// The water at `now`, as the time it takes to drain: the funnel is empty at `at + level`
+    /// (GCRA's tat). A state measured ahead of the clock (it stepped back) holds its water
+    /// until then, unless it would take more than twice a full funnel's drain time: it reads
+    /// as empty then, as GCRA reads a tat that far ahead.
     fn drained(&self, state: &State, now: u64) -> u64 {
-        state.level.saturating_sub(now.saturating_sub(state.at))
+        let empty_at = state.at.saturating_add(state.level);
+        // `full` is at most MAX_SPAN_US (2^51): no overflow.
+        if state.at > now && empty_at - now > 2 * self.full {
+            return 0;
+        }
+        empty_at.saturating_sub(now)
     }
 }
 
@@ -100,7 +110,7 @@ impl Algorithm for LeakyBucket {
     fn commit(&self, state: &mut State, ctx: &Ctx) {
         let level = self.drained(state, ctx.now);
         state.level = level.saturating_add(self.unit.saturating_mul(ctx.cost));
-        state.at = state.at.max(ctx.now);
+        state.at = ctx.now;
     }
 
     fn undo(&self, state: &mut State, undo: &Undo) -> bool {
@@ -137,6 +147,57 @@ mod tests {
         assert_eq!(b.check(&mut st, &Ctx::new(t0, 0)).decision.remaining, 0);
     }
     use super::*;
+
+    #[test]
+    fn a_state_ahead_of_the_clock_drains_from_its_tat_or_reads_as_empty() {
+        let f = LeakyBucket::new(2, Duration::from_secs(2)).expect("valid");
+        let t0 = 1_700_000_000_000_000;
+        let s = 1_000_000;
+        // Half a second ahead, half a unit in: empty at t0 + 1s, one unit of room now (a
+        // second of water, where the old reading kept half a second and no drain).
+        let ahead = State {
+            level: s / 2,
+            at: t0 + s / 2,
+        };
+        let d = f.decide(&ahead, &Ctx::new(t0, 2)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(Duration::from_secs(1)));
+        let mut st = ahead;
+        let d = f.check(&mut st, &Ctx::new(t0, 1)).decision;
+        assert!(d.allowed);
+        assert_eq!(d.reset_after, Duration::from_secs(2));
+        // Measured from now: it drains from here on.
+        assert_eq!(
+            st,
+            State {
+                level: 2 * s,
+                at: t0
+            }
+        );
+        assert!(!f.check(&mut st, &Ctx::new(t0 + s / 2, 1)).decision.allowed);
+        assert!(f.check(&mut st, &Ctx::new(t0 + s, 1)).decision.allowed);
+        // Empty more than twice a full funnel's drain time from now: it reads as empty.
+        for at in [t0 + 3 * s + 1, t0 + 3_600 * s, u64::MAX / 2] {
+            let mut st = State { level: s, at };
+            let d = f.check(&mut st, &Ctx::new(t0, 2)).decision;
+            assert!(d.allowed, "{at}");
+            assert_eq!(
+                st,
+                State {
+                    level: 2 * s,
+                    at: t0
+                }
+            );
+        }
+        // At the bound, it still counts: a full funnel a drain time ahead waits it out.
+        let st = State {
+            level: s,
+            at: t0 + 3 * s,
+        };
+        let d = f.decide(&st, &Ctx::new(t0, 1)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(Duration::from_secs(3)));
+    }
 
     #[test]
     fn one_per_thirty_minutes() {

@@ -134,10 +134,12 @@ pub trait Algorithm {
     /// as if the check had never been made. Otherwise, see
     /// [`Limiter::refund`](crate::Limiter::refund). A concurrency check's lease is released.
     ///
-    /// Returns whether the state was rewritten, so that a store drops it when it holds nothing
-    /// as of the refund (the Redis backend writes it with its new TTL, or deletes it). False
-    /// when the check's units were no longer there to give back (a window that has moved on, a
-    /// reservation with others queued behind it): the state stays as it was.
+    /// Returns whether a store should take the state's expiry anew and drop it when it holds
+    /// nothing as of the refund, as the Redis backend rewrites the key with its new TTL or
+    /// deletes it. False when the check's units were no longer there to give back (a window
+    /// that has moved on, a reservation with others queued behind it), and for a log or a
+    /// lease set that still holds entries (Redis removes one member and keeps the set and its
+    /// TTL): the state keeps its expiry.
     fn undo(&self, state: &mut Self::State, undo: &Undo) -> bool;
 
     /// The time from which `state` is indistinguishable from [`Algorithm::fresh`]: it may be

@@ -5,8 +5,9 @@
 //! it, as Guava's `RateLimiter.acquire()` and nginx's `limit_req ... delay` do, provided the
 //! wait is no longer than the caller's `max_wait`; otherwise it is denied and reserves nothing.
 //! With `max_wait = 0` this is [`super::gcra::Gcra`] with `max_burst = burst - 1`, except on a
-//! state ahead of `now + tolerance`, which GCRA reads as none: a shaper's queue legitimately
-//! runs as far ahead as its callers' `max_wait`, so no bound tells such a state apart here.
+//! state more than twice the tolerance ahead of `now`, which GCRA reads as none: a shaper's
+//! queue legitimately runs as far ahead as its callers' `max_wait`, so no bound tells such a
+//! state apart here.
 
 use std::time::Duration;
 

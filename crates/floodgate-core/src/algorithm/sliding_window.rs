@@ -148,13 +148,12 @@ impl Algorithm for SlidingWindow {
     }
 
     fn undo(&self, state: &mut State, undo: &Undo) -> bool {
-        // The check was counted in the window its decision's reset time names (that window's
-        // end plus one window, rounded up to a whole millisecond): the one holding its time,
-        // or a later one when the clock had stepped back. It is the current window, or the
-        // previous one if the state has moved on by one window since.
+        // The check was counted in the window holding its time: the current one, or the
+        // previous one if the state has moved on by one window since. (A check counted in a
+        // later window, while the clock was behind, is not given back: its units stay counted
+        // until that window has passed, in both backends.)
         let w = self.window_us();
-        let named = undo.at.saturating_add(undo.reset_after);
-        let start = (named - named % w).saturating_sub(2 * w);
+        let start = undo.at - undo.at % w;
         if state.start == start {
             state.curr = state.curr.saturating_sub(undo.cost);
         } else if state.start == start.saturating_add(w) {

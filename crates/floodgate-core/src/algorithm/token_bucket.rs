@@ -136,8 +136,18 @@ impl TokenBucket {
         self.greedy
     }
 
-    /// Tokens and refill time at `now`.
+    /// Tokens and refill time at `now`. A state measured ahead of the clock (it stepped back)
+    /// refills from then, unless it would be full more than twice a whole refill from now:
+    /// it reads as a full bucket then, as GCRA reads a tat that far ahead.
     fn refill(&self, state: &State, now: u64) -> (u64, u64) {
+        if state.last > now {
+            let missing = self.capacity.saturating_sub(state.tokens);
+            let full_at = self.time_for(state.last, 0, missing);
+            // A whole refill is at most MAX_SPAN_US (2^51): no overflow.
+            if full_at - now > 2 * self.time_for(0, 0, self.capacity) {
+                return (self.capacity, now);
+            }
+        }
         if now <= state.last || state.tokens >= self.capacity {
             return (state.tokens.min(self.capacity), state.last.max(now));
         }
@@ -206,6 +216,48 @@ mod tests {
     use super::*;
 
     const T0: u64 = 1_700_000_000_000_000;
+
+    #[test]
+    fn a_state_ahead_of_the_clock_refills_from_then_or_reads_as_full() {
+        // 4 tokens, one per 250 ms: a bucket refills from empty in 1 s.
+        let b = TokenBucket::new(4, 4, Duration::from_secs(1)).expect("valid");
+        let s = 1_000_000;
+        // Empty, measured half a second ahead: full at T0 + 1.5s, the first token at T0 + 0.75s.
+        let ahead = State {
+            tokens: 0,
+            last: T0 + s / 2,
+        };
+        let d = b.decide(&ahead, &Ctx::new(T0, 1)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(Duration::from_millis(750)));
+        // Full more than twice a whole refill from now: it reads as full.
+        for last in [T0 + s + 1, T0 + 3_600 * s] {
+            let mut st = State { tokens: 0, last };
+            let d = b.check(&mut st, &Ctx::new(T0, 4)).decision;
+            assert!(d.allowed, "{last}");
+            assert_eq!(
+                st,
+                State {
+                    tokens: 0,
+                    last: T0
+                }
+            );
+        }
+        // At the bound, it still counts: empty, a whole refill ahead.
+        let st = State {
+            tokens: 0,
+            last: T0 + s,
+        };
+        let d = b.decide(&st, &Ctx::new(T0, 1)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(Duration::from_millis(1250)));
+        // Three tokens, an hour ahead: full one step after `last`, past the bound.
+        let st = State {
+            tokens: 3,
+            last: T0 + 3_600 * s,
+        };
+        assert!(b.decide(&st, &Ctx::new(T0, 4)).decision.allowed);
+    }
 
     #[test]
     fn greedy_refills_one_token_at_a_time() {

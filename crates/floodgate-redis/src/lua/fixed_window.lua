@@ -110,20 +110,9 @@ ALG.fw = {
   end,
 
   undo = function(idx, key, p, now, cost, _, st, u)
-    -- Only the window that counted the check gives back: the one whose end its decision's
-    -- reset time names (rounded up to a whole millisecond), as floodgate-core's undo.
-    if st.count == 0 then
-      return
-    end
-    local e
-    if p[2] == 0 then
-      e = st.start + p[3]
-    else
-      local _, b = calendar_bounds(st.start, p[2], p[3], p[4])
-      e = b
-    end
-    local named = now + u.reset
-    if e <= named and named - e < 1000 then
+    local s = fw_current({ start = st.start, count = math.max(st.count, 1) }, p, now)
+    -- Only the window that counted the check (one that started by its time) gives back.
+    if st.start == s and st.count > 0 and st.start <= now then
       st.count = math.max(0, st.count - cost)
       ALG.fw.save(key, st, p, u.now)
     end

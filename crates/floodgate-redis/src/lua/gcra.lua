@@ -6,11 +6,11 @@
 local gcra_seen, gcra_changed = {}, {}
 
 -- Where a check at `now` starts the schedule (as floodgate-core's `Gcra::start`): the stored
--- tat, or `now` once it has passed. A tat later than `now + tolerance` is one no check could
--- have left (the server's clock stepped back, the policy's burst was cut under the same name,
--- someone else wrote it): it reads as no state.
+-- tat, or `now` once it has passed. No check leaves a tat later than `now + tolerance` (one
+-- comes from a clock that stepped back, a burst cut under the same name, someone else's
+-- write): up to twice the tolerance ahead it counts as it stands, further it reads as none.
 local function gcra_start(tat, tolerance, now)
-  if tat > now + tolerance then
+  if tat - now > 2 * tolerance then
     return now
   end
   return math.max(tat, now)

@@ -1,8 +1,15 @@
 -- Leaky bucket as a meter (the funnel). State: hash {level, at}: microseconds of water at `at`.
 -- Params: unit (drain time of one unit), full (unit * capacity), capacity.
 
-local function lb_level(st, now)
-  return math.max(0, st.level - math.max(0, now - st.at))
+-- The water at `now` (floodgate-core's `drained`): empty at `at + level`; a state measured
+-- ahead of the clock that would take more than twice a full funnel (`full`) to drain reads as
+-- empty.
+local function lb_level(st, full, now)
+  local empty_at = st.at + st.level
+  if st.at > now and empty_at - now > 2 * full then
+    return 0
+  end
+  return math.max(0, empty_at - now)
 end
 
 ALG.lb = {
@@ -13,7 +20,7 @@ ALG.lb = {
 
   decide = function(st, p, now, cost)
     local unit, full, capacity = p[1], p[2], p[3]
-    local level = lb_level(st, now)
+    local level = lb_level(st, full, now)
     local pour = unit * cost
     local allowed, after, retry = false, level, nil
     if pour <= MAX_SPAN and level + pour <= full then
@@ -26,8 +33,8 @@ ALG.lb = {
   end,
 
   commit = function(st, p, now, cost)
-    st.level = lb_level(st, now) + p[1] * cost
-    st.at = math.max(st.at, now)
+    st.level = lb_level(st, p[2], now) + p[1] * cost
+    st.at = now
   end,
 
   save = function(key, st, p, now)

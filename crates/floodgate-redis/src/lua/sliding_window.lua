@@ -70,11 +70,8 @@ ALG.sw = {
   end,
 
   undo = function(idx, key, p, now, cost, _, st, u)
-    -- The window that counted the check: the one its decision's reset time names (that
-    -- window's end plus one window, rounded up to a whole millisecond), as floodgate-core's.
     local w = p[2] * 1000
-    local named = now + u.reset
-    local start = math.max(0, named - named % w - 2 * w)
+    local start = now - now % w
     if st.start == start then
       st.curr = math.max(0, st.curr - cost)
     elseif st.start == start + w then

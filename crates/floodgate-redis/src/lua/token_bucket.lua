@@ -1,8 +1,16 @@
 -- Token bucket. State: hash {tokens, last}: whole tokens as of the refill step at `last`.
 -- Params: capacity, tokens per refill step, microseconds per step.
 
+-- Tokens and refill time at `now` (floodgate-core's `refill`): a state measured ahead of the
+-- clock that would be full more than twice a whole refill from now reads as a full bucket.
 local function tb_refill(st, p, now)
   local capacity, per_step, step = p[1], p[2], p[3]
+  if st.last > now then
+    local full_at = st.last + ceil_div(math.max(0, capacity - st.tokens), per_step) * step
+    if full_at - now > 2 * ceil_div(capacity, per_step) * step then
+      return capacity, now
+    end
+  end
   if now <= st.last or st.tokens >= capacity then
     return math.min(st.tokens, capacity), math.max(st.last, now)
   end

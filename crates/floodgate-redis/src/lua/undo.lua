@@ -26,8 +26,8 @@ if refund_now == nil then
   fail('FLOODGATE_BADARG', 0, 'malformed undo time')
 end
 if #KEYS > 0 then
-  -- The undo happens later than the check: TTLs are measured from the check's time plus the
-  -- time since, so keep the slack that injected times get.
+  -- States are written as of the refund's time (`u.now`, never before the check's), which may
+  -- be an injected time ahead of the server's: keep the slack that injected times get.
   TTL_SLACK = 60000
 end
 -- Every check is parsed and every key read and checked (its algorithm's load) before any is
