@@ -89,6 +89,13 @@ impl FixedWindow {
             }
             Window::Calendar(cal) => {
                 let (start, end) = cal.bounds(now);
+                if state.count > 0 && state.start > start {
+                    // A window ahead of the clock (it stepped back over a boundary) stays the
+                    // one in force until it ends, as a rolling window does: counting the
+                    // earlier window afresh would hand out its limit again, and the later one's
+                    // once more when the clock is back in it.
+                    return (state.start, cal.bounds(state.start).1, state.count);
+                }
                 let count = if state.start == start { state.count } else { 0 };
                 (start, end, count)
             }
@@ -233,6 +240,52 @@ mod tests {
         let midnight = 1_709_251_200_000_000;
         assert!(fw.check(&mut st, &Ctx::new(midnight, 1)).decision.allowed);
         assert_eq!(fw.expires_at(&st), midnight + 86_400_000_000);
+    }
+
+    #[test]
+    fn a_calendar_window_ahead_of_the_clock_stays_in_force_until_it_ends() {
+        let cal = Calendar::new(1, CalendarUnit::Day).expect("valid");
+        let fw = FixedWindow::calendar(2, cal).expect("valid");
+        let midnight = 1_709_251_200_000_000;
+        let mut st = fw.fresh();
+        assert!(
+            fw.check(&mut st, &Ctx::new(midnight + 500_000, 2))
+                .decision
+                .allowed
+        );
+        // The clock steps back a second, over midnight: the later day is still the one in
+        // force, spent, until it ends (not the earlier day afresh).
+        let back = midnight - 500_000;
+        let d = fw.check(&mut st, &Ctx::new(back, 1)).decision;
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(Duration::from_millis(86_400_500)));
+        assert_eq!(
+            st,
+            State {
+                start: midnight,
+                count: 2
+            }
+        );
+        // A refund of a check made before the step gives back from that day only.
+        let undo = Undo {
+            at: midnight + 500_000,
+            now: back,
+            cost: 1,
+            lease: 0,
+            reset_after: 0,
+        };
+        assert!(fw.undo(&mut st, &undo));
+        assert!(fw.check(&mut st, &Ctx::new(back, 1)).decision.allowed);
+        assert_eq!(
+            st,
+            State {
+                start: midnight,
+                count: 2
+            }
+        );
+        // The next day starts afresh.
+        let next = midnight + 86_400_000_000;
+        assert!(fw.check(&mut st, &Ctx::new(next, 2)).decision.allowed);
     }
 
     #[test]

@@ -61,6 +61,11 @@ local function fw_current(st, p, now)
     return now, now + len, 0
   end
   local s, e = calendar_bounds(now, mode, p[3], p[4])
+  if st.count > 0 and st.start > s then
+    -- A window ahead of the clock (it stepped back) stays in force until it ends.
+    local _, e2 = calendar_bounds(st.start, mode, p[3], p[4])
+    return st.start, e2, st.count
+  end
   if st.start == s then
     return s, e, st.count
   end
