@@ -8,8 +8,8 @@
 
 use std::time::Duration;
 
-use floodgate_core::algorithm::Ctx;
 use floodgate_core::algorithm::fixed_window::Window;
+use floodgate_core::algorithm::{Ctx, Undo};
 use floodgate_core::{Calendar, CalendarUnit, Kind, Policy, State};
 use proptest::prelude::*;
 
@@ -226,18 +226,33 @@ proptest! {
         drain in ms(1, 10_000),
         evs in events(2_000_000, 3),
         backs in prop::collection::vec(prop_oneof![4 => Just(0u64), 1 => 0..6_000_000u64], 150),
+        refunds in prop::collection::vec(prop_oneof![3 => Just(0usize), 1 => 1..6usize], 150),
     ) {
         // Both read a state ahead of the clock the same way: it drains from the tat (the
         // funnel's `at + level`), and one more than twice the tolerance (a full funnel's drain
-        // time) ahead reads as none.
+        // time) ahead reads as none. A refund of an earlier allowed check (`k` checks back, as
+        // of now, or of the check's time when the clock is now behind it) takes the same off
+        // both.
         let f = Policy::funnel(cap, Duration::from_micros(drain)).expect("valid");
         let g = Policy::gcra(cap - 1, cap, Duration::from_micros(drain)).expect("valid");
         let (mut sf, mut sg) = (f.kind().fresh(), g.kind().fresh());
         let mut now = T0;
-        for (e, back) in evs.iter().zip(&backs) {
+        let mut allowed: Vec<(u64, u64, u64)> = Vec::new();
+        for ((e, back), k) in evs.iter().zip(&backs).zip(&refunds) {
             now = now - back + e.gap;
+            if *k > 0 && *k <= allowed.len() {
+                let (at, cost, reset_after) = allowed.remove(allowed.len() - k);
+                let undo = Undo { at, now: now.max(at), cost, lease: 0, reset_after };
+                f.kind().undo(&mut sf, &undo);
+                g.kind().undo(&mut sg, &undo);
+            }
             let ctx = Ctx::new(now, e.cost);
-            prop_assert_eq!(f.kind().check(&mut sf, &ctx), g.kind().check(&mut sg, &ctx));
+            let (a, b) = (f.kind().check(&mut sf, &ctx), g.kind().check(&mut sg, &ctx));
+            prop_assert_eq!(a, b);
+            if a.decision.allowed && e.cost > 0 {
+                let reset = u64::try_from(a.decision.reset_after.as_micros()).unwrap_or(u64::MAX);
+                allowed.push((now, e.cost, reset));
+            }
         }
     }
 

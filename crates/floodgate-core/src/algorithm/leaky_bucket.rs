@@ -7,11 +7,10 @@
 //! The funnel is built from capacity and drain time rather than a rate because `1 / 1800` per
 //! second is awkward to write and to store. Its schedule is GCRA's with
 //! `max_burst = capacity - 1, count = capacity, period = drain`, so it admits exactly what that
-//! GCRA admits, also when the clock steps back (a state measured ahead of the clock drains
-//! from `at + level`, GCRA's tat, and one that would take more than twice a full funnel's
-//! drain time reads as empty, as GCRA reads a tat that far ahead; a level above full measured
-//! in the past, poured under a larger capacity, keeps the key denied until it drains
-//! instead); the state is the water level and the time it was measured, as in the article.
+//! GCRA admits from any state, also when the clock steps back and with refunds: the funnel is
+//! empty at `at + level`, GCRA's tat, and water that would take more than twice a full
+//! funnel's drain time reads as none, as GCRA reads a tat that far ahead. The state is the
+//! water level and the time it was measured, as in the article.
 
 use std::time::Duration;
 
@@ -74,16 +73,16 @@ impl LeakyBucket {
     }
 
     /// The water at `now`, as the time it takes to drain: the funnel is empty at `at + level`
-    /// (GCRA's tat). A state measured ahead of the clock (it stepped back) holds its water
-    /// until then, unless it would take more than twice a full funnel's drain time: it reads
-    /// as empty then, as GCRA reads a tat that far ahead.
+    /// (GCRA's tat), also when that was measured ahead of the clock (it stepped back). Water
+    /// that would take more than twice a full funnel's drain time reads as none, as GCRA reads
+    /// a tat that far ahead.
     fn drained(&self, state: &State, now: u64) -> u64 {
-        let empty_at = state.at.saturating_add(state.level);
+        let left = state.at.saturating_add(state.level).saturating_sub(now);
         // `full` is at most MAX_SPAN_US (2^51): no overflow.
-        if state.at > now && empty_at - now > 2 * self.full {
+        if left > 2 * self.full {
             return 0;
         }
-        empty_at.saturating_sub(now)
+        left
     }
 }
 
@@ -114,8 +113,17 @@ impl Algorithm for LeakyBucket {
     }
 
     fn undo(&self, state: &mut State, undo: &Undo) -> bool {
+        // As GCRA's: the check's outstanding share comes off the end of the water (the tat),
+        // never before the check's time; measured from the earlier of `at` and that time, so a
+        // later check's water (made before a step back) stays.
         let share = self.unit.saturating_mul(undo.cost);
-        state.level = state.level.saturating_sub(undo.outstanding(share));
+        let tat = state
+            .at
+            .saturating_add(state.level)
+            .saturating_sub(undo.outstanding(share))
+            .max(undo.at);
+        state.at = state.at.min(undo.at);
+        state.level = tat - state.at;
         true
     }
 
@@ -134,17 +142,23 @@ mod tests {
 
     #[test]
     fn a_level_above_full_leaves_nothing() {
-        // Poured under a larger capacity (a policy changed under the same name).
+        // Poured under a larger capacity (a policy changed under the same name), up to twice
+        // this one's: denied until it drains. Further, it reads as none, as GCRA's tat.
         let b = LeakyBucket::new(2, Duration::from_secs(2)).expect("valid");
         let t0 = 1_700_000_000_000_000;
         let mut st = State {
-            level: 10 * b.unit_us(),
+            level: 4 * b.unit_us(),
             at: t0,
         };
         let d = b.check(&mut st, &Ctx::new(t0, 1)).decision;
         assert!(!d.allowed);
         assert_eq!(d.remaining, 0);
         assert_eq!(b.check(&mut st, &Ctx::new(t0, 0)).decision.remaining, 0);
+        let mut st = State {
+            level: 4 * b.unit_us() + 1,
+            at: t0,
+        };
+        assert!(b.check(&mut st, &Ctx::new(t0, 2)).decision.allowed);
     }
     use super::*;
 

@@ -164,7 +164,8 @@ impl TokenBucket {
 
     /// Microseconds from `now` until `need` more tokens than `tokens` have arrived.
     fn time_for(&self, last: u64, now: u64, need: u64) -> u64 {
-        (last + need.div_ceil(self.per_step) * self.step).saturating_sub(now)
+        last.saturating_add(need.div_ceil(self.per_step) * self.step)
+            .saturating_sub(now)
     }
 }
 
@@ -251,12 +252,11 @@ mod tests {
         let d = b.decide(&st, &Ctx::new(T0, 1)).decision;
         assert!(!d.allowed);
         assert_eq!(d.retry_after, Some(Duration::from_millis(1250)));
-        // Three tokens, an hour ahead: full one step after `last`, past the bound.
-        let st = State {
-            tokens: 3,
-            last: T0 + 3_600 * s,
-        };
-        assert!(b.decide(&st, &Ctx::new(T0, 4)).decision.allowed);
+        // Three tokens, an hour ahead (or as far as a u64 goes): past the bound.
+        for last in [T0 + 3_600 * s, u64::MAX] {
+            let st = State { tokens: 3, last };
+            assert!(b.decide(&st, &Ctx::new(T0, 4)).decision.allowed, "{last}");
+        }
     }
 
     #[test]

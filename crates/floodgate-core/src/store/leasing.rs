@@ -437,7 +437,10 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
     /// Refunds in the store: the units go back to the shared budget, whether the check took
     /// them from a local lease or from the store. A check answered from a local lease is
     /// refunded as of the local time it was answered, while the store counted its units with
-    /// the lease's: a window policy may then give nothing back (the sliding log never does).
+    /// the lease's: a window policy may then give nothing back (the sliding log never does),
+    /// or, for a lease granted in one window and spent after the next began, give back to the
+    /// next window, which never counted them (the refunded check's cost, and only for leases
+    /// that span a window's end).
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), L::Error> {
         self.inner.refund(checks, verdict).await
     }

@@ -62,9 +62,12 @@ local function fw_current(st, p, now)
   end
   local s, e = calendar_bounds(now, mode, p[3], p[4])
   if st.count > 0 and st.start > s then
-    -- A window ahead of the clock (it stepped back) stays in force until it ends.
-    local _, e2 = calendar_bounds(st.start, mode, p[3], p[4])
-    return st.start, e2, st.count
+    -- A window ahead of the clock (it stepped back) stays in force until it ends; a start that
+    -- is no boundary of this layout (written under another, same name) reads as fresh.
+    local s2, e2 = calendar_bounds(st.start, mode, p[3], p[4])
+    if s2 == st.start then
+      return st.start, e2, st.count
+    end
   end
   if st.start == s then
     return s, e, st.count

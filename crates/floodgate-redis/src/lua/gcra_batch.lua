@@ -57,7 +57,7 @@ end
 -- Locals: the loop below runs once per check, and globals cost a table lookup each.
 local call, floor, tonum = redis.call, math.floor, tonumber
 local reply = { now }
-local e1, until1, none1 = emission[1], now + tolerance[1], now + 2 * tolerance[1]
+local e1, until1, twice1 = emission[1], now + tolerance[1], 2 * tolerance[1]
 -- A written state's TTL is floor((t - base) / 1000) milliseconds (see ttl_base).
 local base = ttl_base(now)
 -- Numbers written, by value: keys checked fresh in one call share their new tat and TTL, and
@@ -93,7 +93,7 @@ for c = 1, nk, 256 do
         local e, upto = emission[p + 1], now + tolerance[p + 1]
         -- GCRA, as gcra_step: a tat more than twice the tolerance ahead reads as none, and a
         -- check is admitted when the new tat is within the tolerance.
-        if t > now + 2 * tolerance[p + 1] then
+        if t - now > 2 * tolerance[p + 1] then
           t = now
         end
         for _ = 1, (v - p) / np do
@@ -104,7 +104,7 @@ for c = 1, nk, 256 do
         end
       else
         -- The same step, once (keep the two identical).
-        if t > none1 then
+        if t - now > twice1 then
           t = now
         end
         local after = (t > now and t or now) + e1

@@ -1,15 +1,14 @@
 -- Leaky bucket as a meter (the funnel). State: hash {level, at}: microseconds of water at `at`.
 -- Params: unit (drain time of one unit), full (unit * capacity), capacity.
 
--- The water at `now` (floodgate-core's `drained`): empty at `at + level`; a state measured
--- ahead of the clock that would take more than twice a full funnel (`full`) to drain reads as
--- empty.
+-- The water at `now` (floodgate-core's `drained`): empty at `at + level`, GCRA's tat; water
+-- that would take more than twice a full funnel (`full`) to drain reads as none.
 local function lb_level(st, full, now)
-  local empty_at = st.at + st.level
-  if st.at > now and empty_at - now > 2 * full then
+  local left = math.max(0, st.at + st.level - now)
+  if left > 2 * full then
     return 0
   end
-  return math.max(0, empty_at - now)
+  return left
 end
 
 ALG.lb = {
@@ -43,7 +42,11 @@ ALG.lb = {
   end,
 
   undo = function(idx, key, p, now, cost, _, st, u)
-    st.level = math.max(0, st.level - outstanding(p[1] * cost, now, u))
+    -- As GCRA's (floodgate-core's undo): off the end of the water, never before the check's
+    -- time, measured from the earlier of `at` and that time.
+    local tat = math.max(st.at + st.level - outstanding(p[1] * cost, now, u), now)
+    st.at = math.min(st.at, now)
+    st.level = tat - st.at
     ALG.lb.save(key, st, p, math.max(u.now, st.at))
   end,
 }
