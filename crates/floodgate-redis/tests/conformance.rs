@@ -450,6 +450,30 @@ async fn late_refund_cases(redis: &RedisLimiter) {
     if let Err(e) = compare(redis, std::slice::from_ref(&funnel), &events, true).await {
         panic!("{}: {e}", funnel.name());
     }
+    // One name under two calendar layouts (a policy changed from hourly to daily): the hourly
+    // window's start, later than the day's and no day boundary, reads as another window's.
+    let layouts = [
+        Policy::calendar_window(1, 1, CalendarUnit::Hour).and_then(|p| p.named("shared")),
+        Policy::calendar_window(1, 1, CalendarUnit::Day).and_then(|p| p.named("shared")),
+    ]
+    .map(|p| p.expect("valid"));
+    let events = [
+        Event {
+            mask: 1,
+            ..step(0, 0, 1, 0)
+        },
+        Event {
+            mask: 2,
+            ..step(1, 0, 1, 0)
+        },
+        Event {
+            mask: 2,
+            ..step(1, 0, 1, 0)
+        },
+    ];
+    if let Err(e) = compare(redis, &layouts, &events, true).await {
+        panic!("one name, two calendar layouts: {e}");
+    }
 }
 
 #[test]

@@ -291,6 +291,24 @@ mod tests {
         // The next day starts afresh.
         let next = midnight + 86_400_000_000;
         assert!(fw.check(&mut st, &Ctx::new(next, 2)).decision.allowed);
+        // A later start that is no day boundary was written under another layout (the same
+        // name, hourly): it reads as fresh, as any other window's.
+        let mut st = State {
+            start: midnight + 3_600_000_000,
+            count: 2,
+        };
+        assert!(
+            fw.check(&mut st, &Ctx::new(midnight + 1, 2))
+                .decision
+                .allowed
+        );
+        assert_eq!(
+            st,
+            State {
+                start: midnight,
+                count: 2
+            }
+        );
     }
 
     #[test]
