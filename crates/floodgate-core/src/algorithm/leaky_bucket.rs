@@ -203,7 +203,7 @@ mod tests {
                 }
             );
         }
-        // At the bound, it still counts: a full funnel a drain time ahead waits it out.
+        // At the bound (empty twice a full drain time from now), it still counts: waited out.
         let st = State {
             level: s,
             at: t0 + 3 * s,
