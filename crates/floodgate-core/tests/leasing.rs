@@ -233,3 +233,92 @@ async fn a_flood_of_unique_keys_does_not_evict_a_leased_key() {
     );
     assert_eq!(after.wasted, 0, "{after:?}");
 }
+
+/// A check answered from a lease is refunded as of the time the store counted the lease: a
+/// lease taken in one window and spent after the next began gives nothing back to the next
+/// window, which never counted it; a sliding log gives back from the lease's entry.
+#[tokio::test]
+async fn a_local_answer_is_refunded_as_of_its_lease() {
+    use floodgate_core::algorithm::fixed_window;
+    use floodgate_core::{ManualClock, MemoryLimiter, State, Timestamp};
+    let t0 = 1_700_000_000_000_000;
+    let ms = 1_000;
+    // Hot after a few checks, `step` apart: returns the first answer from a lease.
+    async fn leased(
+        leasing: &Leasing<MemoryLimiter<ManualClock>, ManualClock>,
+        clock: &ManualClock,
+        check: &[Check<'_>],
+    ) -> floodgate_core::Verdict {
+        for _ in 0..64 {
+            clock.advance(Duration::from_micros(10));
+            let v = leasing
+                .check(check, CheckOptions::default())
+                .await
+                .expect("check");
+            if leasing.stats().local > 0 {
+                return v;
+            }
+        }
+        panic!("no lease: {:?}", leasing.stats());
+    }
+
+    // A fixed window of a second from the first check at t0; the lease comes at 0.9 s and
+    // lasts 250 ms, past the window's end.
+    let clock = ManualClock::new(Timestamp::from_micros(t0));
+    let memory = MemoryLimiter::builder().clock(clock.clone()).build();
+    let leasing = Leasing::with_config(memory.clone(), LeasingConfig::default(), clock.clone());
+    let window = Policy::fixed_window(2_000, Duration::from_secs(1)).expect("valid");
+    let check = [Check::new(b"hot", &window)];
+    memory
+        .check(&check, CheckOptions::default())
+        .await
+        .expect("check");
+    clock.set(Timestamp::from_micros(t0 + 900 * ms));
+    leased(&leasing, &clock, &check).await;
+    // The next window opens in the store (another replica's check), then this replica spends
+    // from its lease and refunds the check.
+    clock.set(Timestamp::from_micros(t0 + 1_000 * ms + 50));
+    memory
+        .check(&check, CheckOptions::default())
+        .await
+        .expect("check");
+    let opened = memory.state(b"hot", &window);
+    clock.advance(Duration::from_micros(50));
+    let local = leasing
+        .check(&check, CheckOptions::default())
+        .await
+        .expect("check");
+    assert!(local.allowed());
+    leasing.refund(&check, &local).await.expect("refund");
+    assert_eq!(
+        memory.state(b"hot", &window),
+        opened,
+        "the next window got units it never counted"
+    );
+    assert!(matches!(
+        opened,
+        Some(State::FixedWindow(fixed_window::State { count: 1, .. }))
+    ));
+
+    // A sliding log: the lease is one entry of its units; a local answer's refund takes its
+    // cost off that entry.
+    let clock = ManualClock::new(Timestamp::from_micros(t0));
+    let memory = MemoryLimiter::builder().clock(clock.clone()).build();
+    let leasing = Leasing::with_config(memory.clone(), LeasingConfig::default(), clock.clone());
+    let log = Policy::sliding_log(2_000, Duration::from_secs(1)).expect("valid");
+    let check = [Check::new(b"hot", &log)];
+    leased(&leasing, &clock, &check).await;
+    let units = |memory: &MemoryLimiter<ManualClock>| match memory.state(b"hot", &log) {
+        Some(State::SlidingLog(st)) => st.entries.iter().map(|e| e.cost).sum::<u64>(),
+        other => panic!("{other:?}"),
+    };
+    clock.advance(Duration::from_millis(10));
+    let local = leasing
+        .check(&check, CheckOptions::default())
+        .await
+        .expect("check");
+    assert_eq!(leasing.stats().leases, 1, "{:?}", leasing.stats());
+    let before = units(&memory);
+    leasing.refund(&check, &local).await.expect("refund");
+    assert_eq!(units(&memory), before - 1, "the refund gave nothing back");
+}

@@ -72,6 +72,9 @@ struct Local {
     /// clock, µs).
     decision: Decision,
     granted: u64,
+    /// When the store counted the lease (its verdict's `at`, the store's clock, µs): local
+    /// answers carry it, so a refund gives back from what the store counted then.
+    store_at: u64,
     /// Checks seen in the current counting period, and when that period started.
     seen: u32,
     period_start: u64,
@@ -225,6 +228,7 @@ impl<L, C: Clock> Leasing<L, C> {
                                 lease_no: 0,
                                 decision: Decision::from_micros(true, 0, 0, None, 0),
                                 granted: now,
+                                store_at: now,
                                 seen: 0,
                                 period_start: now,
                             },
@@ -260,6 +264,7 @@ impl<L, C: Clock> Leasing<L, C> {
         // (check, the lease its units came from)
         let mut taken: SmallVec<[(usize, u64); 2]> = SmallVec::new();
         let mut decisions = SmallVec::new();
+        let mut counted_at = u64::MAX;
         for (i, (c, &hash)) in checks.iter().zip(&located).enumerate() {
             let mut shard = map.lock(map.shard_of(hash));
             match shard.find_mut(hash, c.policy.ident(), c.key) {
@@ -275,6 +280,7 @@ impl<L, C: Clock> Leasing<L, C> {
                         ..local.decision
                     });
                     taken.push((i, local.lease_no));
+                    counted_at = counted_at.min(local.store_at);
                 }
                 _ => {
                     drop(shard);
@@ -283,11 +289,20 @@ impl<L, C: Clock> Leasing<L, C> {
                 }
             }
         }
+        // The time the store counted the units (the earliest lease's, when several): a refund
+        // then gives back from the window that counted them, never from a later one, and the
+        // reset times, aged for the headers, make a drain-based refund give back up to the
+        // lease's age less, never more.
+        let at = if counted_at == u64::MAX {
+            now
+        } else {
+            counted_at
+        };
         Ok(Verdict {
             decisions,
             wait: Duration::ZERO,
             lease: None,
-            at: Timestamp::from_micros(now),
+            at: Timestamp::from_micros(at),
         })
     }
 }
@@ -356,6 +371,7 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
                 local.lease_no = local.lease_no.wrapping_add(1);
                 local.decision = verdict.decisions[0];
                 local.granted = now;
+                local.store_at = verdict.at.as_micros();
                 slot.set_expires_at(expires_at);
             } else {
                 // Swept while the store answered (its counting period had run out): tracked
@@ -366,6 +382,7 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
                     lease_no: 1,
                     decision: verdict.decisions[0],
                     granted: now,
+                    store_at: verdict.at.as_micros(),
                     seen: 0,
                     period_start: now,
                 };
@@ -435,12 +452,12 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
     }
 
     /// Refunds in the store: the units go back to the shared budget, whether the check took
-    /// them from a local lease or from the store. A check answered from a local lease is
-    /// refunded as of the local time it was answered, while the store counted its units with
-    /// the lease's: a window policy may then give nothing back (the sliding log never does),
-    /// or, for a lease granted in one window and spent after the next began, give back to the
-    /// next window, which never counted them (the refunded check's cost, and only for leases
-    /// that span a window's end).
+    /// them from a local lease or from the store. A check answered from a local lease carries
+    /// the time the store counted the lease (`Verdict::at`; the earliest lease's when a check
+    /// spent several), and is refunded as of then: from the window that counted the lease
+    /// (nothing when the store's window has moved on since), from the lease's entry of a
+    /// sliding log, and for the drain-based algorithms up to the lease's age less than the
+    /// check's share (its reset time is aged for the headers), never more.
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), L::Error> {
         self.inner.refund(checks, verdict).await
     }
