@@ -95,7 +95,9 @@ pub struct Verdict {
     /// For concurrency policies: the lease to release when the work is done.
     pub lease: Option<LeaseId>,
     /// When the check was decided, by the store's clock (the Redis server's time for the
-    /// Redis backend). [`Limiter::refund`](crate::Limiter::refund) gives units back as of then.
+    /// Redis backend); for a check [`Leasing`](crate::Leasing) answered from a local lease,
+    /// when the store counted that lease (the earliest lease's, when the check spent several).
+    /// [`Limiter::refund`](crate::Limiter::refund) gives units back as of then.
     pub at: Timestamp,
 }
 

@@ -284,11 +284,17 @@ async fn a_local_answer_is_refunded_as_of_its_lease() {
         .expect("check");
     let opened = memory.state(b"hot", &window);
     clock.advance(Duration::from_micros(50));
+    let answered = leasing.stats().local;
     let local = leasing
         .check(&check, CheckOptions::default())
         .await
         .expect("check");
     assert!(local.allowed());
+    assert_eq!(
+        leasing.stats().local,
+        answered + 1,
+        "not answered from the lease"
+    );
     leasing.refund(&check, &local).await.expect("refund");
     assert_eq!(
         memory.state(b"hot", &window),
@@ -313,10 +319,16 @@ async fn a_local_answer_is_refunded_as_of_its_lease() {
         other => panic!("{other:?}"),
     };
     clock.advance(Duration::from_millis(10));
+    let answered = leasing.stats().local;
     let local = leasing
         .check(&check, CheckOptions::default())
         .await
         .expect("check");
+    assert_eq!(
+        leasing.stats().local,
+        answered + 1,
+        "not answered from the lease"
+    );
     assert_eq!(leasing.stats().leases, 1, "{:?}", leasing.stats());
     let before = units(&memory);
     leasing.refund(&check, &local).await.expect("refund");

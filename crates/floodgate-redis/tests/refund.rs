@@ -165,3 +165,39 @@ fn a_refund_of_a_corrupted_state_is_a_typed_error_and_writes_nothing() {
         assert_eq!(left.as_bytes(), Some(b"not-a-number".as_slice()));
     });
 }
+
+/// A refund of part of a log entry (a unit of a lease that `Leasing` spent locally) takes its
+/// cost off that entry, as the memory backend's merged entry does.
+#[test]
+fn a_partial_refund_of_a_log_entry_takes_its_cost_off() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        partial_log_refund(&redis, "redis").await;
+        partial_log_refund(&floodgate_core::MemoryLimiter::new(), "memory").await;
+    });
+}
+
+async fn partial_log_refund<L: Limiter>(store: &L, name: &str) {
+    let log = Policy::sliding_log(5, Duration::from_secs(60)).expect("valid");
+    let lease = [Check::new(b"leased", &log).cost(3)];
+    let unit = [Check::new(b"leased", &log)];
+    let two = [Check::new(b"leased", &log).cost(2)];
+    let peek = [Check::new(b"leased", &log).cost(0)];
+    let left = || async {
+        let v = store
+            .check(&peek, CheckOptions::default())
+            .await
+            .expect("peeks");
+        v.decisions[0].remaining
+    };
+    let v = store
+        .check(&lease, CheckOptions::default())
+        .await
+        .expect("checks");
+    assert_eq!(v.decisions[0].remaining, 2, "{name}");
+    store.refund(&unit, &v).await.expect("refunds");
+    assert_eq!(left().await, 3, "{name}: one unit back");
+    store.refund(&two, &v).await.expect("refunds");
+    assert_eq!(left().await, 5, "{name}: the rest back");
+}

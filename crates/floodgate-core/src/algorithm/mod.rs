@@ -58,7 +58,7 @@ impl Ctx {
 /// the refund.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Undo {
-    /// When the check was decided, microseconds since the epoch.
+    /// When the check was decided (its verdict's `at`), microseconds since the epoch.
     pub at: u64,
     /// When the refund happens (no earlier than `at`).
     pub now: u64,

@@ -454,10 +454,12 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
     /// Refunds in the store: the units go back to the shared budget, whether the check took
     /// them from a local lease or from the store. A check answered from a local lease carries
     /// the time the store counted the lease (`Verdict::at`; the earliest lease's when a check
-    /// spent several), and is refunded as of then: from the window that counted the lease
-    /// (nothing when the store's window has moved on since), from the lease's entry of a
-    /// sliding log, and for the drain-based algorithms up to the lease's age less than the
-    /// check's share (its reset time is aged for the headers), never more.
+    /// spent several), and is refunded as of then, never giving back more than it took: a
+    /// window gives back from the window that counted the lease (nothing when the store's
+    /// window has moved on since, nor for a check whose other lease was counted in a later
+    /// window); a sliding log takes the cost off the lease's entry; GCRA and the funnel give
+    /// back the check's share of what is left of the lease's water, less the lease's age (its
+    /// reset time is aged for the headers), so a lease older than its water gives nothing.
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), L::Error> {
         self.inner.refund(checks, verdict).await
     }

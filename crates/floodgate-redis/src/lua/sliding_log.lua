@@ -90,5 +90,23 @@ ALG.log = {
         return
       end
     end
+    -- No entry of that cost (part of a larger one: a unit of a lease that Leasing spent
+    -- locally): the cost comes off the entries of that time, the last first, as off
+    -- floodgate-core's one merged entry.
+    local left = cost
+    for i = #members, 1, -1 do
+      if left <= 0 then
+        return
+      end
+      local c, n = string.match(members[i], '^%d+:(%d+):(%d+)$')
+      c = tonumber(c or '')
+      if c then
+        redis.call('ZREM', key, members[i])
+        if c > left then
+          redis.call('ZADD', key, at, at .. ':' .. fmt(c - left) .. ':' .. n)
+        end
+        left = left - c
+      end
+    end
   end,
 }
