@@ -261,6 +261,23 @@ async fn a_local_answer_is_refunded_as_of_its_lease() {
         }
         panic!("no lease: {:?}", leasing.stats());
     }
+    // A check that must be answered from the lease.
+    async fn local(
+        leasing: &Leasing<MemoryLimiter<ManualClock>, ManualClock>,
+        check: &[Check<'_>],
+    ) -> floodgate_core::Verdict {
+        let answered = leasing.stats().local;
+        let v = leasing
+            .check(check, CheckOptions::default())
+            .await
+            .expect("check");
+        assert_eq!(
+            leasing.stats().local,
+            answered + 1,
+            "not answered from the lease"
+        );
+        v
+    }
 
     // A fixed window of a second from the first check at t0; the lease comes at 0.9 s and
     // lasts 250 ms, past the window's end.
@@ -284,18 +301,9 @@ async fn a_local_answer_is_refunded_as_of_its_lease() {
         .expect("check");
     let opened = memory.state(b"hot", &window);
     clock.advance(Duration::from_micros(50));
-    let answered = leasing.stats().local;
-    let local = leasing
-        .check(&check, CheckOptions::default())
-        .await
-        .expect("check");
-    assert!(local.allowed());
-    assert_eq!(
-        leasing.stats().local,
-        answered + 1,
-        "not answered from the lease"
-    );
-    leasing.refund(&check, &local).await.expect("refund");
+    let spent = local(&leasing, &check).await;
+    assert!(spent.allowed());
+    leasing.refund(&check, &spent).await.expect("refund");
     assert_eq!(
         memory.state(b"hot", &window),
         opened,
@@ -319,18 +327,9 @@ async fn a_local_answer_is_refunded_as_of_its_lease() {
         other => panic!("{other:?}"),
     };
     clock.advance(Duration::from_millis(10));
-    let answered = leasing.stats().local;
-    let local = leasing
-        .check(&check, CheckOptions::default())
-        .await
-        .expect("check");
-    assert_eq!(
-        leasing.stats().local,
-        answered + 1,
-        "not answered from the lease"
-    );
+    let spent = local(&leasing, &check).await;
     assert_eq!(leasing.stats().leases, 1, "{:?}", leasing.stats());
     let before = units(&memory);
-    leasing.refund(&check, &local).await.expect("refund");
+    leasing.refund(&check, &spent).await.expect("refund");
     assert_eq!(units(&memory), before - 1, "the refund gave nothing back");
 }

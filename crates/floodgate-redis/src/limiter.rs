@@ -571,7 +571,7 @@ impl RedisLimiter {
             wait = Duration::ZERO;
         } else {
             let kept = counted.keep();
-            if let Some(&(_, first)) = kept.first() {
+            if let Some(first) = first_time.filter(|_| !kept.is_empty()) {
                 // Each later part's reset times are moved to count from the first part's time
                 // (still whole milliseconds, rounded up), so that `at + reset_after` stays the
                 // instant each key is full again (what a refund gives back depends on it).

@@ -89,17 +89,17 @@ impl FixedWindow {
             }
             Window::Calendar(cal) => {
                 let (start, end) = cal.bounds(now);
-                if state.count > 0
-                    && state.start > start
-                    && cal.bounds(state.start).0 == state.start
-                {
+                if state.count > 0 && state.start > start {
                     // A window ahead of the clock (it stepped back over a boundary) stays the
                     // one in force until it ends, as a rolling window does: counting the
                     // earlier window afresh would hand out its limit again, and the later one's
                     // once more when the clock is back in it. (A start that is no boundary of
                     // this layout was written under another one, same name: it reads as
                     // fresh, as any other window's.)
-                    return (state.start, cal.bounds(state.start).1, state.count);
+                    let (held_start, held_end) = cal.bounds(state.start);
+                    if held_start == state.start {
+                        return (state.start, held_end, state.count);
+                    }
                 }
                 let count = if state.start == start { state.count } else { 0 };
                 (start, end, count)

@@ -128,11 +128,8 @@ impl Algorithm for LeakyBucket {
     }
 
     fn expires_at(&self, state: &State) -> u64 {
-        // An empty funnel is fresh, even one measured from a time ahead of the clock (a
-        // refund can empty it then), as the Redis backend deletes it.
-        if state.level == 0 {
-            return 0;
-        }
+        // GCRA's tat. A refund measures the water from no later than the check's time, so a
+        // funnel it empties expires by the refund's time and is dropped, as Redis deletes it.
         state.at.saturating_add(state.level)
     }
 }

@@ -80,6 +80,34 @@ struct Local {
     period_start: u64,
 }
 
+impl Local {
+    /// A key seen for the first time at `now`: no lease yet.
+    fn blank(now: u64) -> Self {
+        Local {
+            units: 0,
+            until: 0,
+            lease_no: 0,
+            decision: Decision::from_micros(true, 0, 0, None, 0),
+            granted: now,
+            store_at: now,
+            seen: 0,
+            period_start: now,
+        }
+    }
+
+    /// Replaces the lease by `n` units the store granted with `verdict`, good until `until`;
+    /// returns the units the replaced lease left unspent.
+    fn take(&mut self, n: u64, until: u64, verdict: &Verdict, now: u64) -> u64 {
+        let unspent = std::mem::replace(&mut self.units, n);
+        self.until = until;
+        self.lease_no = self.lease_no.wrapping_add(1);
+        self.decision = verdict.decisions[0];
+        self.granted = now;
+        self.store_at = verdict.at.as_micros();
+        unspent
+    }
+}
+
 struct Shared<C> {
     map: ShardedMap<Local>,
     clock: C,
@@ -222,16 +250,7 @@ impl<L, C: Clock> Leasing<L, C> {
                             hash,
                             ident: c.policy.ident(),
                             key: c.key,
-                            value: Local {
-                                units: 0,
-                                until: 0,
-                                lease_no: 0,
-                                decision: Decision::from_micros(true, 0, 0, None, 0),
-                                granted: now,
-                                store_at: now,
-                                seen: 0,
-                                period_start: now,
-                            },
+                            value: Local::blank(now),
                             expires_at: now + 2 * period,
                         },
                         now,
@@ -362,30 +381,16 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
             let expires_at = until + duration_micros(self.shared.cfg.lease_for);
             let mut shard = map.lock(map.shard_of(hash));
             if let Some(slot) = shard.find_mut(hash, c.policy.ident(), c.key) {
-                let local = &mut slot.value;
-                if local.units > 0 {
-                    self.shared.wasted.fetch_add(local.units, Ordering::Relaxed);
+                let unspent = slot.value.take(n, until, &verdict, now);
+                if unspent > 0 {
+                    self.shared.wasted.fetch_add(unspent, Ordering::Relaxed);
                 }
-                local.units = n;
-                local.until = until;
-                local.lease_no = local.lease_no.wrapping_add(1);
-                local.decision = verdict.decisions[0];
-                local.granted = now;
-                local.store_at = verdict.at.as_micros();
                 slot.set_expires_at(expires_at);
             } else {
                 // Swept while the store answered (its counting period had run out): tracked
                 // anew with its lease, or, with no room left, its units are wasted.
-                let value = Local {
-                    units: n,
-                    until,
-                    lease_no: 1,
-                    decision: verdict.decisions[0],
-                    granted: now,
-                    store_at: verdict.at.as_micros(),
-                    seen: 0,
-                    period_start: now,
-                };
+                let mut value = Local::blank(now);
+                value.take(n, until, &verdict, now);
                 let slot = NewSlot {
                     hash,
                     ident: c.policy.ident(),

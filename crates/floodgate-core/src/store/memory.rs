@@ -396,6 +396,10 @@ impl<C: Clock> MemoryLimiter<C> {
             }
         }
         for (c, &(loc, shard)) in checks.iter().zip(&located) {
+            if c.cost == 0 {
+                // A peek changes no state (as check.lua commits only what costs something).
+                continue;
+            }
             let ctx = Ctx {
                 cost: c.cost,
                 ..base

@@ -20,13 +20,15 @@ local np = tonumber(ARGV[2])
 if now == nil or np == nil or np < 1 or np ~= math.floor(np) then
   malformed('header')
 end
-local emission, tolerance = {}, {}
+-- Per policy: the emission interval, the latest tat a check may leave (`now + tolerance`),
+-- and how far ahead a tat may be and still count (twice the tolerance).
+local emission, upto, twice = {}, {}, {}
 for i = 1, np do
   local e, t = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
   if e == nil or t == nil or e < 1 or e > MAX_SPAN or t < e or t > MAX_SPAN then
     malformed('policy ' .. i)
   end
-  emission[i], tolerance[i] = e, t
+  emission[i], upto[i], twice[i] = e, now + t, 2 * t
 end
 local nk = #KEYS
 local first = 2 + 2 * np
@@ -57,7 +59,7 @@ end
 -- Locals: the loop below runs once per check, and globals cost a table lookup each.
 local call, floor, tonum = redis.call, math.floor, tonumber
 local reply = { now }
-local e1, until1, twice1 = emission[1], now + tolerance[1], 2 * tolerance[1]
+local e1, until1, twice1 = emission[1], upto[1], twice[1]
 -- A written state's TTL is floor((t - base) / 1000) milliseconds (see ttl_base).
 local base = ttl_base(now)
 -- Numbers written, by value: keys checked fresh in one call share their new tat and TTL, and
@@ -90,15 +92,15 @@ for c = 1, nk, 256 do
       if per_key then
         local v = tonum(ARGV[first + i])
         local p = v % np
-        local e, upto = emission[p + 1], now + tolerance[p + 1]
+        local e, last = emission[p + 1], upto[p + 1]
         -- GCRA, as gcra_step: a tat more than twice the tolerance ahead reads as none, and a
         -- check is admitted when the new tat is within the tolerance.
-        if t - now > 2 * tolerance[p + 1] then
+        if t - now > twice[p + 1] then
           t = now
         end
         for _ = 1, (v - p) / np do
           local after = (t > now and t or now) + e
-          if after <= upto then
+          if after <= last then
             t = after
           end
         end

@@ -47,6 +47,6 @@ ALG.lb = {
     local tat = math.max(st.at + st.level - outstanding(p[1] * cost, now, u), now)
     st.at = math.min(st.at, now)
     st.level = tat - st.at
-    ALG.lb.save(key, st, p, math.max(u.now, st.at))
+    ALG.lb.save(key, st, p, u.now)
   end,
 }

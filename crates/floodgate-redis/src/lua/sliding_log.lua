@@ -83,16 +83,9 @@ ALG.log = {
   undo = function(idx, key, p, now, cost)
     local at = fmt(now)
     local members = read(idx, 'ZRANGEBYSCORE', key, at, at)
-    local prefix = at .. ':' .. fmt(cost) .. ':'
-    for i = #members, 1, -1 do
-      if string.sub(members[i], 1, #prefix) == prefix then
-        redis.call('ZREM', key, members[i])
-        return
-      end
-    end
-    -- No entry of that cost (part of a larger one: a unit of a lease that Leasing spent
-    -- locally): the cost comes off the entries of that time, the last first, as off
-    -- floodgate-core's one merged entry.
+    -- The cost comes off the entries of that time, the last first, as off floodgate-core's one
+    -- merged entry: the check's own entry, or part of a larger one (a unit of a lease that
+    -- Leasing spent locally).
     local left = cost
     for i = #members, 1, -1 do
       if left <= 0 then
