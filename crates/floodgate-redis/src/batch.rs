@@ -10,6 +10,7 @@ use redis::Value;
 use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use crate::error::{is_refusal, strip_script_suffix};
 use crate::gcra_batch::GcraBatch;
 use crate::limiter::{Group, RELEASE, check_script_for, decode_group};
 use crate::{ConnectionKind, Error, RedisConn, display_key};
@@ -220,7 +221,7 @@ pub(crate) async fn run_within(
     let result = conn
         .invoke_script_within(check_script_for(groups), &keys, &arg_refs, timeout)
         .await
-        .and_then(|reply| decode(&reply, groups));
+        .and_then(|reply| decode(&reply, groups, conn.redacted_url()));
     // The call may have run on the server before it failed (a timeout, a connection lost
     // mid-reply): a concurrency lease it granted would be held for nobody until it expires.
     // (The GCRA batch script above takes no leases.)
@@ -234,7 +235,11 @@ pub(crate) async fn run_within(
     result
 }
 
-fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Checked, Error>>, Error> {
+fn decode(
+    reply: &Value,
+    groups: &[&Group],
+    addr: &str,
+) -> Result<Vec<Result<Checked, Error>>, Error> {
     let unexpected = || Error::UnexpectedReply {
         expected: "the check script's reply",
         got: format!("{reply:?}").chars().take(200).collect(),
@@ -277,7 +282,7 @@ fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Checked, Error>
                     Some(Value::SimpleString(s)) => s.clone(),
                     _ => return Err(unexpected()),
                 };
-                out.push(Err(group_error(&message, &g.keys)));
+                out.push(Err(group_error(&message, &g.keys, addr)));
                 at += 2;
             }
             _ => return Err(unexpected()),
@@ -290,8 +295,9 @@ fn decode(reply: &Value, groups: &[&Group]) -> Result<Vec<Result<Checked, Error>
 }
 
 /// Maps the error a group raised (`FLOODGATE_CORRUPT <i> <detail>`, `FLOODGATE_WRONGTYPE <i>`,
-/// `WRONGTYPE ...`) to a typed error naming the key.
-pub(crate) fn group_error(message: &str, keys: &[Vec<u8>]) -> Error {
+/// `WRONGTYPE ...`) to a typed error naming the key, and a server's refusal to write (`OOM`,
+/// `READONLY`...) to [`Error::NotServing`] naming `addr`.
+pub(crate) fn group_error(message: &str, keys: &[Vec<u8>], addr: &str) -> Error {
     let (code, rest) = message.split_once(' ').unwrap_or((message, ""));
     let key_at = |i: &str| {
         i.parse::<usize>()
@@ -315,6 +321,10 @@ pub(crate) fn group_error(message: &str, keys: &[Vec<u8>]) -> Error {
                 .first()
                 .map_or_else(|| "(no key)".to_owned(), |k| display_key(k)),
         },
+        _ if is_refusal(code) => Error::NotServing {
+            addr: addr.to_owned(),
+            message: strip_script_suffix(message).to_owned(),
+        },
         _ => Error::Script {
             message: message.to_owned(),
         },
@@ -332,6 +342,10 @@ pub(crate) fn duplicate(e: &Error) -> Error {
         Error::Unavailable { addr, retry_in } => Error::Unavailable {
             addr: addr.clone(),
             retry_in: *retry_in,
+        },
+        Error::NotServing { addr, message } => Error::NotServing {
+            addr: addr.clone(),
+            message: message.clone(),
         },
         Error::Timeout { after, op } => Error::Timeout { after: *after, op },
         Error::WrongType { key } => Error::WrongType { key: key.clone() },
@@ -694,14 +708,14 @@ mod tests {
         items.extend(fields(-3));
         items.push(Value::Int(1));
         items.extend(fields(4));
-        let out =
-            decode(&Value::Array(items.clone()), &[&a, &b]).expect("the reply's shape is fine");
+        let out = decode(&Value::Array(items.clone()), &[&a, &b], "redis://test")
+            .expect("the reply's shape is fine");
         assert!(out[0].is_err(), "{:?}", out[0]);
         let (verdict, _) = out[1].as_ref().expect("the second group decides");
         assert_eq!(verdict.decisions[0].remaining, 4);
         // A reply cut short is wrong as a whole.
         items.pop();
-        assert!(decode(&Value::Array(items), &[&a, &b]).is_err());
+        assert!(decode(&Value::Array(items), &[&a, &b], "redis://test").is_err());
     }
 
     #[test]

@@ -42,6 +42,20 @@ pub enum Error {
         retry_in: Duration,
     },
 
+    /// Redis answered but refuses to serve: out of memory under `maxmemory` with no eviction
+    /// (`OOM`), unable to persist (`MISCONF`), blocked by a long script (`BUSY`), a replica
+    /// that takes no writes (`READONLY`, a failover demoted the node), loading its data
+    /// (`LOADING`), too few replicas (`NOREPLICAS`), a cluster or master down. The whole server
+    /// is affected, not the call's keys: counts as unavailable ([`Error::is_connection`]), so
+    /// the circuit breaker and a layer's failure policy take over.
+    #[error("Redis at {addr} is not serving: {message}")]
+    NotServing {
+        /// The address, with any password replaced by `***`.
+        addr: String,
+        /// The error reply, without Redis' `script: <sha>, on @user_script:N.` suffix.
+        message: String,
+    },
+
     /// The operation did not finish in time.
     #[error("Redis {op} timed out after {after:?}")]
     Timeout {
@@ -112,10 +126,11 @@ impl Error {
 
     /// True when Redis could not be reached or is not serving: connection
     /// refused, reset or broken, authentication failed while reconnecting,
-    /// cluster down, master down, loading, a failover in progress.
+    /// and every [`Error::NotServing`] (out of memory, cluster down, master
+    /// down, loading, a read-only replica after a failover...).
     pub fn is_connection(&self) -> bool {
         match self {
-            Self::Connect { .. } | Self::Unavailable { .. } => true,
+            Self::Connect { .. } | Self::Unavailable { .. } | Self::NotServing { .. } => true,
             Self::Redis(e) => is_connection_error(e),
             _ => false,
         }
@@ -157,6 +172,11 @@ impl Error {
             }
         } else if e.kind() == ErrorKind::Server(ServerErrorKind::CrossSlot) {
             Self::CrossSlot {
+                message: server_message(&e),
+            }
+        } else if e.code().is_some_and(is_refusal) {
+            Self::NotServing {
+                addr: addr.to_owned(),
                 message: server_message(&e),
             }
         } else {
@@ -232,17 +252,24 @@ fn is_transport_error(e: &RedisError) -> bool {
 }
 
 fn is_connection_error(e: &RedisError) -> bool {
-    is_transport_error(e)
-        || matches!(
-            e.kind(),
-            ErrorKind::Server(
-                ServerErrorKind::ClusterDown
-                    | ServerErrorKind::MasterDown
-                    | ServerErrorKind::TryAgain
-                    | ServerErrorKind::BusyLoading
-                    | ServerErrorKind::ReadOnly
-            )
-        )
+    is_transport_error(e) || e.code().is_some_and(is_refusal)
+}
+
+/// The codes of the error replies by which a server that is up refuses to serve anything for
+/// now: its state, not the call's keys or arguments (see [`Error::NotServing`]).
+pub(crate) fn is_refusal(code: &str) -> bool {
+    matches!(
+        code,
+        "OOM"
+            | "MISCONF"
+            | "BUSY"
+            | "READONLY"
+            | "LOADING"
+            | "NOREPLICAS"
+            | "MASTERDOWN"
+            | "CLUSTERDOWN"
+            | "TRYAGAIN"
+    )
 }
 
 /// True for an error reply that the script itself produced: `ERR ...`
@@ -278,7 +305,7 @@ fn server_message(e: &RedisError) -> String {
 
 /// Removes the ` script: <sha1>, on @user_script:<line>.` that Redis 7
 /// appends to errors raised inside scripts.
-fn strip_script_suffix(detail: &str) -> &str {
+pub(crate) fn strip_script_suffix(detail: &str) -> &str {
     let Some(at) = detail.rfind(" script: ") else {
         return detail;
     };

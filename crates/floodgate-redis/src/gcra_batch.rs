@@ -141,7 +141,7 @@ impl<'a> GcraBatch<'a> {
         let reply = conn
             .invoke_script_within(&GCRA_BATCH, &self.keys, &arg_refs, timeout)
             .await?;
-        self.decode(&reply, groups)
+        self.decode(&reply, groups, conn.redacted_url())
     }
 
     /// Replays each key's checks on the state the script found, in the batch's order.
@@ -149,6 +149,7 @@ impl<'a> GcraBatch<'a> {
         &self,
         reply: &Value,
         groups: &[&Group],
+        addr: &str,
     ) -> Result<Vec<Result<Checked, Error>>, Error> {
         let unexpected = || Error::UnexpectedReply {
             expected: "the GCRA batch script's reply",
@@ -179,7 +180,7 @@ impl<'a> GcraBatch<'a> {
                 Value::SimpleString(s) => s.clone(),
                 _ => return Err(unexpected()),
             };
-            states.push(Err(group_error(&message, &[key.to_vec()])));
+            states.push(Err(group_error(&message, &[key.to_vec()], addr)));
         }
         let ctx = Ctx::new(now, 1);
         let mut out = Vec::with_capacity(groups.len());

@@ -5,8 +5,10 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use floodgate_core::{Limiter, Policy};
-use floodgate_redis::{BreakerConfig, ConnectionKind, Error, RedisConfig, RedisLimiter};
+use floodgate_core::{Check, CheckOptions, Limiter, Policy};
+use floodgate_redis::{
+    BatchConfig, BreakerConfig, ConnectionKind, Error, RedisConfig, RedisConn, RedisLimiter,
+};
 use support::{run, server};
 
 #[test]
@@ -145,5 +147,90 @@ fn fault_a_cancelled_probe_does_not_wedge_the_breaker() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(!limiter.conn().is_circuit_open());
+    });
+}
+
+/// A server that is up but refuses writes is unavailable, not one key's script error: out of
+/// memory under `maxmemory` with `noeviction`, or a replica (a failover demoted the node the
+/// client still talks to). Whatever path a check takes (the GCRA batch script, the generic
+/// script's deferred writes, an all-or-nothing group on its own `pcall`), the error is
+/// [`Error::NotServing`], so the breaker opens and a layer's failure policy takes over instead
+/// of every request paying a round trip and a warning. Decisions come back once it serves.
+#[test]
+fn fault_a_server_that_refuses_writes_is_unavailable() {
+    let server = server();
+    let other = support::server();
+    run(Duration::from_secs(60), async {
+        let gcra = Policy::per_second(1_000).expect("valid");
+        let window = Policy::fixed_window(1_000, Duration::from_secs(60)).expect("valid");
+        let log = Policy::sliding_log(1_000, Duration::from_secs(60)).expect("valid");
+        let config = RedisConfig::new(&server.url())
+            .expect("url")
+            .timeout(Duration::from_secs(2))
+            .circuit_breaker(BreakerConfig::disabled());
+        let batched = RedisLimiter::connect(&config).await.expect("connect");
+        let conn = RedisConn::connect(&config).await.expect("connect");
+        let unbatched =
+            RedisLimiter::with_batching(conn, config.get_key_prefix(), BatchConfig::disabled())
+                .expect("valid prefix");
+        for limiter in [&batched, &unbatched] {
+            assert!(
+                limiter
+                    .check_one(b"up", &gcra, 1)
+                    .await
+                    .expect("up")
+                    .allowed
+            );
+        }
+
+        let port = other.port().to_string();
+        let refusals: [(&str, &[&str], &[&str]); 2] = [
+            (
+                "OOM",
+                &["CONFIG", "SET", "maxmemory", "1"],
+                &["CONFIG", "SET", "maxmemory", "0"],
+            ),
+            (
+                "READONLY",
+                &["REPLICAOF", "127.0.0.1", &port],
+                &["REPLICAOF", "NO", "ONE"],
+            ),
+        ];
+        server
+            .cmd_ok(&["CONFIG", "SET", "maxmemory-policy", "noeviction"])
+            .expect("CONFIG SET");
+        for (code, refuse, serve) in refusals {
+            server.cmd_ok(refuse).expect("refuse writes");
+            for (name, limiter) in [("batched", &batched), ("unbatched", &unbatched)] {
+                // New keys: each check must write.
+                let (single, key) = (format!("{code}-{name}-1"), format!("{code}-{name}-2"));
+                let one = [Check::new(single.as_bytes(), &gcra)];
+                let group = [
+                    Check::new(key.as_bytes(), &window),
+                    Check::new(key.as_bytes(), &log),
+                ];
+                for checks in [&one[..], &group[..]] {
+                    let err = limiter
+                        .check(checks, CheckOptions::default())
+                        .await
+                        .expect_err("the server refuses writes");
+                    let Error::NotServing { message, .. } = &err else {
+                        panic!("{code} {name}: expected NotServing, got {err:?}");
+                    };
+                    // A replica may answer LOADING or MASTERDOWN while it syncs.
+                    assert!(
+                        code != "OOM" || message.starts_with("OOM"),
+                        "{name}: {message}"
+                    );
+                    assert!(err.is_connection(), "{code} {name}: {err:?}");
+                    assert!(RedisLimiter::is_unavailable(&err), "{code} {name}: {err:?}");
+                }
+            }
+            server.cmd_ok(serve).expect("serve again");
+            for limiter in [&batched, &unbatched] {
+                let d = limiter.check_one(code.as_bytes(), &gcra, 1).await;
+                assert!(d.expect("serving again").allowed, "{code}");
+            }
+        }
     });
 }
