@@ -366,6 +366,12 @@ fn check_expiring<A: Algorithm>(
 /// (`a-z 0-9 _ - . *`, starting with a letter) so that it is safe in Redis keys and in the
 /// `RateLimit-Policy` header.
 ///
+/// Name each distinct limit with [`Policy::named`] when its state lives in a shared store
+/// (Redis): two limits with equal parameters and the canonical name (`/login` and `/search`,
+/// each 20 per minute per IP) share one counter per key there, and changing a policy's
+/// parameters changes its canonical name, so its state starts over and, during a rolling
+/// deploy, old and new replicas count apart. A chosen name keeps both apart and stable.
+///
 /// ```
 /// use std::time::Duration;
 /// use floodgate_core::Policy;

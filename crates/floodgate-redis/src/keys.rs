@@ -2,9 +2,10 @@
 //!
 //! The braces are a cluster hash tag: every key of one user key lands on one slot, so a check of
 //! several policies for that key is one script call on one node. User keys are bytes; a key that
-//! is long (over [`MAX_INLINE_KEY`] bytes), holds a brace (which would move the hash tag) or
-//! starts with `~` is replaced by `~` and the hex SHA-256 of its bytes: stable across processes
-//! and versions. Hashing every key that starts with `~` keeps the two forms apart: a client
+//! is long (over [`MAX_INLINE_KEY`] bytes), holds a brace (which would move the hash tag), is
+//! empty (Redis ignores an empty `{}`, so each policy's key would hash whole, to a slot of its
+//! own) or starts with `~` is replaced by `~` and the hex SHA-256 of its bytes: stable across
+//! processes and versions. Hashing every key that starts with `~` keeps the two forms apart: a client
 //! that sends `~` and the digest of someone else's long key gets a key of its own, not theirs.
 
 use floodgate_core::Policy;
@@ -16,6 +17,7 @@ pub const MAX_INLINE_KEY: usize = 256;
 /// The user key as it appears between the braces.
 pub fn key_tag(key: &[u8]) -> std::borrow::Cow<'_, [u8]> {
     if key.len() <= MAX_INLINE_KEY
+        && !key.is_empty()
         && key.first() != Some(&b'~')
         && !key.iter().any(|b| *b == b'{' || *b == b'}')
     {
@@ -87,7 +89,7 @@ mod tests {
         let q = Policy::funnel(1, std::time::Duration::from_secs(1800)).expect("valid");
         assert_eq!(key_slot(&k), key_slot(&state_key("fg", &q, b"10.0.0.1")));
         // Braces and long keys are hashed, so they cannot move the tag.
-        for hostile in [&b"}{"[..], b"{x}", b"a}b", &[b'x'; 300]] {
+        for hostile in [&b"}{"[..], b"{x}", b"a}b", &[b'x'; 300], b""] {
             let k = state_key("fg", &p, hostile);
             let open = k.iter().position(|b| *b == b'{').expect("brace");
             assert_eq!(k[open + 1], b'~', "{}", String::from_utf8_lossy(&k));
