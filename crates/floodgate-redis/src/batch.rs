@@ -498,26 +498,57 @@ fn may_have_run(e: &Error) -> bool {
 /// Releases the concurrency lease `group` may hold (releasing one it does not hold changes
 /// nothing), in the background.
 fn release_lease(conn: &RedisConn, group: &Group) {
-    if group.lease == 0 || group.dry_run {
-        return;
+    if let Some(lease) = Unclaimed::of(conn, group) {
+        lease.give_back();
     }
-    let keys: SmallVec<[Vec<u8>; 1]> = group
-        .keys
-        .iter()
-        .zip(&group.policies)
-        .filter(|(_, (tag, _))| *tag == "conc")
-        .map(|(key, _)| key.clone())
-        .collect();
-    let (lease, now) = (group.lease, group.now);
-    let conn = conn.clone();
-    tokio::spawn(async move {
-        if let Err(e) = release_keys(&conn, &keys, lease, now).await {
-            tracing::debug!(
-                error = %e,
-                "giving back a concurrency lease failed; it lapses after its TTL"
-            );
+}
+
+/// The concurrency lease a check's script call may have granted, for when nobody will hear the
+/// verdict (its caller dropped the check, the reply was lost): given back in the background.
+pub(crate) struct Unclaimed {
+    conn: RedisConn,
+    keys: SmallVec<[Vec<u8>; 1]>,
+    lease: u64,
+    now: Option<Timestamp>,
+}
+
+impl Unclaimed {
+    /// The lease `group` asks for; `None` when it takes none (no concurrency policy, a dry run).
+    pub(crate) fn of(conn: &RedisConn, group: &Group) -> Option<Self> {
+        if group.lease == 0 || group.dry_run {
+            return None;
         }
-    });
+        let keys = group
+            .keys
+            .iter()
+            .zip(&group.policies)
+            .filter(|(_, (tag, _))| *tag == "conc")
+            .map(|(key, _)| key.clone())
+            .collect();
+        Some(Unclaimed {
+            conn: conn.clone(),
+            keys,
+            lease: group.lease,
+            now: group.now,
+        })
+    }
+
+    /// Releases the lease on every key, in a task on the current tokio runtime (outside one, it
+    /// lapses after its TTL).
+    pub(crate) fn give_back(self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::debug!("a concurrency lease nobody holds lapses after its TTL: no runtime");
+            return;
+        };
+        runtime.spawn(async move {
+            if let Err(e) = release_keys(&self.conn, &self.keys, self.lease, self.now).await {
+                tracing::debug!(
+                    error = %e,
+                    "giving back a concurrency lease failed; it lapses after its TTL"
+                );
+            }
+        });
+    }
 }
 
 /// Releases `lease` (at `now`, or the server's time) on each of `keys`, one call per key: they

@@ -371,6 +371,8 @@ impl RedisLimiter {
         let group = self.encode(checks, opts)?;
         let lease = group.lease;
         let slots = self.slots_of(&group);
+        // Only checks of a concurrency policy take a lease; the others carry nothing more.
+        let unclaimed = batch::Unclaimed::of(&self.inner.conn, &group).map(Box::new);
         if let Some((jobs, batcher_runtime)) = self.batcher_on() {
             if slots.is_none() {
                 if let Ok(permit) = jobs.try_reserve() {
@@ -390,13 +392,15 @@ impl RedisLimiter {
                         reply: rx,
                         lease,
                         patience,
+                        unclaimed,
                     });
                 }
             }
         }
-        Ok(CheckFuture::Boxed(Box::pin(
-            self.run_check(checks, opts, group, slots),
-        )))
+        Ok(CheckFuture::Boxed(
+            Box::pin(self.run_check(checks, opts, group, slots)),
+            unclaimed,
+        ))
     }
 
     /// `slots`: the group's [`RedisLimiter::slots_of`].
@@ -802,6 +806,10 @@ fn with_lease(verdict: Verdict, lease: u64) -> Verdict {
 /// `async fn` throughout). The batcher answers every job by its deadline while its runtime runs,
 /// or drops it when its task is gone; so a check awaited on the batcher's runtime needs no timer
 /// of its own, and only one awaited on another runtime keeps one.
+///
+/// A check of a concurrency policy dropped before its caller hears the verdict (the client went
+/// away, the layer's timeout) gives back the lease its script call may have granted: nobody
+/// would release it, and it would keep a place taken until its TTL.
 enum CheckFuture<'a> {
     /// In the batcher's queue, or in a batch in flight.
     Batched {
@@ -810,10 +818,46 @@ enum CheckFuture<'a> {
         /// When awaited off the batcher's runtime: a timer past the check's deadline, and the
         /// timeout to report when it fires.
         patience: Option<(Pin<Box<tokio::time::Sleep>>, Duration)>,
+        /// The lease to give back if the check is dropped with its verdict unheard.
+        unclaimed: Option<Box<batch::Unclaimed>>,
     },
-    /// Every other check.
-    Boxed(Pin<Box<dyn Future<Output = Result<Verdict, Error>> + Send + 'a>>),
+    /// Every other check, and its lease as in `Batched`.
+    Boxed(
+        Pin<Box<dyn Future<Output = Result<Verdict, Error>> + Send + 'a>>,
+        Option<Box<batch::Unclaimed>>,
+    ),
     Done,
+}
+
+impl Drop for CheckFuture<'_> {
+    fn drop(&mut self) {
+        match self {
+            CheckFuture::Batched {
+                reply, unclaimed, ..
+            } => {
+                let Some(lease) = unclaimed.take() else {
+                    return;
+                };
+                // Not answered yet: once closed, the batcher cannot hand the verdict over and
+                // gives its lease back itself. Answered: the lease is here, or none was granted.
+                reply.close();
+                if let Ok(Ok((verdict, _))) = reply.try_recv()
+                    && verdict.allowed()
+                {
+                    lease.give_back();
+                }
+            }
+            // In flight or not started: its call may still grant the lease, and releasing one
+            // that is not held changes nothing. The release goes after the call on the same
+            // connection.
+            CheckFuture::Boxed(_, unclaimed) => {
+                if let Some(lease) = unclaimed.take() {
+                    lease.give_back();
+                }
+            }
+            CheckFuture::Done => {}
+        }
+    }
 }
 
 impl Future for CheckFuture<'_> {
@@ -826,6 +870,7 @@ impl Future for CheckFuture<'_> {
                 reply,
                 lease,
                 patience,
+                ..
             } => match Pin::new(reply).poll(cx) {
                 Poll::Ready(Ok(Ok((verdict, _)))) => Ok(with_lease(verdict, *lease)),
                 Poll::Ready(Ok(Err(e))) => Err(e),
@@ -841,11 +886,15 @@ impl Future for CheckFuture<'_> {
                     })
                 }
             },
-            CheckFuture::Boxed(fut) => std::task::ready!(fut.as_mut().poll(cx)),
+            CheckFuture::Boxed(fut, _) => std::task::ready!(fut.as_mut().poll(cx)),
             CheckFuture::Done => Err(Error::Config(
                 "a rate-limit check was polled after it finished".into(),
             )),
         };
+        // The verdict, and with it any lease, goes to the caller: nothing to give back.
+        if let CheckFuture::Batched { unclaimed, .. } | CheckFuture::Boxed(_, unclaimed) = this {
+            *unclaimed = None;
+        }
         *this = CheckFuture::Done;
         Poll::Ready(result)
     }

@@ -60,6 +60,42 @@ fn fault_a_lease_granted_to_a_cancelled_caller_is_given_back() {
     });
 }
 
+/// A check dropped after Redis answered it but before its caller read the verdict (the future
+/// was polled once, then dropped: a client that went away while its task waited to run) gives
+/// its lease back, batched (the verdict waits in the batcher's reply) or not (in the
+/// connection's).
+#[test]
+fn fault_a_lease_answered_but_never_read_is_given_back() {
+    let server = Arc::new(server());
+    run(Duration::from_secs(30), async {
+        // A prefix each: `slot_comes_back` takes the slot when it finds it free.
+        for (batching, prefix) in [
+            (BatchConfig::default(), "batched"),
+            (BatchConfig::disabled(), "unbatched"),
+        ] {
+            let config = floodgate_redis::RedisConfig::new(&server.url())
+                .expect("valid URL")
+                .key_prefix(prefix)
+                .expect("valid prefix")
+                .timeout(Duration::from_secs(2));
+            let limiter = support::limiter_batching(&config, batching.clone()).await;
+            let p = Policy::concurrency(1, Duration::from_secs(30)).expect("valid");
+            warm_up(&limiter, &p).await;
+            let checks = [Check::new(b"slot", &p)];
+            let mut check = Box::pin(limiter.check(&checks, CheckOptions::default()));
+            std::future::poll_fn(|cx| {
+                assert!(check.as_mut().poll(cx).is_pending(), "decided at once");
+                std::task::Poll::Ready(())
+            })
+            .await;
+            // Redis answers meanwhile; nobody reads it.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            drop(check);
+            slot_comes_back(&limiter, &p, &format!("an unread verdict ({batching:?})")).await;
+        }
+    });
+}
+
 /// A batched call that times out may still run on the server once it answers: a concurrency
 /// lease it granted is given back, instead of holding the only slot for the lease's 30 s.
 #[test]
