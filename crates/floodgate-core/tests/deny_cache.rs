@@ -213,3 +213,57 @@ async fn a_cancelled_probe_does_not_hold_up_the_next_caller() {
         started.elapsed()
     );
 }
+
+/// `max_hold` bounds how long a denial is answered locally: a refund made through another
+/// replica (another cache over the same store) is seen within it, and the verdicts answered
+/// locally meanwhile still report the whole retry time. Without it, the denial is held for
+/// its whole retry time.
+#[tokio::test]
+async fn max_hold_sees_another_replicas_refund() {
+    let store = Store::new();
+    let p = Policy::funnel(1, Duration::from_secs(30 * 60)).expect("valid");
+    let checks = [Check::new(b"+15551234", &p)];
+    let x = DenyCache::new(store.clone());
+    let held = DenyCache::new(store.clone());
+    let bounded = DenyCache::new(store.clone()).max_hold(Duration::from_millis(100));
+    let allowed = x.check(&checks, CheckOptions::default()).await.expect("ok");
+    assert!(allowed.allowed());
+    for cache in [&held, &bounded] {
+        let denied = cache
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok");
+        assert!(!denied.allowed());
+    }
+    x.refund(&checks, &allowed).await.expect("refund");
+
+    // Within max_hold, both answer from their cache, with the whole retry time.
+    for cache in [&held, &bounded] {
+        let before = cache.stats().hits;
+        let v = cache
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok");
+        assert!(!v.allowed());
+        assert_eq!(cache.stats().hits, before + 1, "answered locally");
+        let retry = v.decisions[0].retry_after.expect("retry");
+        assert!(retry > Duration::from_secs(29 * 60), "{retry:?}");
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(
+        !held
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed(),
+        "held for the whole retry time"
+    );
+    assert!(
+        bounded
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed(),
+        "the refund is seen after max_hold"
+    );
+}

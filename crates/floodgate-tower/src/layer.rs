@@ -29,6 +29,11 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(500);
 /// The default time a failing store is left alone (see
 /// [`RateLimitLayerBuilder::store_retry_interval`]).
 pub const DEFAULT_STORE_RETRY_INTERVAL: Duration = Duration::from_millis(500);
+
+/// The longest the deny cache answers a denial locally in a layer that refunds
+/// ([`RateLimitLayerBuilder::refund_when`]): a refund made through another replica can free a
+/// key before its retry time, and is seen within this.
+pub const DEFAULT_DENY_CACHE_MAX_HOLD_WITH_REFUNDS: Duration = Duration::from_secs(1);
 /// Delay mode checks at most this many times per request.
 pub(crate) const MAX_DELAY_ATTEMPTS: u32 = 8;
 
@@ -143,6 +148,7 @@ impl RateLimitLayer {
             request_info: true,
             max_key_len: DEFAULT_MAX_KEY_LEN,
             deny_cache: true,
+            deny_cache_max_hold: None,
             leasing: None,
             refund_when: None,
             renew_leases: None,
@@ -237,6 +243,7 @@ pub struct RateLimitLayerBuilder<L> {
     request_info: bool,
     max_key_len: usize,
     deny_cache: bool,
+    deny_cache_max_hold: Option<Duration>,
     leasing: Option<LeasingConfig>,
     refund_when: Option<RefundWhen>,
     renew_leases: Option<Duration>,
@@ -348,8 +355,22 @@ where
     /// retry time ([`floodgate_core::DenyCache`]); default on. An attacker hammering one key
     /// then costs the shared store about one call per admitted request. Has no effect with a
     /// [`MemoryLimiter`], which is local already.
+    ///
+    /// Another replica's refund ([`RateLimitLayerBuilder::refund_when`]) can free a key before
+    /// the retry time this replica cached: a layer that refunds holds a denial locally for at
+    /// most [`DEFAULT_DENY_CACHE_MAX_HOLD_WITH_REFUNDS`] (1 s), then asks the store again;
+    /// [`RateLimitLayerBuilder::deny_cache_max_hold`] sets another bound.
     pub fn deny_cache(mut self, on: bool) -> Self {
         self.deny_cache = on;
+        self
+    }
+
+    /// The longest the deny cache answers a denial locally before asking the store again
+    /// ([`floodgate_core::DenyCache::max_hold`]); rejections keep reporting the whole retry
+    /// time. Default: the whole retry time, or 1 s when the layer refunds. A key hammered past
+    /// its limit costs the store one call per `max_hold` per replica.
+    pub fn deny_cache_max_hold(mut self, max_hold: Duration) -> Self {
+        self.deny_cache_max_hold = Some(max_hold);
         self
     }
 
@@ -458,15 +479,30 @@ where
             refund_when: self.refund_when,
             renew_leases: self.renew_leases,
         };
+        let max_hold = self.deny_cache_max_hold.or_else(|| {
+            shared
+                .refund_when
+                .is_some()
+                .then_some(DEFAULT_DENY_CACHE_MAX_HOLD_WITH_REFUNDS)
+        });
+        fn deny_cache<T>(limiter: T, max_hold: Option<Duration>) -> DenyCache<T> {
+            let cache = DenyCache::new(limiter);
+            match max_hold {
+                Some(max_hold) => cache.max_hold(max_hold),
+                None => cache,
+            }
+        }
         let local = (&self.limiter as &dyn std::any::Any).is::<MemoryLimiter>();
         let leasing = self.leasing.filter(|_| !local);
-        let deny_cache = self.deny_cache && !local;
-        let engine: Arc<dyn DynEngine> = match (deny_cache, leasing) {
+        let engine: Arc<dyn DynEngine> = match (self.deny_cache && !local, leasing) {
             (true, Some(cfg)) => Arc::new(Engine::new(
-                DenyCache::new(Leasing::with_config(self.limiter, cfg, SystemClock::new())),
+                deny_cache(
+                    Leasing::with_config(self.limiter, cfg, SystemClock::new()),
+                    max_hold,
+                ),
                 shared,
             )),
-            (true, None) => Arc::new(Engine::new(DenyCache::new(self.limiter), shared)),
+            (true, None) => Arc::new(Engine::new(deny_cache(self.limiter, max_hold), shared)),
             (false, Some(cfg)) => Arc::new(Engine::new(
                 Leasing::with_config(self.limiter, cfg, SystemClock::new()),
                 shared,

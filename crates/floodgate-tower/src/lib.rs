@@ -103,8 +103,8 @@ pub use future::ResponseFuture;
 pub use info::MissingRateLimitInfo;
 pub use info::{DecisionSource, RateLimitInfo};
 pub use layer::{
-    DEFAULT_STORE_RETRY_INTERVAL, DEFAULT_TIMEOUT, Mode, OnMissingKey, OnStoreError,
-    RateLimitLayer, RateLimitLayerBuilder,
+    DEFAULT_DENY_CACHE_MAX_HOLD_WITH_REFUNDS, DEFAULT_STORE_RETRY_INTERVAL, DEFAULT_TIMEOUT, Mode,
+    OnMissingKey, OnStoreError, RateLimitLayer, RateLimitLayerBuilder,
 };
 pub use lease::HeldLease;
 pub use rejection::{DefaultRejection, QUOTA_EXCEEDED, Rejection, RejectionHandler, RejectionKind};

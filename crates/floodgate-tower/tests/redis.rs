@@ -391,6 +391,70 @@ async fn refunds_reach_redis_through_the_deny_cache() {
     assert_eq!(client.get("/").await.status, 429);
 }
 
+/// A refund made through one replica frees a key that another replica's deny cache holds
+/// denied: a layer that refunds holds a denial locally for at most a second, then asks Redis
+/// again. (A user's double submit: the first request goes to replica X, the second to Y and
+/// is denied; X's SMS provider fails and refunds; the user's retry on Y must not be refused
+/// for the rest of the window.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_on_one_replica_frees_the_key_another_replica_cached_as_denied() {
+    use std::sync::Arc;
+    use tokio::sync::{Notify, oneshot};
+    let server = start_redis();
+    let (entered_tx, entered_rx) = oneshot::channel::<()>();
+    let entered = Arc::new(std::sync::Mutex::new(Some(entered_tx)));
+    let fail_now = Arc::new(Notify::new());
+    let replica = |limiter: RedisLimiter| {
+        let (entered, fail_now) = (Arc::clone(&entered), Arc::clone(&fail_now));
+        let layer = RateLimitLayer::builder(limiter)
+            .rule(Rule::new(policy(1, "per-phone")).key(GlobalKey))
+            .refund_when(|status, _| status.is_server_error())
+            .build()
+            .expect("layer");
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .route(
+                "/fail",
+                get(move || async move {
+                    if let Some(tx) = entered.lock().expect("lock").take() {
+                        let _ = tx.send(());
+                    }
+                    fail_now.notified().await;
+                    StatusCode::BAD_GATEWAY
+                }),
+            )
+            .layer(layer)
+    };
+    let x = HttpClient::new(serve(replica(limiter(&server).await)).await);
+    let y = HttpClient::new(serve(replica(limiter(&server).await)).await);
+
+    let failing = tokio::spawn(async move { x.get("/fail").await.status });
+    entered_rx.await.expect("X admitted its request");
+    // Y is denied for the rest of the 60 s window, and caches that.
+    assert_eq!(y.get("/").await.status, 429);
+    fail_now.notify_one();
+    assert_eq!(failing.await.expect("task"), 502);
+    let refunded = Instant::now();
+    loop {
+        let r = y.get("/").await;
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.status, 429);
+        assert!(
+            refunded.elapsed() < Duration::from_secs(3),
+            "Y still denies {:?} after X's refund",
+            refunded.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        refunded.elapsed() < Duration::from_millis(1_500),
+        "{:?}",
+        refunded.elapsed()
+    );
+}
+
 /// Over Redis too, a stream that outlasts its lease's TTL keeps its slot (the layer renews the
 /// lease while the body lives).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

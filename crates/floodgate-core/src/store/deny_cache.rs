@@ -64,13 +64,18 @@ struct Shared<C> {
 /// When a cached denial runs out, one caller probes the store while the others of the same
 /// check wait for its answer instead of all asking at once.
 ///
-/// A local denial can only be wrong in one direction: another replica cannot make a key's retry
-/// time earlier, so the cache never admits what the store would deny. It can deny a little
-/// longer than needed if the store's state is reset (an operator's `reset`); concurrency
-/// policies, whose leases may be released early, are never cached.
+/// A local denial can only be wrong in one direction: the cache never admits what the store
+/// would deny. Checks only make a key's retry time later; what makes it earlier (a refund or
+/// an operator's `reset` made through another replica or cache) is not seen here until the
+/// cached denial runs out, so it may deny longer than the store would: up to the whole retry
+/// time, or at most [`DenyCache::max_hold`] when set. A refund made through this cache forgets
+/// its own check's denial at once. Concurrency policies, whose leases may be released early,
+/// are never cached.
 pub struct DenyCache<L, C = SystemClock> {
     inner: L,
     shared: Arc<Shared<C>>,
+    /// The longest a denial is answered locally (µs); `u64::MAX`: its whole retry time.
+    max_hold_us: u64,
 }
 
 impl<L: Clone, C> Clone for DenyCache<L, C> {
@@ -78,6 +83,7 @@ impl<L: Clone, C> Clone for DenyCache<L, C> {
         DenyCache {
             inner: self.inner.clone(),
             shared: Arc::clone(&self.shared),
+            max_hold_us: self.max_hold_us,
         }
     }
 }
@@ -112,7 +118,19 @@ impl<L, C: Clock> DenyCache<L, C> {
                 misses: AtomicU64::new(0),
                 coalesced: AtomicU64::new(0),
             }),
+            max_hold_us: u64::MAX,
         }
+    }
+
+    /// Asks the store again after at most `max_hold`, however long the retry time (answers
+    /// given locally meanwhile still report the whole retry time). By default a denial is held
+    /// for its whole retry time. Set it when keys may be freed early elsewhere: with refunds
+    /// (another replica gives back the unit that denied this one, as the layer's `refund_when`
+    /// does), a key one request over its limit gets a store call per `max_hold`, and a refund
+    /// made through another replica is seen within `max_hold`.
+    pub fn max_hold(mut self, max_hold: Duration) -> Self {
+        self.max_hold_us = duration_micros(max_hold);
+        self
     }
 
     /// The limiter behind the cache.
@@ -356,7 +374,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             // denied once more: about two store calls per retry period instead of one.
             let now = self.shared.clock.now().as_micros();
             let entry = denial_for(checks, verdict).map(|d| Entry {
-                until: now.saturating_add(duration_micros(d)),
+                until: now.saturating_add(duration_micros(d).min(self.max_hold_us)),
                 at: now,
                 verdict: if verdict.allowed() {
                     synthesized_denial(checks, verdict, d)
