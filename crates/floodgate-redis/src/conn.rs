@@ -109,7 +109,11 @@ pub struct RedisConn {
 }
 
 struct Inner {
-    backend: Backend,
+    /// Set once connected: at once by [`RedisConn::connect`], on first use by
+    /// [`RedisConn::connect_lazy`].
+    backend: OnceCell<Backend>,
+    /// For a lazy connection: what to connect to, until a connection is made.
+    lazy: Option<RedisConfig>,
     kind: ConnectionKind,
     timeout: Duration,
     /// Redacted, for errors and logs.
@@ -173,40 +177,90 @@ impl RedisConn {
     /// refuses the credentials or does not answer in time.
     pub async fn connect(config: &RedisConfig) -> Result<Self, Error> {
         config.validate()?;
-        let kind = config.kind();
         let addr = config.redacted_url();
-        let connect_timeout = config.get_connect_timeout();
-        #[cfg(feature = "tls")]
-        if config.is_tls() {
-            install_crypto_provider();
-        }
-        tracing::debug!(%addr, %kind, "connecting to Redis");
-        let backend = match tokio::time::timeout(connect_timeout, open(config, kind)).await {
-            Ok(Ok(backend)) => backend,
-            Ok(Err(Opened::Config(e))) => return Err(e),
-            Ok(Err(Opened::Redis(source))) => {
+        tracing::debug!(%addr, kind = %config.kind(), "connecting to Redis");
+        let backend = match open_within(config).await {
+            Ok(backend) => backend,
+            Err(Opened::Config(e)) => return Err(e),
+            Err(Opened::Redis(source)) => {
                 tracing::debug!(%addr, error = %source, "cannot connect to Redis");
                 return Err(Error::Connect { addr, source });
             }
-            Err(_) => {
-                return Err(Error::Connect {
-                    addr,
-                    source: timed_out("connecting", connect_timeout),
-                });
-            }
         };
-        tracing::debug!(%addr, %kind, "connected to Redis");
-        Ok(Self {
+        tracing::debug!(%addr, kind = %config.kind(), "connected to Redis");
+        Ok(Self::with_backend(
+            config,
+            OnceCell::new_with(Some(backend)),
+            None,
+        ))
+    }
+
+    /// A connection made on first use, returned at once: a service can start while Redis is
+    /// down (a replica restarted during an outage), and its calls fail with
+    /// [`Error::Connect`] (unavailable, so a layer's failure policy decides) until Redis can
+    /// be reached. Each call tries to connect until one succeeds, within the connect timeout
+    /// and the call's own; behind the circuit breaker, a Redis that stays down is tried once
+    /// per open period. Once connected, it behaves as [`RedisConn::connect`]'s.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an invalid configuration, at once.
+    pub fn connect_lazy(config: &RedisConfig) -> Result<Self, Error> {
+        config.validate()?;
+        config.connection_infos()?;
+        Ok(Self::with_backend(
+            config,
+            OnceCell::new(),
+            Some(config.clone()),
+        ))
+    }
+
+    fn with_backend(
+        config: &RedisConfig,
+        backend: OnceCell<Backend>,
+        lazy: Option<RedisConfig>,
+    ) -> Self {
+        let kind = config.kind();
+        Self {
             inner: Arc::new(Inner {
                 backend,
+                lazy,
                 kind,
                 timeout: config.get_timeout(),
-                addr,
+                addr: config.redacted_url(),
                 key_prefix: config.get_key_prefix().to_owned(),
                 redis_cell: OnceCell::new(),
                 breakers: Breakers::new(config.get_breaker(), kind == ConnectionKind::Cluster),
             }),
-        })
+        }
+    }
+
+    /// The connection, made now if it is lazy and not made yet (one attempt at a time).
+    async fn backend(&self) -> RedisResult<&Backend> {
+        if let Some(backend) = self.inner.backend.get() {
+            return Ok(backend);
+        }
+        let Some(config) = &self.inner.lazy else {
+            // Unreachable: an eager connection is made before it is returned.
+            return Err(io::Error::other("no connection to Redis").into());
+        };
+        self.inner
+            .backend
+            .get_or_try_init(|| async {
+                let addr = &self.inner.addr;
+                match open_within(config).await {
+                    Ok(backend) => {
+                        tracing::info!(%addr, "connected to Redis");
+                        Ok(backend)
+                    }
+                    Err(Opened::Redis(e)) => {
+                        tracing::debug!(%addr, error = %e, "cannot connect to Redis yet");
+                        Err(e)
+                    }
+                    // Checked by `connect_lazy`.
+                    Err(Opened::Config(e)) => Err(io::Error::other(e.to_string()).into()),
+                }
+            })
+            .await
     }
 
     /// How this connection talks to Redis.
@@ -510,7 +564,7 @@ impl RedisConn {
 
     /// Where a script with these keys runs; on a cluster all keys must share a slot.
     fn script_target<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Target, Error> {
-        if !matches!(self.inner.backend, Backend::Cluster(_)) {
+        if self.inner.kind != ConnectionKind::Cluster {
             return Ok(Target::Default);
         }
         let Some(first) = keys.first() else {
@@ -532,7 +586,7 @@ impl RedisConn {
 
     /// Sends one command; an error reply comes back as `Err`.
     async fn send(&self, cmd: &Cmd, target: Target) -> RedisResult<Value> {
-        let value = match &self.inner.backend {
+        let value = match self.backend().await? {
             Backend::Multiplexed(manager) => manager.clone().send_packed_command(cmd).await,
             Backend::Pool(pool) => {
                 let mut conn = pool.get().await.map_err(pool_error)?;
@@ -561,7 +615,7 @@ impl RedisConn {
         count: usize,
         target: Target,
     ) -> RedisResult<Vec<Value>> {
-        match &self.inner.backend {
+        match self.backend().await? {
             Backend::Multiplexed(manager) => {
                 manager.clone().send_packed_commands(pipe, 0, count).await
             }
@@ -587,7 +641,7 @@ impl RedisConn {
 
     /// `SCRIPT LOAD` where `target` says (on a single node: that node).
     async fn load_script(&self, script: &Script, target: Target) -> RedisResult<()> {
-        match &self.inner.backend {
+        match self.backend().await? {
             Backend::Multiplexed(manager) => script.load_async(&mut manager.clone()).await,
             Backend::Pool(pool) => {
                 let mut conn = pool.get().await.map_err(pool_error)?;
@@ -713,6 +767,19 @@ enum Opened {
 impl From<RedisError> for Opened {
     fn from(e: RedisError) -> Self {
         Self::Redis(e)
+    }
+}
+
+/// [`open`] within the connect timeout.
+async fn open_within(config: &RedisConfig) -> Result<Backend, Opened> {
+    #[cfg(feature = "tls")]
+    if config.is_tls() {
+        install_crypto_provider();
+    }
+    let connect_timeout = config.get_connect_timeout();
+    match tokio::time::timeout(connect_timeout, open(config, config.kind())).await {
+        Ok(opened) => opened,
+        Err(_) => Err(Opened::Redis(timed_out("connecting", connect_timeout))),
     }
 }
 

@@ -222,6 +222,15 @@ impl RedisLimiter {
         RedisLimiter::new(conn, config.get_key_prefix())
     }
 
+    /// [`RedisLimiter::connect`] without waiting for Redis: the connection is made on first use
+    /// ([`RedisConn::connect_lazy`]), so a service can start while Redis is down. Until Redis
+    /// can be reached, checks fail with [`Error::Connect`], which counts as unavailable: a
+    /// layer's failure policy decides them. A configuration error is returned at once.
+    pub fn connect_lazy(config: &RedisConfig) -> Result<Self, Error> {
+        let conn = RedisConn::connect_lazy(config)?;
+        RedisLimiter::new(conn, config.get_key_prefix())
+    }
+
     /// A limiter over an existing connection, with its keys under `prefix`.
     ///
     /// The prefix is checked as [`RedisConfig::key_prefix`] checks it: an empty or overlong

@@ -234,3 +234,68 @@ fn fault_a_server_that_refuses_writes_is_unavailable() {
         }
     });
 }
+
+/// A lazy connection starts while Redis is down: no wait and no error at start, checks fail as
+/// unavailable (so a layer's failure policy can decide them) and quickly (the breaker), and
+/// decisions come once Redis is up. A bad configuration is still refused at once.
+#[test]
+fn fault_a_lazy_connection_starts_while_redis_is_down() {
+    let server = server();
+    server.kill().expect("kill");
+    run(Duration::from_secs(60), async {
+        let bad = RedisConfig::new(&server.url())
+            .expect("url")
+            .connection(ConnectionKind::Pool { size: 0 });
+        assert!(
+            matches!(RedisLimiter::connect_lazy(&bad), Err(Error::Config(_))),
+            "a pool of no connection is refused at once"
+        );
+        for kind in [
+            ConnectionKind::Multiplexed,
+            ConnectionKind::Pool { size: 2 },
+        ] {
+            let config = RedisConfig::new(&server.url())
+                .expect("url")
+                .connection(kind)
+                .timeout(Duration::from_millis(300))
+                .connect_timeout(Duration::from_millis(300));
+            assert!(
+                RedisLimiter::connect(&config).await.is_err(),
+                "{kind}: connected to a server that is down"
+            );
+            let started = Instant::now();
+            let limiter = RedisLimiter::connect_lazy(&config).expect("lazy");
+            assert!(started.elapsed() < Duration::from_millis(50), "{kind}");
+            let p = Policy::per_second(1_000).expect("valid");
+            let started = Instant::now();
+            for _ in 0..20 {
+                let err = limiter.check_one(b"k", &p, 1).await.expect_err("down");
+                assert!(RedisLimiter::is_unavailable(&err), "{kind}: {err:?}");
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(2),
+                "{kind}: 20 checks took {:?}",
+                started.elapsed()
+            );
+
+            server.restart().expect("restart");
+            let restarted = Instant::now();
+            loop {
+                match limiter.check_one(b"k", &p, 1).await {
+                    Ok(d) => {
+                        assert!(d.allowed);
+                        break;
+                    }
+                    Err(e) => assert!(RedisLimiter::is_unavailable(&e), "{kind}: {e:?}"),
+                }
+                assert!(
+                    restarted.elapsed() < Duration::from_secs(3),
+                    "{kind}: still failing {:?} after Redis came up",
+                    restarted.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            server.kill().expect("kill");
+        }
+    });
+}

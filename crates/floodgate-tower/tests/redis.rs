@@ -160,6 +160,36 @@ fn app(layer: RateLimitLayer) -> Router {
         .layer(layer)
 }
 
+/// A replica that starts while Redis is down (restarted during an outage) serves at once on its
+/// failure policy, with a lazily connected limiter, and moves to Redis when it comes up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_started_while_redis_is_down_serves_and_moves_to_redis() {
+    let redis = start_redis();
+    tokio::task::block_in_place(|| redis.kill()).expect("kill");
+    let config = RedisConfig::new(&redis.url())
+        .expect("url")
+        .timeout(Duration::from_millis(250))
+        .connect_timeout(Duration::from_millis(250));
+    let layer = RateLimitLayer::builder(RedisLimiter::connect_lazy(&config).expect("lazy"))
+        .rule(Rule::new(policy(2, "lazy")).key(GlobalKey))
+        .store_retry_interval(Duration::from_millis(50))
+        .build()
+        .expect("layer");
+    let client = HttpClient::new(serve(app(layer)).await);
+    // The local fallback (the default) enforces the same policy meanwhile.
+    for _ in 0..2 {
+        let res = client.get("/").await;
+        assert_eq!(
+            (res.status, res.body.as_ref()),
+            (StatusCode::OK, &b"fallback"[..])
+        );
+    }
+    assert_eq!(client.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
+
+    tokio::task::block_in_place(|| redis.restart()).expect("restart");
+    wait_for_source(&client, "store").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failure_policies_with_redis_down_and_back() {
     let redis = start_redis();
