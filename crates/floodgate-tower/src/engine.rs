@@ -656,7 +656,7 @@ where
             if let Some(span) = span {
                 span.record("outcome", "error");
             }
-            if sh.fail_closed {
+            if sh.fail_closed || sh.strict(job) {
                 return Some(sh.reject_unavailable(grpc()));
             }
             if sh.request_info {
@@ -769,8 +769,9 @@ where
             // One check, which reserves nothing ahead (no wait): the future the layer boxes per
             // request holds the limiter's future and little else.
             Mode::Reject => {
-                let (verdict, source, asked) =
-                    self.check_once(&checks, CheckOptions::default()).await?;
+                let (verdict, source, asked) = self
+                    .check_once(&checks, CheckOptions::default(), sh.strict(job))
+                    .await?;
                 Some(Verdicted {
                     verdict,
                     source,
@@ -807,7 +808,9 @@ where
             } else {
                 CheckOptions::default()
             };
-            let (verdict, source, asked) = self.check_once(checks, opts).await?;
+            let (verdict, source, asked) = self
+                .check_once(checks, opts, self.shared.strict(job))
+                .await?;
             let waited = || started.map_or(Duration::ZERO, |s| s.elapsed());
             if verdict.allowed() {
                 if !verdict.wait.is_zero() {
@@ -866,11 +869,13 @@ where
         }
     }
 
-    /// One decision: the store, unless it is failing; then the fallback.
+    /// One decision: the store, unless it is failing; then the fallback, unless a rule of the
+    /// check fails closed (`strict`).
     async fn check_once(
         &self,
         checks: &[Check<'_>],
         opts: CheckOptions,
+        strict: bool,
     ) -> Option<(Verdict, DecisionSource, Instant)> {
         let sh = &self.shared;
         if !sh.health.skip_store() {
@@ -902,6 +907,9 @@ where
                     ));
                 }
             }
+        }
+        if strict {
+            return None;
         }
         sh.fallback_check(checks, opts)
     }
@@ -948,7 +956,11 @@ where
                 }
             }
         }
-        let fallback = sh.fallback_check(&checks, CheckOptions::default());
+        let fallback = if sh.strict(job) {
+            None
+        } else {
+            sh.fallback_check(&checks, CheckOptions::default())
+        };
         drop((checks, entered));
         let result = fallback
             .as_ref()
@@ -958,6 +970,14 @@ where
 }
 
 impl Shared {
+    /// Whether a rule of `job` fails closed when the store cannot decide
+    /// ([`crate::Rule::fail_closed`]).
+    fn strict(&self, job: &Checks) -> bool {
+        job.items
+            .iter()
+            .any(|i| self.table[i.rule].rule.fail_closed)
+    }
+
     fn checks<'a>(&'a self, job: &'a Checks) -> SmallVec<[Check<'a>; 2]> {
         // A plain loop: `collect` into a SmallVec costs several times more for one or two.
         let mut checks = SmallVec::new();

@@ -43,6 +43,7 @@ pub struct Rule {
     methods: Vec<Method>,
     predicate: Option<Predicate>,
     pub(crate) on_missing_key: Option<OnMissingKey>,
+    pub(crate) fail_closed: bool,
 }
 
 type Predicate = Arc<dyn Fn(&RequestView<'_>) -> bool + Send + Sync>;
@@ -66,6 +67,7 @@ impl Rule {
             methods: Vec::new(),
             predicate: None,
             on_missing_key: None,
+            fail_closed: false,
         }
     }
 
@@ -153,6 +155,18 @@ impl Rule {
         self
     }
 
+    /// Refuses the requests this rule applies to when the store cannot decide (503, gRPC
+    /// `UNAVAILABLE`), whatever the layer's [`crate::OnStoreError`]: for a limit that must hold
+    /// across replicas even while Redis is down ("one SMS per phone per 30 minutes"), which the
+    /// local fallback would multiply by the number of replicas and failing open would lift.
+    /// Requests that no such rule applies to keep the layer's failure policy, so one layer can
+    /// fail closed on `/v1/sms` and fall back on everything else.
+    #[must_use]
+    pub fn fail_closed(mut self) -> Self {
+        self.fail_closed = true;
+        self
+    }
+
     /// The policy.
     pub fn policy(&self) -> &Policy {
         &self.policy
@@ -222,6 +236,7 @@ impl fmt::Debug for Rule {
             .field("routes", &self.routes)
             .field("methods", &self.methods)
             .field("predicate", &self.predicate.is_some())
+            .field("fail_closed", &self.fail_closed)
             .finish()
     }
 }

@@ -145,7 +145,12 @@ async fn wait_for_source(client: &HttpClient, want: &str) {
 }
 
 fn app(layer: RateLimitLayer) -> Router {
-    Router::new()
+    app_with(Router::new(), layer)
+}
+
+/// `router` with `/` answering which source decided, under `layer`.
+fn app_with(router: Router, layer: RateLimitLayer) -> Router {
+    router
         .route(
             "/",
             get(|info: Option<RateLimitInfo>| async move {
@@ -188,6 +193,40 @@ async fn a_replica_started_while_redis_is_down_serves_and_moves_to_redis() {
 
     tokio::task::block_in_place(|| redis.restart()).expect("restart");
     wait_for_source(&client, "store").await;
+}
+
+/// A rule that fails closed refuses its requests while Redis is down, whatever the layer's
+/// failure policy; requests it does not apply to keep the layer's (here the local fallback).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fail_closed_rule_refuses_its_requests_while_redis_is_down() {
+    let redis = start_redis();
+    let layer = RateLimitLayer::builder(limiter(&redis).await)
+        .rule(Rule::new(policy(100, "per-ip")).key(GlobalKey))
+        .rule(
+            Rule::new(policy(100, "per-phone"))
+                .key(GlobalKey)
+                .path_prefix("/sms")
+                .fail_closed(),
+        )
+        .timeout(Duration::from_millis(300))
+        .store_retry_interval(Duration::from_millis(50))
+        .build()
+        .expect("layer");
+    let router = Router::new().route("/sms", get(|| async { "sent" }));
+    let client = HttpClient::new(serve(app_with(router, layer)).await);
+    assert_eq!(client.get("/sms").await.status, StatusCode::OK);
+
+    tokio::task::block_in_place(|| redis.kill()).expect("kill");
+    for _ in 0..3 {
+        let res = client.get("/sms").await;
+        assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(res.header("content-type"), Some("application/problem+json"));
+    }
+    let res = client.get("/").await;
+    assert_eq!(
+        (res.status, res.body.as_ref()),
+        (StatusCode::OK, &b"fallback"[..])
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
