@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::Store;
-use floodgate_core::{Check, CheckOptions, DenyCache, Limiter, Policy};
+use floodgate_core::{Check, CheckOptions, DenyCache, Limiter, ManualClock, Policy, Timestamp};
 
 /// A store round trip: concurrent callers pile up as they would.
 const ROUND_TRIP: Duration = Duration::from_micros(300);
@@ -223,9 +223,12 @@ async fn max_hold_sees_another_replicas_refund() {
     let store = Store::new();
     let p = Policy::funnel(1, Duration::from_secs(30 * 60)).expect("valid");
     let checks = [Check::new(b"+15551234", &p)];
-    let x = DenyCache::new(store.clone());
-    let held = DenyCache::new(store.clone());
-    let bounded = DenyCache::new(store.clone()).max_hold(Duration::from_millis(100));
+    // The caches' own clock: the store's (real) one does not matter over 30 minutes.
+    let clock = ManualClock::new(Timestamp::from_micros(1_000_000));
+    let cache = || DenyCache::with_clock(store.clone(), clock.clone(), 1_000);
+    let x = cache();
+    let held = cache();
+    let bounded = cache().max_hold(Duration::from_millis(100));
     let allowed = x.check(&checks, CheckOptions::default()).await.expect("ok");
     assert!(allowed.allowed());
     for cache in [&held, &bounded] {
@@ -249,7 +252,7 @@ async fn max_hold_sees_another_replicas_refund() {
         let retry = v.decisions[0].retry_after.expect("retry");
         assert!(retry > Duration::from_secs(29 * 60), "{retry:?}");
     }
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    clock.advance(Duration::from_millis(150));
     assert!(
         !held
             .check(&checks, CheckOptions::default())
@@ -266,4 +269,15 @@ async fn max_hold_sees_another_replicas_refund() {
             .allowed(),
         "the refund is seen after max_hold"
     );
+    // Zero holds nothing: every check asks the store.
+    let none = cache().max_hold(Duration::ZERO);
+    let before = store.calls.load(Ordering::Relaxed);
+    for _ in 0..3 {
+        let v = none
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok");
+        assert!(!v.allowed());
+    }
+    assert_eq!(store.calls.load(Ordering::Relaxed) - before, 3);
 }

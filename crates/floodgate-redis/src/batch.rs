@@ -219,7 +219,13 @@ pub(crate) async fn run_within(
     let args = encode(groups);
     let arg_refs: SmallVec<[&[u8]; 32]> = args.iter().collect();
     let result = conn
-        .invoke_script_within(check_script_for(groups), &keys, &arg_refs, timeout)
+        .invoke_check_within(
+            check_script_for(groups),
+            &keys,
+            &arg_refs,
+            timeout,
+            refused_reply,
+        )
         .await
         .and_then(|reply| decode(&reply, groups, conn.redacted_url()));
     // The call may have run on the server before it failed (a timeout, a connection lost
@@ -329,6 +335,24 @@ pub(crate) fn group_error(message: &str, keys: &[Vec<u8>], addr: &str) -> Error 
             message: message.to_owned(),
         },
     }
+}
+
+/// Whether a check script's reply carries a server's refusal to serve (`OOM`, `READONLY`...)
+/// as the error of one of its groups or keys: those are the reply's strings, every other
+/// value an integer. The circuit breaker counts such a reply as a failure.
+pub(crate) fn refused_reply(reply: &Value) -> bool {
+    let Value::Array(items) = reply else {
+        return false;
+    };
+    items.iter().any(|item| {
+        let text = match item {
+            Value::BulkString(b) => b.as_slice(),
+            Value::SimpleString(s) => s.as_bytes(),
+            _ => return false,
+        };
+        let code = text.split(|b| *b == b' ').next().unwrap_or_default();
+        std::str::from_utf8(code).is_ok_and(is_refusal)
+    })
 }
 
 /// The same error again, for every check of a failed batch.
@@ -674,6 +698,41 @@ async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
 mod tests {
     use super::*;
     use smallvec::smallvec;
+
+    #[test]
+    fn refusals_inside_the_script_are_unavailable() {
+        let keys = [b"fg:x:{k}".to_vec()];
+        for message in [
+            "READONLY You can't write against a read only replica.",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+        ] {
+            let e = group_error(message, &keys, "redis://h:1");
+            assert!(
+                matches!(&e, Error::NotServing { addr, message: m } if addr == "redis://h:1" && m == message),
+                "{e:?}"
+            );
+            assert!(e.is_connection());
+            let reply = Value::Array(vec![
+                Value::Int(1),
+                Value::Int(0),
+                Value::BulkString(message.as_bytes().to_vec()),
+            ]);
+            assert!(refused_reply(&reply), "{message}");
+        }
+        // A key's own error is not a refusal, nor is a reply of integers.
+        let corrupt = "FLOODGATE_CORRUPT 0 tat is x";
+        assert!(matches!(
+            group_error(corrupt, &keys, "a"),
+            Error::Corrupted { .. }
+        ));
+        for reply in [
+            Value::Array(vec![Value::Int(1), Value::BulkString(corrupt.into())]),
+            Value::Array(vec![Value::Int(1), Value::Int(2)]),
+            Value::Int(3),
+        ] {
+            assert!(!refused_reply(&reply), "{reply:?}");
+        }
+    }
 
     fn group(cost: u64, max_wait: u64) -> Group {
         Group {

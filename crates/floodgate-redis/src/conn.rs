@@ -22,7 +22,8 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::future::join_all;
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, Shared, join_all};
 
 use crate::breaker::{Admit, Breaker, Breakers};
 use redis::aio::{
@@ -112,8 +113,8 @@ struct Inner {
     /// Set once connected: at once by [`RedisConn::connect`], on first use by
     /// [`RedisConn::connect_lazy`].
     backend: OnceCell<Backend>,
-    /// For a lazy connection: what to connect to, until a connection is made.
-    lazy: Option<RedisConfig>,
+    /// For a lazy connection: what to connect to, and the attempt under way.
+    lazy: Option<Lazy>,
     kind: ConnectionKind,
     timeout: Duration,
     /// Redacted, for errors and logs.
@@ -121,6 +122,40 @@ struct Inner {
     key_prefix: String,
     redis_cell: OnceCell<bool>,
     breakers: Breakers,
+}
+
+/// What a lazy connection connects to, and its attempt under way or last made.
+struct Lazy {
+    config: RedisConfig,
+    attempt: std::sync::Mutex<Option<Attempt>>,
+}
+
+/// A connection attempt in a task of its own, awaited by every call that needs it.
+type Attempt = Shared<BoxFuture<'static, RedisResult<()>>>;
+
+impl Lazy {
+    /// The attempt under way; a new one when there is none or the last one failed.
+    fn attempt(&self, conn: &RedisConn) -> Attempt {
+        let mut slot = self
+            .attempt
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(attempt) = &*slot
+            && attempt.peek().is_none_or(Result::is_ok)
+        {
+            return attempt.clone();
+        }
+        let conn = conn.clone();
+        let task = tokio::spawn(async move { conn.connect_now().await });
+        let attempt = async move {
+            task.await
+                .unwrap_or_else(|e| Err(io::Error::other(e.to_string()).into()))
+        }
+        .boxed()
+        .shared();
+        *slot = Some(attempt.clone());
+        attempt
+    }
 }
 
 enum Backend {
@@ -196,29 +231,35 @@ impl RedisConn {
     }
 
     /// A connection made on first use, returned at once: a service can start while Redis is
-    /// down (a replica restarted during an outage), and its calls fail with
-    /// [`Error::Connect`] (unavailable, so a layer's failure policy decides) until Redis can
-    /// be reached. Each call tries to connect until one succeeds, within the connect timeout
-    /// and the call's own; behind the circuit breaker, a Redis that stays down is tried once
-    /// per open period. Once connected, it behaves as [`RedisConn::connect`]'s.
+    /// down (a replica restarted during an outage). Until Redis can be reached, calls fail as
+    /// unavailable ([`Error::Connect`], or [`Error::Timeout`] while an attempt is under way),
+    /// so a layer's failure policy decides them. Each attempt runs in a task of its own within
+    /// the connect timeout, whatever the deadline of the call that started it; calls meanwhile
+    /// wait for it within their own. A failed attempt is followed by a new one at the next
+    /// call (behind the circuit breaker, once per open period while Redis stays down). Once
+    /// connected, it behaves as [`RedisConn::connect`]'s.
     ///
     /// # Errors
-    /// [`Error::Config`] for an invalid configuration, at once.
+    /// [`Error::Config`] for an invalid configuration (a TLS certificate that does not parse
+    /// included), at once.
     pub fn connect_lazy(config: &RedisConfig) -> Result<Self, Error> {
         config.validate()?;
-        config.connection_infos()?;
+        // Built and dropped: any error but reaching the server shows now.
+        client(config, config.kind()).map_err(|e| match e {
+            Opened::Config(e) => e,
+            Opened::Redis(e) => Error::Config(e.to_string()),
+        })?;
         Ok(Self::with_backend(
             config,
             OnceCell::new(),
-            Some(config.clone()),
+            Some(Lazy {
+                config: config.clone(),
+                attempt: std::sync::Mutex::new(None),
+            }),
         ))
     }
 
-    fn with_backend(
-        config: &RedisConfig,
-        backend: OnceCell<Backend>,
-        lazy: Option<RedisConfig>,
-    ) -> Self {
+    fn with_backend(config: &RedisConfig, backend: OnceCell<Backend>, lazy: Option<Lazy>) -> Self {
         let kind = config.kind();
         Self {
             inner: Arc::new(Inner {
@@ -234,33 +275,41 @@ impl RedisConn {
         }
     }
 
-    /// The connection, made now if it is lazy and not made yet (one attempt at a time).
+    /// The connection; for a lazy one not made yet, once the attempt under way (started now if
+    /// none is) has made it.
     async fn backend(&self) -> RedisResult<&Backend> {
         if let Some(backend) = self.inner.backend.get() {
             return Ok(backend);
         }
-        let Some(config) = &self.inner.lazy else {
-            // Unreachable: an eager connection is made before it is returned.
-            return Err(io::Error::other("no connection to Redis").into());
+        let no_connection = || io::Error::other("no connection to Redis").into();
+        // An eager connection is made before it is returned: always `Some` here.
+        let Some(lazy) = &self.inner.lazy else {
+            return Err(no_connection());
         };
-        self.inner
-            .backend
-            .get_or_try_init(|| async {
-                let addr = &self.inner.addr;
-                match open_within(config).await {
-                    Ok(backend) => {
-                        tracing::info!(%addr, "connected to Redis");
-                        Ok(backend)
-                    }
-                    Err(Opened::Redis(e)) => {
-                        tracing::debug!(%addr, error = %e, "cannot connect to Redis yet");
-                        Err(e)
-                    }
-                    // Checked by `connect_lazy`.
-                    Err(Opened::Config(e)) => Err(io::Error::other(e.to_string()).into()),
-                }
-            })
-            .await
+        lazy.attempt(self).await?;
+        self.inner.backend.get().ok_or_else(no_connection)
+    }
+
+    /// One attempt to make a lazy connection.
+    async fn connect_now(&self) -> RedisResult<()> {
+        let Some(lazy) = &self.inner.lazy else {
+            return Ok(());
+        };
+        let addr = &self.inner.addr;
+        match open_within(&lazy.config).await {
+            Ok(backend) => {
+                tracing::info!(%addr, "connected to Redis");
+                // Only this attempt runs: the cell is empty.
+                let _ = self.inner.backend.set(backend);
+                Ok(())
+            }
+            Err(Opened::Redis(e)) => {
+                tracing::debug!(%addr, error = %e, "cannot connect to Redis yet");
+                Err(e)
+            }
+            // Checked by `connect_lazy`.
+            Err(Opened::Config(e)) => Err(io::Error::other(e.to_string()).into()),
+        }
     }
 
     /// How this connection talks to Redis.
@@ -315,13 +364,29 @@ impl RedisConn {
         args: &[&[u8]],
         timeout: Duration,
     ) -> Result<Value, Error> {
+        self.invoke_check_within(script, keys, args, timeout, |_| false)
+            .await
+    }
+
+    /// [`RedisConn::invoke_script_within`] for a script whose reply may carry a refusal to
+    /// serve (`OOM`, `READONLY`...) raised inside it for part of its work, the rest answered:
+    /// `refused` tells, and the circuit breaker counts such a reply as a failure, not a
+    /// success that would reset it.
+    pub(crate) async fn invoke_check_within(
+        &self,
+        script: &Script,
+        keys: &[&[u8]],
+        args: &[&[u8]],
+        timeout: Duration,
+        refused: fn(&Value) -> bool,
+    ) -> Result<Value, Error> {
         let target = self.script_target(keys)?;
         let cmd = evalsha(script, keys, args);
         let slot = match target {
             Target::Slot(slot) => Some(slot),
             _ => None,
         };
-        self.bounded_for("invoke_script", slot, timeout, async {
+        self.bounded_for("invoke_script", slot, timeout, refused, async {
             let mut result = self.send(&cmd, target).await;
             for _ in 0..NOSCRIPT_ROUNDS {
                 match &result {
@@ -348,7 +413,7 @@ impl RedisConn {
     /// when the reply does not convert to `T`, [`Error::Redis`].
     pub async fn query<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, Error> {
         let slot = first_arg(&cmd).map(key_slot);
-        self.bounded_for("query", slot, self.inner.timeout, async {
+        self.bounded_for("query", slot, self.inner.timeout, |_| false, async {
             let value = self
                 .send(&cmd, Target::Default)
                 .await
@@ -523,15 +588,19 @@ impl RedisConn {
         op: &'static str,
         fut: impl Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
-        self.bounded_for(op, None, self.inner.timeout, fut).await
+        self.bounded_for(op, None, self.inner.timeout, |_| false, fut)
+            .await
     }
 
-    /// Runs `fut` within `after`, behind the circuit breaker of `slot` (see `Breakers`).
+    /// Runs `fut` within `after`, behind the circuit breaker of `slot` (see `Breakers`). A
+    /// timeout, a connection error, a refusal to serve or an answer `refused` says is one
+    /// counts as a failure.
     async fn bounded_for<T>(
         &self,
         op: &'static str,
         slot: Option<u16>,
         after: Duration,
+        refused: impl FnOnce(&T) -> bool,
         fut: impl Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
         let breaker = self.inner.breakers.get(slot);
@@ -550,7 +619,10 @@ impl RedisConn {
         let result = tokio::time::timeout(after, fut)
             .await
             .unwrap_or_else(|_| Err(Error::Timeout { after, op }));
-        let unreachable = matches!(&result, Err(e) if e.is_timeout() || e.is_connection());
+        let unreachable = match &result {
+            Ok(answer) => refused(answer),
+            Err(e) => e.is_timeout() || e.is_connection(),
+        };
         if pending.record(!unreachable) {
             tracing::warn!(addr = %self.inner.addr, "Redis unreachable: failing fast for a while (circuit breaker open)");
         }
@@ -772,10 +844,6 @@ impl From<RedisError> for Opened {
 
 /// [`open`] within the connect timeout.
 async fn open_within(config: &RedisConfig) -> Result<Backend, Opened> {
-    #[cfg(feature = "tls")]
-    if config.is_tls() {
-        install_crypto_provider();
-    }
     let connect_timeout = config.get_connect_timeout();
     match tokio::time::timeout(connect_timeout, open(config, config.kind())).await {
         Ok(opened) => opened,
@@ -783,20 +851,30 @@ async fn open_within(config: &RedisConfig) -> Result<Backend, Opened> {
     }
 }
 
-async fn open(config: &RedisConfig, kind: ConnectionKind) -> Result<Backend, Opened> {
+/// What [`open`] connects with, built without reaching the server.
+enum Client {
+    Cluster(redis::cluster::ClusterClient),
+    Single(redis::Client),
+}
+
+/// The client for `config`: a configuration that cannot work (no URL, a TLS certificate that
+/// does not parse) fails here, before any connection is tried.
+fn client(config: &RedisConfig, kind: ConnectionKind) -> Result<Client, Opened> {
+    #[cfg(feature = "tls")]
+    if config.is_tls() {
+        install_crypto_provider();
+    }
     let infos = config.connection_infos().map_err(Opened::Config)?;
-    let connect_timeout = config.get_connect_timeout();
     if kind == ConnectionKind::Cluster {
         let builder = ClusterClientBuilder::new(infos)
-            .connection_timeout(connect_timeout)
+            .connection_timeout(config.get_connect_timeout())
             .response_timeout(config.get_timeout());
         #[cfg(feature = "tls")]
         let builder = match config.tls_certificates() {
             Some(certs) => builder.certs(certs),
             None => builder,
         };
-        let client = builder.build()?;
-        return Ok(Backend::Cluster(client.get_async_connection().await?));
+        return Ok(Client::Cluster(builder.build()?));
     }
     let Some(info) = infos.into_iter().next() else {
         return Err(Opened::Config(Error::Config(
@@ -810,6 +888,17 @@ async fn open(config: &RedisConfig, kind: ConnectionKind) -> Result<Backend, Ope
     };
     #[cfg(not(feature = "tls"))]
     let client = redis::Client::open(info)?;
+    Ok(Client::Single(client))
+}
+
+async fn open(config: &RedisConfig, kind: ConnectionKind) -> Result<Backend, Opened> {
+    let connect_timeout = config.get_connect_timeout();
+    let client = match client(config, kind)? {
+        Client::Cluster(client) => {
+            return Ok(Backend::Cluster(client.get_async_connection().await?));
+        }
+        Client::Single(client) => client,
+    };
     match kind {
         ConnectionKind::Pool { size } => {
             let manager = PoolManager {

@@ -23,7 +23,7 @@ use floodgate_core::{Timestamp, Verdict};
 use redis::{Script, Value};
 use smallvec::{SmallVec, smallvec};
 
-use crate::batch::{Checked, EncodedArgs, duplicate, group_error};
+use crate::batch::{Checked, EncodedArgs, duplicate, group_error, refused_reply};
 use crate::limiter::Group;
 use crate::{Error, RedisConn};
 
@@ -139,7 +139,7 @@ impl<'a> GcraBatch<'a> {
         let args = self.args();
         let arg_refs: SmallVec<[&[u8]; 8]> = args.iter().collect();
         let reply = conn
-            .invoke_script_within(&GCRA_BATCH, &self.keys, &arg_refs, timeout)
+            .invoke_check_within(&GCRA_BATCH, &self.keys, &arg_refs, timeout, refused_reply)
             .await?;
         self.decode(&reply, groups, conn.redacted_url())
     }

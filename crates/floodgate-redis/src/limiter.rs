@@ -224,8 +224,9 @@ impl RedisLimiter {
 
     /// [`RedisLimiter::connect`] without waiting for Redis: the connection is made on first use
     /// ([`RedisConn::connect_lazy`]), so a service can start while Redis is down. Until Redis
-    /// can be reached, checks fail with [`Error::Connect`], which counts as unavailable: a
-    /// layer's failure policy decides them. A configuration error is returned at once.
+    /// can be reached, checks fail as unavailable ([`Error::Connect`], or [`Error::Timeout`]
+    /// while an attempt is under way): a layer's failure policy decides them. A configuration
+    /// error is returned at once.
     pub fn connect_lazy(config: &RedisConfig) -> Result<Self, Error> {
         let conn = RedisConn::connect_lazy(config)?;
         RedisLimiter::new(conn, config.get_key_prefix())
@@ -857,8 +858,9 @@ impl Drop for CheckFuture<'_> {
                 }
             }
             // In flight or not started: its call may still grant the lease, and releasing one
-            // that is not held changes nothing. The release goes after the call on the same
-            // connection.
+            // that is not held changes nothing. On the multiplexed connection the release goes
+            // after the call; on a pool it takes another connection and may arrive first,
+            // and a lease granted after it lapses at its TTL.
             CheckFuture::Boxed(_, unclaimed) => {
                 if let Some(lease) = unclaimed.take() {
                     lease.give_back();
@@ -900,9 +902,14 @@ impl Future for CheckFuture<'_> {
                 "a rate-limit check was polled after it finished".into(),
             )),
         };
-        // The verdict, and with it any lease, goes to the caller: nothing to give back.
-        if let CheckFuture::Batched { unclaimed, .. } | CheckFuture::Boxed(_, unclaimed) = this {
-            *unclaimed = None;
+        // A verdict, and with it any lease, goes to the caller: nothing to give back. A batched
+        // check that gave up waiting (its patience ran out) keeps its lease to give back: the
+        // drop below closes the reply, and takes any verdict that came meanwhile. (A boxed one
+        // gives back what a failed call may have granted itself.)
+        match this {
+            CheckFuture::Batched { unclaimed, .. } if result.is_ok() => *unclaimed = None,
+            CheckFuture::Boxed(_, unclaimed) => *unclaimed = None,
+            _ => {}
         }
         *this = CheckFuture::Done;
         Poll::Ready(result)

@@ -199,8 +199,17 @@ fn fault_a_server_that_refuses_writes_is_unavailable() {
         server
             .cmd_ok(&["CONFIG", "SET", "maxmemory-policy", "noeviction"])
             .expect("CONFIG SET");
+        other
+            .cmd_ok(&["CONFIG", "SET", "repl-diskless-sync-delay", "0"])
+            .expect("CONFIG SET");
         for (code, refuse, serve) in refusals {
             server.cmd_ok(refuse).expect("refuse writes");
+            // A replica answers LOADING or MASTERDOWN while it syncs: wait for READONLY.
+            let synced = Instant::now();
+            while code == "READONLY" && !replica_synced(&server) {
+                assert!(synced.elapsed() < Duration::from_secs(10), "never synced");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             for (name, limiter) in [("batched", &batched), ("unbatched", &unbatched)] {
                 // New keys: each check must write.
                 let (single, key) = (format!("{code}-{name}-1"), format!("{code}-{name}-2"));
@@ -217,15 +226,34 @@ fn fault_a_server_that_refuses_writes_is_unavailable() {
                     let Error::NotServing { message, .. } = &err else {
                         panic!("{code} {name}: expected NotServing, got {err:?}");
                     };
-                    // A replica may answer LOADING or MASTERDOWN while it syncs.
-                    assert!(
-                        code != "OOM" || message.starts_with("OOM"),
-                        "{name}: {message}"
-                    );
+                    assert!(message.starts_with(code), "{name}: {message}");
                     assert!(err.is_connection(), "{code} {name}: {err:?}");
                     assert!(RedisLimiter::is_unavailable(&err), "{code} {name}: {err:?}");
                 }
             }
+            // With the breaker on, refusals inside the script (a group's, the others
+            // answered) open it as whole-call failures do: each must not count as a success.
+            let guarded = RedisLimiter::connect(
+                &RedisConfig::new(&server.url())
+                    .expect("url")
+                    .timeout(Duration::from_secs(2)),
+            )
+            .await
+            .expect("connect");
+            for i in 0..3 {
+                let key = format!("{code}-guarded-{i}");
+                let group = [
+                    Check::new(key.as_bytes(), &window),
+                    Check::new(key.as_bytes(), &log),
+                ];
+                let err = guarded
+                    .check(&group, CheckOptions::default())
+                    .await
+                    .expect_err("refused");
+                assert!(err.is_connection(), "{code}: {err:?}");
+            }
+            assert!(guarded.conn().is_circuit_open(), "{code}");
+
             server.cmd_ok(serve).expect("serve again");
             for limiter in [&batched, &unbatched] {
                 let d = limiter.check_one(code.as_bytes(), &gcra, 1).await;
@@ -233,6 +261,13 @@ fn fault_a_server_that_refuses_writes_is_unavailable() {
             }
         }
     });
+}
+
+/// Whether `server`, made a replica, has synced with its master.
+fn replica_synced(server: &floodgate_testkit::RedisServer) -> bool {
+    let info = server.cmd(&["INFO", "replication"]).expect("INFO");
+    let text = String::from_utf8_lossy(info.as_bytes().expect("bulk reply")).into_owned();
+    text.contains("master_link_status:up")
 }
 
 /// A lazy connection starts while Redis is down: no wait and no error at start, checks fail as

@@ -511,14 +511,16 @@ async fn a_refund_on_one_replica_frees_the_key_another_replica_cached_as_denied(
         }
         assert_eq!(r.status, 429);
         assert!(
-            refunded.elapsed() < Duration::from_secs(3),
+            refunded.elapsed() < Duration::from_secs(5),
             "Y still denies {:?} after X's refund",
             refunded.elapsed()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Within its hold (1 s), and one more should its first probe beat the refund (made in
+    // the background) to Redis: far inside the 60 s window it would otherwise be denied for.
     assert!(
-        refunded.elapsed() < Duration::from_millis(1_500),
+        refunded.elapsed() < Duration::from_millis(2_500),
         "{:?}",
         refunded.elapsed()
     );

@@ -127,7 +127,8 @@ impl<L, C: Clock> DenyCache<L, C> {
     /// for its whole retry time. Set it when keys may be freed early elsewhere: with refunds
     /// (another replica gives back the unit that denied this one, as the layer's `refund_when`
     /// does), a key one request over its limit gets a store call per `max_hold`, and a refund
-    /// made through another replica is seen within `max_hold`.
+    /// made through another replica is seen within `max_hold`. Zero caches nothing: every
+    /// check asks the store.
     pub fn max_hold(mut self, max_hold: Duration) -> Self {
         self.max_hold_us = duration_micros(max_hold);
         self
@@ -385,7 +386,9 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             // An allowed probe leaves the expired entry in place: for a moment after a
             // denial ran out, callers of this check keep coming one at a time, so a crowd
             // that was waiting does not all reach the store at once.
-            if let Some(entry) = entry {
+            if let Some(entry) = entry
+                && self.max_hold_us > 0
+            {
                 self.remember(&fp, now, entry);
             }
         }
