@@ -70,10 +70,15 @@ impl BatchConfig {
 /// A decided check, and the time (µs, server or injected) the script decided it at.
 pub(crate) type Checked = (Verdict, u64);
 
+/// What the batcher answers a check: its result and, with an allowed verdict that holds a
+/// concurrency lease, that lease to give back if nobody claims it (the caller was gone, or
+/// dropped the check before reading the answer).
+pub(crate) type Answer = (Result<Checked, Error>, Option<Unclaimed>);
+
 /// A check waiting for its batch.
 pub(crate) struct Job {
     pub(crate) group: Group,
-    pub(crate) reply: oneshot::Sender<Result<Checked, Error>>,
+    pub(crate) reply: oneshot::Sender<Answer>,
     /// When the caller's per-call timeout runs out: the check fails then, wherever it is.
     pub(crate) deadline: tokio::time::Instant,
 }
@@ -444,7 +449,7 @@ pub(crate) async fn batcher(conn: RedisConn, cfg: BatchConfig, mut rx: mpsc::Rec
                     let (late, on_time): (Vec<Job>, Vec<Job>) =
                         batch.into_iter().partition(|j| j.deadline <= now);
                     for job in late {
-                        let _ = job.reply.send(Err(expired(conn.timeout())));
+                        let _ = job.reply.send((Err(expired(conn.timeout())), None));
                     }
                     batch = on_time;
                 }
@@ -497,17 +502,6 @@ async fn dispatch(conn: RedisConn, jobs: Vec<Job>) {
     join_all(sets.into_values().map(|set| run_set(&conn, set))).await;
 }
 
-/// A concurrency lease granted to a caller that is gone (cancelled while its check was in
-/// flight) is given back at once, instead of holding a slot until the lease expires.
-fn give_back_lease(conn: &RedisConn, group: Group, unsent: Result<Checked, Error>) {
-    let Ok((verdict, _)) = unsent else {
-        return;
-    };
-    if verdict.allowed() {
-        release_lease(conn, &group);
-    }
-}
-
 /// Whether a call that failed with `e` may have run on the server all the same (a timeout, a
 /// lost connection, a reply that could not be read, a write that failed after groups had
 /// committed): every error but those that prove the script never ran, a breaker that refused
@@ -522,13 +516,13 @@ fn may_have_run(e: &Error) -> bool {
 /// Releases the concurrency lease `group` may hold (releasing one it does not hold changes
 /// nothing), in the background.
 fn release_lease(conn: &RedisConn, group: &Group) {
-    if let Some(lease) = Unclaimed::of(conn, group) {
-        lease.give_back();
-    }
+    drop(Unclaimed::of(conn, group));
 }
 
-/// The concurrency lease a check's script call may have granted, for when nobody will hear the
-/// verdict (its caller dropped the check, the reply was lost): given back in the background.
+/// A concurrency lease a check's script call granted, or may have, until the caller claims it
+/// with its verdict: dropped unclaimed (the caller is gone or dropped the check, the call
+/// failed after it may have run), it is given back in the background, instead of holding a
+/// place until its TTL. Releasing a lease that is not held changes nothing.
 pub(crate) struct Unclaimed {
     conn: RedisConn,
     keys: SmallVec<[Vec<u8>; 1]>,
@@ -557,15 +551,31 @@ impl Unclaimed {
         })
     }
 
+    /// The caller has the lease (with its verdict), or the call proved it was not granted.
+    pub(crate) fn claim(mut self) {
+        self.lease = 0;
+    }
+}
+
+impl Drop for Unclaimed {
     /// Releases the lease on every key, in a task on the current tokio runtime (outside one, it
     /// lapses after its TTL).
-    pub(crate) fn give_back(self) {
+    fn drop(&mut self) {
+        if self.lease == 0 {
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::debug!("a concurrency lease nobody holds lapses after its TTL: no runtime");
             return;
         };
+        let (conn, keys, lease, now) = (
+            self.conn.clone(),
+            std::mem::take(&mut self.keys),
+            self.lease,
+            self.now,
+        );
         runtime.spawn(async move {
-            if let Err(e) = release_keys(&self.conn, &self.keys, self.lease, self.now).await {
+            if let Err(e) = release_keys(&conn, &keys, lease, now).await {
                 tracing::debug!(
                     error = %e,
                     "giving back a concurrency lease failed; it lapses after its TTL"
@@ -632,7 +642,7 @@ fn split_late(
     for job in jobs {
         match left(&job) {
             Duration::ZERO => {
-                let _ = job.reply.send(Err(expired(timeout)));
+                let _ = job.reply.send((Err(expired(timeout)), None));
             }
             l if l < margin => late.push(job),
             _ => on_time.push(job),
@@ -673,7 +683,7 @@ async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
         .unwrap_or(Duration::ZERO);
     if left.is_zero() {
         for job in jobs {
-            let _ = job.reply.send(Err(expired(conn.timeout())));
+            let _ = job.reply.send((Err(expired(conn.timeout())), None));
         }
         return;
     }
@@ -681,14 +691,18 @@ async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
     match run_within(conn, &groups, left).await {
         Ok(results) => {
             for (job, result) in jobs.into_iter().zip(results) {
-                if let Err(unsent) = job.reply.send(result) {
-                    give_back_lease(conn, job.group, unsent);
-                }
+                let lease = match &result {
+                    Ok((verdict, _)) if verdict.allowed() => Unclaimed::of(conn, &job.group),
+                    _ => None,
+                };
+                // Unsent (the caller is gone), the answer is dropped here, and its lease given
+                // back.
+                let _ = job.reply.send((result, lease));
             }
         }
         Err(e) => {
             for job in jobs {
-                let _ = job.reply.send(Err(duplicate(&e)));
+                let _ = job.reply.send((Err(duplicate(&e)), None));
             }
         }
     }
@@ -778,9 +792,10 @@ mod tests {
         assert_eq!(left(&on_time), [ms(499), ms(500), ms(100)]);
         for (i, rx) in replies.iter_mut().enumerate() {
             match rx.try_recv() {
-                Ok(Err(Error::Timeout { .. })) => assert_eq!(i, 4),
+                Ok((Err(Error::Timeout { .. }), None)) => assert_eq!(i, 4),
                 Err(oneshot::error::TryRecvError::Empty) => assert!(i < 4, "{i}"),
-                other => panic!("{i}: {other:?}"),
+                Ok((other, _)) => panic!("{i}: {other:?}"),
+                Err(e) => panic!("{i}: {e:?}"),
             }
         }
     }

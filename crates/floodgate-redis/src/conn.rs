@@ -127,6 +127,7 @@ struct Inner {
 /// What a lazy connection connects to, and its attempt under way or last made.
 struct Lazy {
     config: RedisConfig,
+    client: Client,
     attempt: std::sync::Mutex<Option<Attempt>>,
 }
 
@@ -145,8 +146,23 @@ impl Lazy {
         {
             return attempt.clone();
         }
-        let conn = conn.clone();
-        let task = tokio::spawn(async move { conn.connect_now().await });
+        let (conn, config, client) = (conn.clone(), self.config.clone(), self.client.clone());
+        let task = tokio::spawn(async move {
+            let addr = &conn.inner.addr;
+            match open_within(&config, client).await {
+                Ok(backend) => {
+                    tracing::info!(%addr, "connected to Redis");
+                    // Only this attempt runs: the cell is empty.
+                    let _ = conn.inner.backend.set(backend);
+                    Ok(())
+                }
+                Err(Opened::Redis(e)) => {
+                    tracing::debug!(%addr, error = %e, "cannot connect to Redis yet");
+                    Err(e)
+                }
+                Err(Opened::Config(e)) => Err(io::Error::other(e.to_string()).into()),
+            }
+        });
         let attempt = async move {
             task.await
                 .unwrap_or_else(|e| Err(io::Error::other(e.to_string()).into()))
@@ -214,7 +230,7 @@ impl RedisConn {
         config.validate()?;
         let addr = config.redacted_url();
         tracing::debug!(%addr, kind = %config.kind(), "connecting to Redis");
-        let backend = match open_within(config).await {
+        let backend = match async { open_within(config, client(config)?).await }.await {
             Ok(backend) => backend,
             Err(Opened::Config(e)) => return Err(e),
             Err(Opened::Redis(source)) => {
@@ -244,8 +260,8 @@ impl RedisConn {
     /// included), at once.
     pub fn connect_lazy(config: &RedisConfig) -> Result<Self, Error> {
         config.validate()?;
-        // Built and dropped: any error but reaching the server shows now.
-        client(config, config.kind()).map_err(|e| match e {
+        // Any error but reaching the server shows now.
+        let client = client(config).map_err(|e| match e {
             Opened::Config(e) => e,
             Opened::Redis(e) => Error::Config(e.to_string()),
         })?;
@@ -254,6 +270,7 @@ impl RedisConn {
             OnceCell::new(),
             Some(Lazy {
                 config: config.clone(),
+                client,
                 attempt: std::sync::Mutex::new(None),
             }),
         ))
@@ -288,28 +305,6 @@ impl RedisConn {
         };
         lazy.attempt(self).await?;
         self.inner.backend.get().ok_or_else(no_connection)
-    }
-
-    /// One attempt to make a lazy connection.
-    async fn connect_now(&self) -> RedisResult<()> {
-        let Some(lazy) = &self.inner.lazy else {
-            return Ok(());
-        };
-        let addr = &self.inner.addr;
-        match open_within(&lazy.config).await {
-            Ok(backend) => {
-                tracing::info!(%addr, "connected to Redis");
-                // Only this attempt runs: the cell is empty.
-                let _ = self.inner.backend.set(backend);
-                Ok(())
-            }
-            Err(Opened::Redis(e)) => {
-                tracing::debug!(%addr, error = %e, "cannot connect to Redis yet");
-                Err(e)
-            }
-            // Checked by `connect_lazy`.
-            Err(Opened::Config(e)) => Err(io::Error::other(e.to_string()).into()),
-        }
     }
 
     /// How this connection talks to Redis.
@@ -843,15 +838,16 @@ impl From<RedisError> for Opened {
 }
 
 /// [`open`] within the connect timeout.
-async fn open_within(config: &RedisConfig) -> Result<Backend, Opened> {
+async fn open_within(config: &RedisConfig, client: Client) -> Result<Backend, Opened> {
     let connect_timeout = config.get_connect_timeout();
-    match tokio::time::timeout(connect_timeout, open(config, config.kind())).await {
+    match tokio::time::timeout(connect_timeout, open(config, client)).await {
         Ok(opened) => opened,
         Err(_) => Err(Opened::Redis(timed_out("connecting", connect_timeout))),
     }
 }
 
 /// What [`open`] connects with, built without reaching the server.
+#[derive(Clone)]
 enum Client {
     Cluster(redis::cluster::ClusterClient),
     Single(redis::Client),
@@ -859,13 +855,13 @@ enum Client {
 
 /// The client for `config`: a configuration that cannot work (no URL, a TLS certificate that
 /// does not parse) fails here, before any connection is tried.
-fn client(config: &RedisConfig, kind: ConnectionKind) -> Result<Client, Opened> {
+fn client(config: &RedisConfig) -> Result<Client, Opened> {
     #[cfg(feature = "tls")]
     if config.is_tls() {
         install_crypto_provider();
     }
     let infos = config.connection_infos().map_err(Opened::Config)?;
-    if kind == ConnectionKind::Cluster {
+    if config.kind() == ConnectionKind::Cluster {
         let builder = ClusterClientBuilder::new(infos)
             .connection_timeout(config.get_connect_timeout())
             .response_timeout(config.get_timeout());
@@ -891,15 +887,15 @@ fn client(config: &RedisConfig, kind: ConnectionKind) -> Result<Client, Opened> 
     Ok(Client::Single(client))
 }
 
-async fn open(config: &RedisConfig, kind: ConnectionKind) -> Result<Backend, Opened> {
+async fn open(config: &RedisConfig, client: Client) -> Result<Backend, Opened> {
     let connect_timeout = config.get_connect_timeout();
-    let client = match client(config, kind)? {
+    let client = match client {
         Client::Cluster(client) => {
             return Ok(Backend::Cluster(client.get_async_connection().await?));
         }
         Client::Single(client) => client,
     };
-    match kind {
+    match config.kind() {
         ConnectionKind::Pool { size } => {
             let manager = PoolManager {
                 client,

@@ -233,6 +233,7 @@ impl Error {
                 addr: addr.to_owned(),
                 source: e,
             },
+            _ if e.code().is_some_and(is_refusal) => Self::from_redis(e, addr),
             _ if is_script_error(&e) => Self::Script {
                 message: server_message(&e),
             },
@@ -277,18 +278,10 @@ pub(crate) fn is_refusal(code: &str) -> bool {
 fn is_script_error(e: &RedisError) -> bool {
     match e.kind() {
         ErrorKind::Server(ServerErrorKind::ResponseError) => true,
+        // (A refusal to serve, `OOM`..., is told apart before.)
         ErrorKind::Extension => !matches!(
             e.code(),
-            Some(
-                "BUSY"
-                    | "OOM"
-                    | "NOREPLICAS"
-                    | "MISCONF"
-                    | "NOAUTH"
-                    | "WRONGPASS"
-                    | "UNBLOCKED"
-                    | "NOTBUSY"
-            ) | None
+            Some("NOAUTH" | "WRONGPASS" | "UNBLOCKED" | "NOTBUSY") | None
         ),
         _ => false,
     }

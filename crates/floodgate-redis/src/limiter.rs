@@ -381,8 +381,6 @@ impl RedisLimiter {
         let group = self.encode(checks, opts)?;
         let lease = group.lease;
         let slots = self.slots_of(&group);
-        // Only checks of a concurrency policy take a lease; the others carry nothing more.
-        let unclaimed = batch::Unclaimed::of(&self.inner.conn, &group).map(Box::new);
         if let Some((jobs, batcher_runtime)) = self.batcher_on() {
             if slots.is_none() {
                 if let Ok(permit) = jobs.try_reserve() {
@@ -402,15 +400,13 @@ impl RedisLimiter {
                         reply: rx,
                         lease,
                         patience,
-                        unclaimed,
                     });
                 }
             }
         }
-        Ok(CheckFuture::Boxed(
-            Box::pin(self.run_check(checks, opts, group, slots)),
-            unclaimed,
-        ))
+        Ok(CheckFuture::Boxed(Box::pin(
+            self.run_check(checks, opts, group, slots),
+        )))
     }
 
     /// `slots`: the group's [`RedisLimiter::slots_of`].
@@ -489,7 +485,7 @@ impl RedisLimiter {
                 // batcher that stopped answering.
                 let patience = deadline + PATIENCE_MARGIN;
                 match tokio::time::timeout_at(patience, rx).await {
-                    Ok(Ok(result)) => result,
+                    Ok(Ok(answer)) => claimed(answer),
                     Ok(Err(_)) => Err(batcher_gone()),
                     Err(_) => Err(Error::Timeout {
                         after: timeout,
@@ -503,9 +499,20 @@ impl RedisLimiter {
 
     /// One call of the check script for `group` alone.
     async fn run_unbatched(&self, group: &Group) -> Result<Checked, Error> {
+        // Dropped with this future while the call is in flight, the lease the call may grant is
+        // given back. On the multiplexed connection the release goes after the call; on a pool
+        // it takes another connection and may arrive first, and a lease granted after it
+        // lapses at its TTL.
+        let unclaimed = batch::Unclaimed::of(&self.inner.conn, group);
         // Boxed for the same reason as the cross-slot path: a script call's future is large,
         // and the batched path (the default) does not need it here.
-        let mut results = Box::pin(batch::run(&self.inner.conn, &[group])).await?;
+        let results = Box::pin(batch::run(&self.inner.conn, &[group])).await;
+        // Answered: an allowed verdict takes its lease to the caller, and `run` gives back
+        // what a failed call may have granted.
+        if let Some(lease) = unclaimed {
+            lease.claim();
+        }
+        let mut results = results?;
         results.pop().unwrap_or_else(|| Err(batcher_gone()))
     }
 
@@ -792,7 +799,7 @@ fn queue(
     permit: mpsc::Permit<'_, Job>,
     group: Group,
     deadline: tokio::time::Instant,
-) -> oneshot::Receiver<Result<Checked, Error>> {
+) -> oneshot::Receiver<batch::Answer> {
     let (tx, rx) = oneshot::channel();
     permit.send(Job {
         group,
@@ -817,58 +824,22 @@ fn with_lease(verdict: Verdict, lease: u64) -> Verdict {
 /// or drops it when its task is gone; so a check awaited on the batcher's runtime needs no timer
 /// of its own, and only one awaited on another runtime keeps one.
 ///
-/// A check of a concurrency policy dropped before its caller hears the verdict (the client went
-/// away, the layer's timeout) gives back the lease its script call may have granted: nobody
-/// would release it, and it would keep a place taken until its TTL.
+/// A check of a concurrency policy dropped before its caller reads the verdict (the client went
+/// away, the layer's timeout) gives back the lease its script call may have granted: the
+/// batcher's answer carries it unclaimed ([`batch::Unclaimed`]), and an unbatched call holds it
+/// unclaimed until it answers.
 enum CheckFuture<'a> {
     /// In the batcher's queue, or in a batch in flight.
     Batched {
-        reply: oneshot::Receiver<Result<Checked, Error>>,
+        reply: oneshot::Receiver<batch::Answer>,
         lease: u64,
         /// When awaited off the batcher's runtime: a timer past the check's deadline, and the
         /// timeout to report when it fires.
         patience: Option<(Pin<Box<tokio::time::Sleep>>, Duration)>,
-        /// The lease to give back if the check is dropped with its verdict unheard.
-        unclaimed: Option<Box<batch::Unclaimed>>,
     },
-    /// Every other check, and its lease as in `Batched`.
-    Boxed(
-        Pin<Box<dyn Future<Output = Result<Verdict, Error>> + Send + 'a>>,
-        Option<Box<batch::Unclaimed>>,
-    ),
+    /// Every other check.
+    Boxed(Pin<Box<dyn Future<Output = Result<Verdict, Error>> + Send + 'a>>),
     Done,
-}
-
-impl Drop for CheckFuture<'_> {
-    fn drop(&mut self) {
-        match self {
-            CheckFuture::Batched {
-                reply, unclaimed, ..
-            } => {
-                let Some(lease) = unclaimed.take() else {
-                    return;
-                };
-                // Not answered yet: once closed, the batcher cannot hand the verdict over and
-                // gives its lease back itself. Answered: the lease is here, or none was granted.
-                reply.close();
-                if let Ok(Ok((verdict, _))) = reply.try_recv()
-                    && verdict.allowed()
-                {
-                    lease.give_back();
-                }
-            }
-            // In flight or not started: its call may still grant the lease, and releasing one
-            // that is not held changes nothing. On the multiplexed connection the release goes
-            // after the call; on a pool it takes another connection and may arrive first,
-            // and a lease granted after it lapses at its TTL.
-            CheckFuture::Boxed(_, unclaimed) => {
-                if let Some(lease) = unclaimed.take() {
-                    lease.give_back();
-                }
-            }
-            CheckFuture::Done => {}
-        }
-    }
 }
 
 impl Future for CheckFuture<'_> {
@@ -881,10 +852,8 @@ impl Future for CheckFuture<'_> {
                 reply,
                 lease,
                 patience,
-                ..
             } => match Pin::new(reply).poll(cx) {
-                Poll::Ready(Ok(Ok((verdict, _)))) => Ok(with_lease(verdict, *lease)),
-                Poll::Ready(Ok(Err(e))) => Err(e),
+                Poll::Ready(Ok(answer)) => claimed(answer).map(|(v, _)| with_lease(v, *lease)),
                 Poll::Ready(Err(_)) => Err(batcher_gone()),
                 Poll::Pending => {
                     let Some((sleep, after)) = patience else {
@@ -897,23 +866,22 @@ impl Future for CheckFuture<'_> {
                     })
                 }
             },
-            CheckFuture::Boxed(fut, _) => std::task::ready!(fut.as_mut().poll(cx)),
+            CheckFuture::Boxed(fut) => std::task::ready!(fut.as_mut().poll(cx)),
             CheckFuture::Done => Err(Error::Config(
                 "a rate-limit check was polled after it finished".into(),
             )),
         };
-        // A verdict, and with it any lease, goes to the caller: nothing to give back. A batched
-        // check that gave up waiting (its patience ran out) keeps its lease to give back: the
-        // drop below closes the reply, and takes any verdict that came meanwhile. (A boxed one
-        // gives back what a failed call may have granted itself.)
-        match this {
-            CheckFuture::Batched { unclaimed, .. } if result.is_ok() => *unclaimed = None,
-            CheckFuture::Boxed(_, unclaimed) => *unclaimed = None,
-            _ => {}
-        }
         *this = CheckFuture::Done;
         Poll::Ready(result)
     }
+}
+
+/// The batcher's answer, its lease (if any) claimed: the verdict goes to the caller.
+fn claimed((result, lease): batch::Answer) -> Result<Checked, Error> {
+    if let Some(lease) = lease {
+        lease.claim();
+    }
+    result
 }
 
 /// Whether the batching task's end has been logged (once per process).

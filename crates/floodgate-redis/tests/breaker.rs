@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use floodgate_core::{Check, CheckOptions, Limiter, Policy};
 use floodgate_redis::{
-    BatchConfig, BreakerConfig, ConnectionKind, Error, RedisConfig, RedisConn, RedisLimiter,
+    BatchConfig, BreakerConfig, ConnectionKind, Error, RedisConfig, RedisLimiter,
 };
 use support::{run, server};
 
@@ -158,8 +158,8 @@ fn fault_a_cancelled_probe_does_not_wedge_the_breaker() {
 /// of every request paying a round trip and a warning. Decisions come back once it serves.
 #[test]
 fn fault_a_server_that_refuses_writes_is_unavailable() {
-    let server = server();
-    let other = support::server();
+    // `other` is the master the server is made a replica of.
+    let (server, other) = (server(), server());
     run(Duration::from_secs(60), async {
         let gcra = Policy::per_second(1_000).expect("valid");
         let window = Policy::fixed_window(1_000, Duration::from_secs(60)).expect("valid");
@@ -169,10 +169,7 @@ fn fault_a_server_that_refuses_writes_is_unavailable() {
             .timeout(Duration::from_secs(2))
             .circuit_breaker(BreakerConfig::disabled());
         let batched = RedisLimiter::connect(&config).await.expect("connect");
-        let conn = RedisConn::connect(&config).await.expect("connect");
-        let unbatched =
-            RedisLimiter::with_batching(conn, config.get_key_prefix(), BatchConfig::disabled())
-                .expect("valid prefix");
+        let unbatched = support::limiter_batching(&config, BatchConfig::disabled()).await;
         for limiter in [&batched, &unbatched] {
             assert!(
                 limiter
@@ -265,9 +262,8 @@ fn fault_a_server_that_refuses_writes_is_unavailable() {
 
 /// Whether `server`, made a replica, has synced with its master.
 fn replica_synced(server: &floodgate_testkit::RedisServer) -> bool {
-    let info = server.cmd(&["INFO", "replication"]).expect("INFO");
-    let text = String::from_utf8_lossy(info.as_bytes().expect("bulk reply")).into_owned();
-    text.contains("master_link_status:up")
+    let status = server.info("replication", "master_link_status");
+    status.expect("INFO").as_deref() == Some("up")
 }
 
 /// A lazy connection starts while Redis is down: no wait and no error at start, checks fail as

@@ -485,6 +485,16 @@ impl RedisServer {
         self.connect()?.cmd_ok(args)
     }
 
+    /// The value of `field` in `INFO <section>` (`None` when the reply has no such field).
+    ///
+    /// # Errors
+    /// As [`RedisServer::cmd_ok`].
+    pub fn info(&self, section: &str, field: &str) -> Result<Option<String>, TestkitError> {
+        let reply = self.cmd_ok(&["INFO", section])?;
+        let text = String::from_utf8_lossy(reply.as_bytes().unwrap_or_default()).into_owned();
+        Ok(info_field(&text, field).map(str::to_owned))
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }

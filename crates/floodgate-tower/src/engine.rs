@@ -89,6 +89,9 @@ pub(crate) struct Job {
 struct Checks {
     items: SmallVec<[Item; 2]>,
     grpc: bool,
+    /// A rule of these checks fails closed when the store cannot decide
+    /// ([`crate::Rule::fail_closed`]): no fallback decides them.
+    fail_closed: bool,
 }
 
 /// One rule's check: the rule (by position in the table), its key and its cost.
@@ -384,6 +387,7 @@ fn prepare(sh: &Shared, req: &RequestView<'_>, job: &mut Job) -> Option<Response
             continue;
         }
         let cost = rule.cost_of(req);
+        job.checks.fail_closed |= rule.fail_closed;
         match rule.key.extract(req) {
             Extracted::Ready(key) => match key.and_then(|k| sh.check_len(k)) {
                 Ok(key) => job.checks.push(i, key, cost),
@@ -656,7 +660,7 @@ where
             if let Some(span) = span {
                 span.record("outcome", "error");
             }
-            if sh.fail_closed || sh.strict(job) {
+            if sh.fail_closed || job.fail_closed {
                 return Some(sh.reject_unavailable(grpc()));
             }
             if sh.request_info {
@@ -770,7 +774,7 @@ where
             // request holds the limiter's future and little else.
             Mode::Reject => {
                 let (verdict, source, asked) = self
-                    .check_once(&checks, CheckOptions::default(), sh.strict(job))
+                    .check_once(&checks, CheckOptions::default(), job.fail_closed)
                     .await?;
                 Some(Verdicted {
                     verdict,
@@ -808,9 +812,7 @@ where
             } else {
                 CheckOptions::default()
             };
-            let (verdict, source, asked) = self
-                .check_once(checks, opts, self.shared.strict(job))
-                .await?;
+            let (verdict, source, asked) = self.check_once(checks, opts, job.fail_closed).await?;
             let waited = || started.map_or(Duration::ZERO, |s| s.elapsed());
             if verdict.allowed() {
                 if !verdict.wait.is_zero() {
@@ -870,12 +872,12 @@ where
     }
 
     /// One decision: the store, unless it is failing; then the fallback, unless a rule of the
-    /// check fails closed (`strict`).
+    /// check fails closed.
     async fn check_once(
         &self,
         checks: &[Check<'_>],
         opts: CheckOptions,
-        strict: bool,
+        fail_closed: bool,
     ) -> Option<(Verdict, DecisionSource, Instant)> {
         let sh = &self.shared;
         if !sh.health.skip_store() {
@@ -908,10 +910,7 @@ where
                 }
             }
         }
-        if strict {
-            return None;
-        }
-        sh.fallback_check(checks, opts)
+        sh.fallback_check(checks, opts, fail_closed)
     }
 
     /// The in-memory limiter decides synchronously: no future, no box, no clone of the inner
@@ -956,11 +955,7 @@ where
                 }
             }
         }
-        let fallback = if sh.strict(job) {
-            None
-        } else {
-            sh.fallback_check(&checks, CheckOptions::default())
-        };
+        let fallback = sh.fallback_check(&checks, CheckOptions::default(), job.fail_closed);
         drop((checks, entered));
         let result = fallback
             .as_ref()
@@ -970,14 +965,6 @@ where
 }
 
 impl Shared {
-    /// Whether a rule of `job` fails closed when the store cannot decide
-    /// ([`crate::Rule::fail_closed`]).
-    fn strict(&self, job: &Checks) -> bool {
-        job.items
-            .iter()
-            .any(|i| self.table[i.rule].rule.fail_closed)
-    }
-
     fn checks<'a>(&'a self, job: &'a Checks) -> SmallVec<[Check<'a>; 2]> {
         // A plain loop: `collect` into a SmallVec costs several times more for one or two.
         let mut checks = SmallVec::new();
@@ -988,12 +975,14 @@ impl Shared {
         checks
     }
 
+    /// The local fallback's decision; `None` without one, or for checks that fail closed.
     fn fallback_check(
         &self,
         checks: &[Check<'_>],
         opts: CheckOptions,
+        fail_closed: bool,
     ) -> Option<(Verdict, DecisionSource, Instant)> {
-        let fallback = self.fallback.as_ref()?;
+        let fallback = self.fallback.as_ref().filter(|_| !fail_closed)?;
         let asked = Instant::now();
         match fallback.check_sync(checks, opts) {
             Ok(verdict) => Some((verdict, DecisionSource::Fallback, asked)),

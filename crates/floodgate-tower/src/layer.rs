@@ -479,30 +479,27 @@ where
             refund_when: self.refund_when,
             renew_leases: self.renew_leases,
         };
-        let max_hold = self.deny_cache_max_hold.or_else(|| {
-            shared
-                .refund_when
-                .is_some()
-                .then_some(DEFAULT_DENY_CACHE_MAX_HOLD_WITH_REFUNDS)
-        });
-        fn deny_cache<T>(limiter: T, max_hold: Option<Duration>) -> DenyCache<T> {
-            let cache = DenyCache::new(limiter);
-            match max_hold {
-                Some(max_hold) => cache.max_hold(max_hold),
-                None => cache,
-            }
-        }
+        // By default a denial is held its whole retry time; with refunds, another replica's
+        // refund can free a key early.
+        let max_hold = self
+            .deny_cache_max_hold
+            .unwrap_or(if shared.refund_when.is_some() {
+                DEFAULT_DENY_CACHE_MAX_HOLD_WITH_REFUNDS
+            } else {
+                Duration::MAX
+            });
         let local = (&self.limiter as &dyn std::any::Any).is::<MemoryLimiter>();
         let leasing = self.leasing.filter(|_| !local);
         let engine: Arc<dyn DynEngine> = match (self.deny_cache && !local, leasing) {
             (true, Some(cfg)) => Arc::new(Engine::new(
-                deny_cache(
-                    Leasing::with_config(self.limiter, cfg, SystemClock::new()),
-                    max_hold,
-                ),
+                DenyCache::new(Leasing::with_config(self.limiter, cfg, SystemClock::new()))
+                    .max_hold(max_hold),
                 shared,
             )),
-            (true, None) => Arc::new(Engine::new(deny_cache(self.limiter, max_hold), shared)),
+            (true, None) => Arc::new(Engine::new(
+                DenyCache::new(self.limiter).max_hold(max_hold),
+                shared,
+            )),
             (false, Some(cfg)) => Arc::new(Engine::new(
                 Leasing::with_config(self.limiter, cfg, SystemClock::new()),
                 shared,

@@ -349,6 +349,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
 
     async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, L::Error> {
         let cacheable = opts.now.is_none()
+            && self.max_hold_us > 0
             && checks
                 .iter()
                 .all(|c| !matches!(c.policy.kind(), Kind::Concurrency(_)) && c.cost > 0);
@@ -386,9 +387,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             // An allowed probe leaves the expired entry in place: for a moment after a
             // denial ran out, callers of this check keep coming one at a time, so a crowd
             // that was waiting does not all reach the store at once.
-            if let Some(entry) = entry
-                && self.max_hold_us > 0
-            {
+            if let Some(entry) = entry {
                 self.remember(&fp, now, entry);
             }
         }
