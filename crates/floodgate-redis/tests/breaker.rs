@@ -294,9 +294,7 @@ fn fault_a_lazy_connection_starts_while_redis_is_down() {
                 RedisLimiter::connect(&config).await.is_err(),
                 "{kind}: connected to a server that is down"
             );
-            let started = Instant::now();
             let limiter = RedisLimiter::connect_lazy(&config).expect("lazy");
-            assert!(started.elapsed() < Duration::from_millis(50), "{kind}");
             let p = Policy::per_second(1_000).expect("valid");
             let started = Instant::now();
             for _ in 0..20 {
