@@ -84,7 +84,9 @@ fn fault_a_lease_answered_but_never_read_is_given_back() {
             let checks = [Check::new(b"slot", &p)];
             // Redis holds its answer back a moment, so that the first poll cannot find it
             // already there on a busy machine.
-            server.cmd_ok(&["CLIENT", "PAUSE", "100"]).expect("CLIENT PAUSE");
+            server
+                .cmd_ok(&["CLIENT", "PAUSE", "100"])
+                .expect("CLIENT PAUSE");
             let mut check = Box::pin(limiter.check(&checks, CheckOptions::default()));
             std::future::poll_fn(|cx| {
                 assert!(check.as_mut().poll(cx).is_pending(), "decided at once");

@@ -387,7 +387,7 @@ fn prepare(sh: &Shared, req: &RequestView<'_>, job: &mut Job) -> Option<Response
             continue;
         }
         let cost = rule.cost_of(req);
-        job.checks.fail_closed |= rule.fail_closed;
+        let checked = job.checks.items.len();
         match rule.key.extract(req) {
             Extracted::Ready(key) => match key.and_then(|k| sh.check_len(k)) {
                 Ok(key) => job.checks.push(i, key, cost),
@@ -401,6 +401,11 @@ fn prepare(sh: &Shared, req: &RequestView<'_>, job: &mut Job) -> Option<Response
                 job.pending.push((job.checks.items.len(), fut));
                 job.checks.push(i, Key::default(), cost);
             }
+        }
+        // Only a rule that is checked (not one skipped for want of a key) makes the checks
+        // fail closed.
+        if job.checks.items.len() > checked {
+            job.checks.fail_closed |= rule.fail_closed;
         }
     }
     None
