@@ -80,8 +80,9 @@ pub trait LockStore: Send + Sync + 'static {
 
     /// How much of a `ttl` lease a holder must assume lost to clock drift between itself and
     /// the store: a lease taken or extended at `t` is trusted until `t + ttl - clock_drift(ttl)`.
-    /// Zero for a store that expires leases on the holder's own clock (memory) or on one server
-    /// it measures from (a single Redis); Redlock uses `ttl / 100 + 2 ms`.
+    /// Zero for a store that expires leases on the holder's own clock (memory); a Redis server
+    /// expires them on its own, whose rate may differ, and the Redis stores (one server or
+    /// Redlock) allow `ttl / 100 + 2 ms`.
     fn clock_drift(&self, ttl: Duration) -> Duration {
         let _ = ttl;
         Duration::ZERO

@@ -651,8 +651,14 @@ impl LockStore for Redlock {
     }
 
     fn clock_drift(&self, ttl: Duration) -> Duration {
-        ttl / 100 + Duration::from_millis(2)
+        clock_drift(ttl)
     }
+}
+
+/// How much of a `ttl` lease a holder assumes lost to the difference between its clock and a
+/// Redis server's: 1% and 2 ms, as the Redlock algorithm allows.
+pub(crate) fn clock_drift(ttl: Duration) -> Duration {
+    ttl / 100 + Duration::from_millis(2)
 }
 
 #[cfg(test)]

@@ -64,6 +64,41 @@ fn redlock_refuses_a_lease_shorter_than_its_drift_allowance() {
     });
 }
 
+/// One Redis server expires a lease on its own clock, whose rate may differ from the holder's:
+/// the holder trusts it for `ttl / 100 + 2 ms` less, as Redlock does; memory, on the holder's
+/// own clock, loses nothing.
+#[test]
+fn a_single_redis_lease_allows_for_clock_drift() {
+    let server = server();
+    run(Duration::from_secs(20), async {
+        let locks = redis_locks(&server.url()).await;
+        let ttl = Duration::from_secs(10);
+        assert_eq!(locks.clock_drift(ttl), Duration::from_millis(102));
+        assert_eq!(MemoryLocks::new().clock_drift(ttl), Duration::ZERO);
+        let guard = Lock::new(locks, "drift", ttl)
+            .expect("lock")
+            .try_acquire()
+            .await
+            .expect("up")
+            .expect("free");
+        let remaining = guard.remaining();
+        assert!(
+            remaining <= ttl - Duration::from_millis(102),
+            "{remaining:?}"
+        );
+        assert!(remaining > ttl - Duration::from_secs(1), "{remaining:?}");
+        guard.release().await.expect("release");
+        assert!(matches!(
+            Lock::new(
+                redis_locks(&server.url()).await,
+                "n",
+                Duration::from_millis(2)
+            ),
+            Err(Error::Invalid(_))
+        ));
+    });
+}
+
 #[test]
 fn only_the_owner_releases_or_extends() {
     let server = server();

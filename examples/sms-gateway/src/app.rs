@@ -28,6 +28,18 @@ use crate::shared::{Campaign, Idempotency, Shared, now_ms};
 
 /// The most bytes of a `POST /v1/sms` body.
 pub const MAX_SMS_BODY: usize = 16 * 1024;
+
+/// How an idempotency key records an answer whose message may or may not have gone out (a
+/// 502 `provider_unknown`), before its JSON body; accepted answers are stored as their body.
+const UNKNOWN_FATE: &str = "502 ";
+
+/// Marks the refusal of a message that may have gone out, with its body.
+#[derive(Clone)]
+struct UnknownFate(String);
+
+/// The key of the global budget: the one `GlobalKey` gives the layer's rule, so that the API's
+/// messages, the campaigns' and campaign creation all spend one budget.
+pub const GLOBAL_KEY: &[u8] = b"global";
 /// The most bytes of a `POST /v1/campaigns` body.
 pub const MAX_CAMPAIGN_BODY: usize = 4 * 1024 * 1024;
 /// The most numbers in one campaign.
@@ -320,7 +332,12 @@ async fn send_sms<S: Shared>(
         {
             Idempotency::New => {}
             Idempotency::Replay(response) => {
-                let mut r = (StatusCode::ACCEPTED, response).into_response();
+                // An answer whose fate was unknown replays as such: the message may have gone
+                // out, and a retry must not send it again.
+                let mut r = match response.strip_prefix(UNKNOWN_FATE) {
+                    Some(body) => (StatusCode::BAD_GATEWAY, body.to_owned()).into_response(),
+                    None => (StatusCode::ACCEPTED, response).into_response(),
+                };
                 r.headers_mut().insert(
                     http::header::CONTENT_TYPE,
                     http::HeaderValue::from_static("application/json"),
@@ -356,10 +373,18 @@ async fn send_sms<S: Shared>(
             let task = tokio::spawn(async move {
                 let _in_flight = in_flight;
                 let answer = accept_sms(&app, peer, &headers, &phone, &text).await;
-                let recorded = match &answer {
-                    Ok((_, body)) => app.shared.idempotency_finish(&key, &request, body).await,
-                    // Not accepted: the same key may be retried.
-                    Err(_) => app.shared.idempotency_abort(&key).await,
+                // What a retry with this key gets: an accepted answer, or one whose message
+                // was perhaps sent; `None`: not accepted, the same key may be retried.
+                let stored = match &answer {
+                    Ok((_, body)) => Some(body.clone()),
+                    Err(refused) => refused
+                        .extensions()
+                        .get::<UnknownFate>()
+                        .map(|u| format!("{UNKNOWN_FATE}{}", u.0)),
+                };
+                let recorded = match stored {
+                    Some(stored) => app.shared.idempotency_finish(&key, &request, &stored).await,
+                    None => app.shared.idempotency_abort(&key).await,
                 };
                 if let Err(e) = recorded {
                     tracing::warn!(error = %e, "could not record an idempotency key");
@@ -410,7 +435,7 @@ async fn accept_sms<S: Shared>(
     let policies = [&l.client_ip, &l.global, &l.phone, &l.phone_daily];
     let checks = [
         Check::new(ip.as_bytes(), &l.client_ip),
-        Check::new(b"", &l.global),
+        Check::new(GLOBAL_KEY, &l.global),
         Check::new(phone.as_str().as_bytes(), &l.phone),
         Check::new(phone.as_str().as_bytes(), &l.phone_daily),
     ];
@@ -432,13 +457,17 @@ async fn accept_sms<S: Shared>(
         metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
         tracing::warn!(error = %e, "the SMS provider failed");
         if !e.not_sent() {
-            // It may have gone out: it counts, or a retry could message the phone twice.
-            return Err(ApiError::new(
+            // It may have gone out: it counts, or a retry could message the phone twice; and a
+            // retry with the same Idempotency-Key gets this answer again.
+            let error = ApiError::new(
                 StatusCode::BAD_GATEWAY,
                 "provider_unknown",
                 "the SMS provider did not confirm the message; it may have been sent",
-            )
-            .into_response());
+            );
+            let body = error.body().to_string();
+            let mut response = error.into_response();
+            response.extensions_mut().insert(UnknownFate(body));
+            return Err(response);
         }
         // The message did not go out: it does not count against any limit, so the client can
         // try again at once.

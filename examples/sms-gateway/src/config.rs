@@ -244,6 +244,13 @@ impl Config {
         if config.campaign_lease < Duration::from_millis(300) {
             return Err(bad("campaign_lease", "must be at least 300ms"));
         }
+        // A longer lease would be refused by every campaign lock, and no campaign sent.
+        if config.campaign_lease > floodgate::lock::MAX_TTL {
+            return Err(bad(
+                "campaign_lease",
+                &format!("must be at most {:?}", floodgate::lock::MAX_TTL),
+            ));
+        }
         Ok(config)
     }
 }
@@ -276,6 +283,10 @@ mod tests {
         assert_eq!(err.name, "trusted_proxies");
         let err = Config::load(cli(&["--utc-offset", "+25:00"])).expect_err("bad");
         assert_eq!(err.name, "utc_offset");
+        // Longer than any lock lease: no campaign would ever be dispatched.
+        let err = Config::load(cli(&["--campaign-lease", "60d"])).expect_err("bad");
+        assert_eq!(err.name, "campaign_lease");
+        assert!(err.reason.contains("at most"), "{}", err.reason);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use floodgate::lock::{Lock, LockGuard};
 use floodgate::{Check, CheckOptions, Limiter};
 use tokio::sync::watch;
 
-use crate::app::{App, message_id};
+use crate::app::{App, GLOBAL_KEY, message_id};
 use crate::provider::OutboundSms;
 use crate::shared::{Campaign, Outcome, Shared, now_ms};
 
@@ -113,7 +113,29 @@ async fn dispatch<S: Shared>(
                     return;
                 }
             }
-            let outcome = send_one(app, &campaign, phone).await;
+            let outcome = loop {
+                match send_one(app, &campaign, phone).await {
+                    Step::Done(outcome) => break outcome,
+                    // The global budget is spent: this number waits for it, as long as the
+                    // lease holds.
+                    Step::Wait(retry) if !guard.is_lost() && !*shutdown.borrow() => {
+                        let mut stop = shutdown.clone();
+                        tokio::select! {
+                            _ = tokio::time::sleep(retry) => {}
+                            _ = stop.changed() => {}
+                        }
+                    }
+                    // The store failed before the send (or the lease is going): the number
+                    // goes back for whoever dispatches the campaign next, instead of being
+                    // recorded as failed.
+                    Step::Wait(_) | Step::Unsure => {
+                        if let Err(e) = app.shared.campaign_unclaim(id, phone, instance).await {
+                            tracing::warn!(campaign = %id, error = %e, "cannot give a number back");
+                        }
+                        return;
+                    }
+                }
+            };
             if let Err(e) = app.shared.campaign_record(id, phone, outcome).await {
                 tracing::warn!(campaign = %id, error = %e, "cannot record an outcome");
                 return;
@@ -138,19 +160,31 @@ async fn dispatch<S: Shared>(
     }
 }
 
+/// What became of one number, or why it is not decided yet.
+enum Step {
+    Done(Outcome),
+    /// The global budget is spent: try again after this.
+    Wait(Duration),
+    /// The store failed before the send: whether the number opted out, or its limits, are not
+    /// known.
+    Unsure,
+}
+
 /// One number: refused if opted out, limited by the per-phone limits (reported, not retried),
-/// otherwise sent.
-async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> Outcome {
+/// held back while the global budget is spent (campaign messages count against it as the API's
+/// do), otherwise sent.
+async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> Step {
     match app.shared.is_opted_out(phone).await {
-        Ok(true) => return Outcome::OptedOut,
+        Ok(true) => return Step::Done(Outcome::OptedOut),
         Ok(false) => {}
         // Unsure: never message a number that might have opted out.
-        Err(_) => return Outcome::Failed,
+        Err(_) => return Step::Unsure,
     }
     let l = &app.limits;
     let checks = [
         Check::new(phone.as_bytes(), &l.phone),
         Check::new(phone.as_bytes(), &l.phone_daily),
+        Check::new(GLOBAL_KEY, &l.global),
     ];
     let verdict = match app
         .shared
@@ -159,11 +193,18 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
         .await
     {
         Ok(v) if v.allowed() => v,
-        Ok(_) => {
+        Ok(v) => {
+            let [phone, daily, global] = &v.decisions[..] else {
+                return Step::Unsure;
+            };
+            if phone.allowed && daily.allowed {
+                // A retry time always comes with a cost of one.
+                return Step::Wait(global.retry_after.unwrap_or(Duration::from_millis(10)));
+            }
             metrics::counter!("sms_rejected_total", "limit" => "campaign-phone").increment(1);
-            return Outcome::Limited;
+            return Step::Done(Outcome::Limited);
         }
-        Err(_) => return Outcome::Failed,
+        Err(_) => return Step::Unsure,
     };
     let sms = OutboundSms {
         id: message_id(),
@@ -176,7 +217,7 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
     match app.provider.send(&sms).await {
         Ok(()) => {
             metrics::counter!("sms_sent_total", "source" => "campaign").increment(1);
-            Outcome::Sent
+            Step::Done(Outcome::Sent)
         }
         Err(e) => {
             metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
@@ -185,7 +226,7 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
             if e.not_sent() {
                 crate::app::refund(app, &checks, &verdict).await;
             }
-            Outcome::Failed
+            Step::Done(Outcome::Failed)
         }
     }
 }

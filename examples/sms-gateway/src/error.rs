@@ -50,12 +50,19 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+impl ApiError {
+    /// The JSON body: `{"error": {"code", "message", "field"?}}`.
+    pub fn body(&self) -> serde_json::Value {
         let mut error = json!({"code": self.code, "message": self.message});
-        if let Some(field) = self.field {
+        if let Some(field) = &self.field {
             error["field"] = json!(field);
         }
-        (self.status, Json(json!({ "error": error }))).into_response()
+        json!({ "error": error })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
     }
 }

@@ -38,6 +38,20 @@ return 1
 ",
     )
 });
+/// Gives back a number a dispatcher claimed and did not send (KEYS[1]: the campaign's `:done`
+/// hash; ARGV: the number, the claim `claimed:<instance>`): only that claim, never an outcome
+/// or another replica's claim. 1 when given back.
+static UNCLAIM: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+",
+    )
+});
+
 /// The most idempotency keys kept in memory (the oldest expire first).
 const MAX_MEMORY_IDEMPOTENCY_KEYS: usize = 200_000;
 
@@ -172,6 +186,14 @@ pub trait Shared: Send + Sync + 'static {
         phone: &str,
         instance: &str,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Gives back a number this replica claimed and did not send (the store failed before the
+    /// send): whoever dispatches the campaign next sends it.
+    fn campaign_unclaim(
+        &self,
+        id: &str,
+        phone: &str,
+        instance: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
     fn campaign_record(
         &self,
         id: &str,
@@ -387,6 +409,22 @@ impl Shared for MemoryShared {
         Ok(true)
     }
 
+    async fn campaign_unclaim(
+        &self,
+        id: &str,
+        phone: &str,
+        _instance: &str,
+    ) -> Result<(), StoreError> {
+        let mut campaigns = locked(&self.campaigns);
+        if let Some(c) = campaigns.get_mut(id)
+            && c.done.get(phone) == Some(&None)
+        {
+            c.done.remove(phone);
+            c.campaign.claimed -= 1;
+        }
+        Ok(())
+    }
+
     async fn campaign_record(
         &self,
         id: &str,
@@ -470,16 +508,43 @@ impl RedisShared {
             .map_err(err)?
             .build();
         let bloom = RedisBloom::new(conn.clone(), "optouts", optout_params()).map_err(err)?;
-        // Created once by whichever replica comes first; the others find it with the same
-        // parameters (a filter with others is an error, never silently reused).
-        bloom.try_init().await.map_err(err)?;
-        Ok(RedisShared {
+        let shared = RedisShared {
             limiter,
             locks,
             conn,
             bloom,
             prefix: prefix.to_owned(),
-        })
+        };
+        shared.ensure_filter().await?;
+        Ok(shared)
+    }
+
+    /// Creates the opt-out filter if it is missing (the first replica, or a filter key lost
+    /// to eviction, a failover or an operator), filled from the exact set: an empty filter
+    /// would hide every earlier opt-out. The others find it with the same parameters (a
+    /// filter with others is an error, never silently reused). While one replica fills a
+    /// filter it just created, another that finds it may miss an opt-out not added yet.
+    async fn ensure_filter(&self) -> Result<(), StoreError> {
+        if !self.bloom.try_init().await.map_err(err)? {
+            return Ok(());
+        }
+        let mut cursor = 0u64;
+        loop {
+            let mut scan = redis::cmd("SSCAN");
+            scan.arg(self.key(&["optouts"]))
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(1_000);
+            let (next, phones): (u64, Vec<String>) = self.query(scan).await?;
+            if !phones.is_empty() {
+                let items: Vec<&[u8]> = phones.iter().map(|p| p.as_bytes()).collect();
+                self.bloom.add_many(&items).await.map_err(err)?;
+            }
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
     }
 
     fn key(&self, parts: &[&str]) -> String {
@@ -566,7 +631,13 @@ impl Shared for RedisShared {
     async fn opt_out(&self, phone: &str) -> Result<bool, StoreError> {
         // The filter first (see the memory store): a failure in between leaves a false
         // positive, never a hidden opt-out.
-        self.bloom.add(phone.as_bytes()).await.map_err(err)?;
+        if let Err(e) = self.bloom.add(phone.as_bytes()).await {
+            if !e.is_not_initialized() {
+                return Err(err(e));
+            }
+            self.ensure_filter().await?;
+            self.bloom.add(phone.as_bytes()).await.map_err(err)?;
+        }
         let mut add = redis::cmd("SADD");
         add.arg(self.key(&["optouts"])).arg(phone);
         let new: i64 = self.query(add).await?;
@@ -574,8 +645,12 @@ impl Shared for RedisShared {
     }
 
     async fn is_opted_out(&self, phone: &str) -> Result<bool, StoreError> {
-        if !self.bloom.contains(phone.as_bytes()).await.map_err(err)? {
-            return Ok(false);
+        match self.bloom.contains(phone.as_bytes()).await {
+            Ok(false) => return Ok(false),
+            Ok(true) => {}
+            // The filter is gone: made again, and the exact set answers.
+            Err(e) if e.is_not_initialized() => self.ensure_filter().await?,
+            Err(e) => return Err(err(e)),
         }
         let mut member = redis::cmd("SISMEMBER");
         member.arg(self.key(&["optouts"])).arg(phone);
@@ -668,6 +743,25 @@ impl Shared for RedisShared {
             .arg(phone)
             .arg(format!("claimed:{instance}"));
         Ok(self.query::<i64>(claim).await? == 1)
+    }
+
+    async fn campaign_unclaim(
+        &self,
+        id: &str,
+        phone: &str,
+        instance: &str,
+    ) -> Result<(), StoreError> {
+        let key = self.campaign_key(id, ":done");
+        let claim = format!("claimed:{instance}");
+        self.conn
+            .invoke_script(
+                &UNCLAIM,
+                &[key.as_bytes()],
+                &[phone.as_bytes(), claim.as_bytes()],
+            )
+            .await
+            .map_err(err)?;
+        Ok(())
     }
 
     async fn campaign_record(
@@ -783,6 +877,129 @@ mod tests {
     #[tokio::test]
     async fn a_stale_dispatcher_cannot_reopen_a_campaign_in_memory() {
         stale_progress_is_ignored(&MemoryShared::new().expect("store")).await;
+    }
+
+    /// A number given back can be claimed again, and counts as claimed no more; a number with
+    /// an outcome, or another replica's claim, is not given back.
+    async fn unclaimed_numbers_are_claimed_again<S: Shared>(store: &S) {
+        let campaign = Campaign {
+            id: "u1".into(),
+            status: "pending".into(),
+            total: 2,
+            text: "hi".into(),
+            ..Campaign::default()
+        };
+        let (a, b) = ("+8613800000011", "+8613800000012");
+        let phones = [a, b].map(String::from);
+        store
+            .campaign_create(&campaign, &phones)
+            .await
+            .expect("create");
+        assert!(store.campaign_claim("u1", a, "x").await.expect("claim"));
+        store.campaign_unclaim("u1", a, "x").await.expect("unclaim");
+        let c = store
+            .campaign_get("u1")
+            .await
+            .expect("get")
+            .expect("stored");
+        assert_eq!(c.claimed, 0, "{c:?}");
+        assert!(
+            store
+                .campaign_claim("u1", a, "y")
+                .await
+                .expect("claim again")
+        );
+        store
+            .campaign_record("u1", a, Outcome::Sent)
+            .await
+            .expect("record");
+        store.campaign_unclaim("u1", a, "y").await.expect("unclaim");
+        assert!(!store.campaign_claim("u1", a, "z").await.expect("claim"));
+        assert!(store.campaign_claim("u1", b, "y").await.expect("claim"));
+        let c = store
+            .campaign_get("u1")
+            .await
+            .expect("get")
+            .expect("stored");
+        assert_eq!((c.claimed, c.sent), (2, 1), "{c:?}");
+    }
+
+    /// A lost opt-out filter (evicted, deleted) hides no opt-out: it is made again from the
+    /// exact set, by the replica that finds it gone and by one that starts after.
+    #[tokio::test]
+    async fn a_lost_opt_out_filter_is_rebuilt_from_the_set() {
+        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
+        let store = RedisShared::connect(&server.url(), "optouts")
+            .await
+            .expect("connect");
+        let (a, b) = ("+8613800000021", "+8613800000022");
+        assert!(store.opt_out(a).await.expect("opt out"));
+        store.bloom.delete().await.expect("delete the filter");
+        assert!(store.is_opted_out(a).await.expect("answered"), "found gone");
+        assert!(store.bloom.contains(a.as_bytes()).await.expect("rebuilt"));
+        store.bloom.delete().await.expect("delete the filter");
+        assert!(
+            store
+                .opt_out(b)
+                .await
+                .expect("opt out with the filter gone")
+        );
+        store.bloom.delete().await.expect("delete the filter");
+        let restarted = RedisShared::connect(&server.url(), "optouts")
+            .await
+            .expect("connect");
+        for phone in [a, b] {
+            assert!(
+                restarted.is_opted_out(phone).await.expect("answered"),
+                "{phone}"
+            );
+        }
+        assert!(
+            !restarted
+                .is_opted_out("+8613800000023")
+                .await
+                .expect("answered")
+        );
+    }
+
+    #[tokio::test]
+    async fn unclaimed_numbers_are_claimed_again_in_memory() {
+        unclaimed_numbers_are_claimed_again(&MemoryShared::new().expect("store")).await;
+    }
+
+    #[tokio::test]
+    async fn unclaimed_numbers_are_claimed_again_in_redis() {
+        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
+        let store = RedisShared::connect(&server.url(), "unclaim")
+            .await
+            .expect("connect");
+        unclaimed_numbers_are_claimed_again(&store).await;
+        // Another replica's claim stays.
+        assert!(
+            store
+                .campaign_claim("u1", "+8613800000099", "y")
+                .await
+                .is_ok()
+        );
+        let key = store.campaign_key("u1", ":done");
+        let _: i64 = store
+            .query({
+                let mut c = redis::cmd("HSET");
+                c.arg(&key).arg("+8613800000013").arg("claimed:other");
+                c
+            })
+            .await
+            .expect("HSET");
+        store
+            .campaign_unclaim("u1", "+8613800000013", "y")
+            .await
+            .expect("unclaim");
+        assert!(
+            !store
+                .campaign_claim("u1", "+8613800000013", "y")
+                .await
+                .expect("claim")
+        );
     }
 
     #[tokio::test]

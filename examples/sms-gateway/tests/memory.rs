@@ -2,9 +2,9 @@
 
 mod support;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use support::{Gateway, Http, sms, temp_dir};
+use support::{Gateway, Http, sms, temp_dir, wait_campaign};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_in_memory_limits_validates_and_opts_out() {
@@ -217,6 +217,44 @@ async fn only_creating_campaigns_spends_the_global_budget() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// One global budget of messages: the API's messages, creating a campaign and the campaign's
+/// messages all spend it. Under one per second, a message through the API leaves nothing for
+/// creating a campaign at once; a campaign of three numbers then takes three seconds or so to
+/// send (its creation spent one), each number sent when the budget allows, none limited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_and_campaigns_spend_one_global_budget() {
+    let dir = temp_dir("budget");
+    let gw = Gateway::start(
+        &dir,
+        "budget",
+        &[("GLOBAL_PER_SECOND", "1"), ("IP_PER_MINUTE", "1000")],
+    );
+    let http = Http::new();
+    let campaign =
+        r#"{"text":"sale","phones":["+8613877777701","+8613877777702","+8613877777703"]}"#;
+    let sent = http
+        .post(&gw.url("/v1/sms"), &sms("+8613877777700", "hello"))
+        .await;
+    assert_eq!(sent.status, 202, "{}", sent.body);
+    let refused = http.post(&gw.url("/v1/campaigns"), campaign).await;
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+
+    let created = http.post(&gw.url("/v1/campaigns"), campaign).await;
+    let started = Instant::now();
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.body["id"].as_str().expect("id").to_owned();
+    let progress = wait_campaign(&http, &[&gw], &id, Duration::from_secs(30)).await;
+    assert_eq!(progress["sent"], 3, "{progress}");
+    assert_eq!(progress["limited"], 0, "{progress}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(2_500),
+        "three messages under one per second in {:?}",
+        started.elapsed()
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// How the test webhook answers.
 const TAKE: u8 = 0;
 const REFUSE: u8 = 1;
@@ -325,4 +363,23 @@ async fn a_message_the_provider_refused_does_not_count() {
         "a message that may have gone out must count: {}",
         retried.body
     );
+
+    // With an Idempotency-Key, a retry of a message whose fate is unknown gets that answer
+    // again: no second send, no new decision.
+    let third = "+8613844444444";
+    let with_key = [
+        ("content-type", "application/json"),
+        ("idempotency-key", "fate-unknown-1"),
+    ];
+    mode.store(STALL, Ordering::SeqCst);
+    let url = gw.url("/v1/sms");
+    let unknown = http.send("POST", &url, &with_key, &sms(third, "hi")).await;
+    assert_eq!(unknown.status, 502, "{}", unknown.body);
+    assert_eq!(unknown.body["error"]["code"], "provider_unknown");
+    mode.store(TAKE, Ordering::SeqCst);
+    let replayed = http.send("POST", &url, &with_key, &sms(third, "hi")).await;
+    assert_eq!(replayed.status, 502, "{}", replayed.body);
+    assert_eq!(replayed.body["error"]["code"], "provider_unknown");
+    assert_eq!(replayed.headers["idempotent-replayed"], "true");
+    assert_eq!(taken.load(Ordering::SeqCst), 1, "sent again");
 }
