@@ -248,7 +248,7 @@ impl Config {
         if config.campaign_lease > floodgate::lock::MAX_TTL {
             return Err(bad(
                 "campaign_lease",
-                &format!("must be at most {:?}", floodgate::lock::MAX_TTL),
+                format!("must be at most {:?}", floodgate::lock::MAX_TTL),
             ));
         }
         Ok(config)
