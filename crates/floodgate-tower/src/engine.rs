@@ -387,7 +387,6 @@ fn prepare(sh: &Shared, req: &RequestView<'_>, job: &mut Job) -> Option<Response
             continue;
         }
         let cost = rule.cost_of(req);
-        let checked = job.checks.items.len();
         match rule.key.extract(req) {
             Extracted::Ready(key) => match key.and_then(|k| sh.check_len(k)) {
                 Ok(key) => job.checks.push(i, key, cost),
@@ -402,12 +401,8 @@ fn prepare(sh: &Shared, req: &RequestView<'_>, job: &mut Job) -> Option<Response
                 job.checks.push(i, Key::default(), cost);
             }
         }
-        // Only a rule that is checked (not one skipped for want of a key) makes the checks
-        // fail closed.
-        if job.checks.items.len() > checked {
-            job.checks.fail_closed |= rule.fail_closed;
-        }
     }
+    job.checks.fail_closed = sh.fails_closed(&job.checks);
     None
 }
 
@@ -611,6 +606,7 @@ where
         for &pos in skipped.iter().rev() {
             job.items.remove(pos);
         }
+        job.fail_closed = sh.fails_closed(job);
         job.items
             .is_empty()
             .then(|| Decided::Allow(Allowed::default()))
@@ -970,6 +966,14 @@ where
 }
 
 impl Shared {
+    /// Whether a rule that is checked (not one skipped for want of a key) fails closed when
+    /// the store cannot decide ([`crate::Rule::fail_closed`]).
+    fn fails_closed(&self, job: &Checks) -> bool {
+        job.items
+            .iter()
+            .any(|i| self.table[i.rule].rule.fail_closed)
+    }
+
     fn checks<'a>(&'a self, job: &'a Checks) -> SmallVec<[Check<'a>; 2]> {
         // A plain loop: `collect` into a SmallVec costs several times more for one or two.
         let mut checks = SmallVec::new();

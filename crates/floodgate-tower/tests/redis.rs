@@ -204,7 +204,8 @@ async fn a_fail_closed_rule_refuses_its_requests_while_redis_is_down() {
         .rule(Rule::new(policy(100, "per-ip")).key(GlobalKey))
         .rule(
             Rule::new(policy(100, "per-phone"))
-                .key(GlobalKey)
+                .key(floodgate_tower::key::HeaderKey::named("x-phone").expect("header"))
+                .on_missing_key(floodgate_tower::OnMissingKey::Allow)
                 .path_prefix("/sms")
                 .fail_closed(),
         )
@@ -214,14 +215,22 @@ async fn a_fail_closed_rule_refuses_its_requests_while_redis_is_down() {
         .expect("layer");
     let router = Router::new().route("/sms", get(|| async { "sent" }));
     let client = HttpClient::new(serve(app_with(router, layer)).await);
-    assert_eq!(client.get("/sms").await.status, StatusCode::OK);
+    let phone: [(&str, &[u8]); 1] = [("x-phone", b"+15551234")];
+    assert_eq!(client.get_with("/sms", &phone).await.status, StatusCode::OK);
 
     tokio::task::block_in_place(|| redis.kill()).expect("kill");
     for _ in 0..3 {
-        let res = client.get("/sms").await;
+        let res = client.get_with("/sms", &phone).await;
         assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(res.header("content-type"), Some("application/problem+json"));
     }
+    // Without a phone the rule is not checked (its missing key is allowed): the request
+    // keeps the layer's failure policy.
+    let res = client.get("/sms").await;
+    assert_eq!(
+        (res.status, res.body.as_ref()),
+        (StatusCode::OK, &b"sent"[..])
+    );
     let res = client.get("/").await;
     assert_eq!(
         (res.status, res.body.as_ref()),

@@ -50,6 +50,9 @@ pub const MAX_CAMPAIGN_PHONES: usize = 100_000;
 pub struct Limits {
     pub client_ip: Policy,
     pub global: Policy,
+    /// The campaigns' share of the global budget, four fifths: while campaigns run, the API
+    /// keeps the rest.
+    pub campaigns: Policy,
     pub phone: Policy,
     pub phone_daily: Policy,
 }
@@ -61,6 +64,8 @@ impl Limits {
             client_ip: Policy::sliding_window(c.ip_per_minute, Duration::from_secs(60))?
                 .named("client-ip")?,
             global: Policy::per_second(c.global_per_second)?.named("global")?,
+            campaigns: Policy::per_second((c.global_per_second * 4 / 5).max(1))?
+                .named("campaigns")?,
             // The article's funnel: capacity 1 draining in 30 minutes by default.
             phone: Policy::funnel(c.phone_burst, c.phone_interval)?.named("phone")?,
             phone_daily: Policy::calendar_window(c.phone_daily_limit, 1, CalendarUnit::Day)?
@@ -142,8 +147,9 @@ pub fn router<S: Shared>(app: Arc<App<S>>) -> Result<Router, floodgate::tower::C
     let trusted = TrustedProxies::new(app.config.trusted_proxies.iter().copied());
     let layer = RateLimitLayer::builder(app.shared.limiter().clone())
         .rule(Rule::new(app.limits.client_ip.clone()).key(ClientIp::new(trusted)))
-        // The global budget is a budget of messages: only creating a campaign spends it, not
-        // reading one or opting out (cheap requests many clients could use to exhaust it).
+        // The global budget is a budget of messages (a campaign's spend it as they are sent):
+        // of the other routes, only creating a campaign spends it, not reading one or opting
+        // out (cheap requests many clients could use to exhaust it).
         .rule(
             Rule::new(app.limits.global.clone())
                 .key(floodgate::tower::key::GlobalKey)

@@ -113,28 +113,39 @@ async fn dispatch<S: Shared>(
                     return;
                 }
             }
-            let outcome = loop {
-                match send_one(app, &campaign, phone).await {
-                    Step::Done(outcome) => break outcome,
-                    // The global budget is spent: this number waits for it, as long as the
-                    // lease holds.
-                    Step::Wait(retry) if !guard.is_lost() && !*shutdown.borrow() => {
-                        let mut stop = shutdown.clone();
-                        tokio::select! {
-                            _ = tokio::time::sleep(retry) => {}
-                            _ = stop.changed() => {}
-                        }
-                    }
-                    // The store failed before the send (or the lease is going): the number
-                    // goes back for whoever dispatches the campaign next, instead of being
-                    // recorded as failed.
-                    Step::Wait(_) | Step::Unsure => {
-                        if let Err(e) = app.shared.campaign_unclaim(id, phone, instance).await {
-                            tracing::warn!(campaign = %id, error = %e, "cannot give a number back");
-                        }
-                        return;
-                    }
+            // `None`: the number is not decided, and this dispatcher stops.
+            let decided = loop {
+                let retry = match send_one(app, &campaign, phone).await {
+                    Step::Done(outcome) => break Some(outcome),
+                    Step::Wait(retry) => retry,
+                    Step::Unsure => break None,
+                };
+                // The global budget is spent: this number waits for it, as long as the lease
+                // holds and the replica runs.
+                if guard.is_lost() || *shutdown.borrow() {
+                    break None;
                 }
+                let mut stop = shutdown.clone();
+                tokio::select! {
+                    _ = tokio::time::sleep(retry) => {}
+                    _ = stop.changed() => {}
+                }
+                if guard.is_lost() || *shutdown.borrow() {
+                    break None;
+                }
+            };
+            let Some(outcome) = decided else {
+                // The store failed before the send, or the replica stops: the number goes back
+                // for whoever dispatches the campaign next (from this chunk, which the saved
+                // cursor has not passed), instead of being recorded as failed. Not once the
+                // lease is lost: the next dispatcher may already have passed it, and a claim
+                // left in place is reported as `unknown`, never dropped.
+                if !guard.is_lost()
+                    && let Err(e) = app.shared.campaign_unclaim(id, phone, instance).await
+                {
+                    tracing::warn!(campaign = %id, error = %e, "cannot give a number back");
+                }
+                return;
             };
             if let Err(e) = app.shared.campaign_record(id, phone, outcome).await {
                 tracing::warn!(campaign = %id, error = %e, "cannot record an outcome");
@@ -171,8 +182,8 @@ enum Step {
 }
 
 /// One number: refused if opted out, limited by the per-phone limits (reported, not retried),
-/// held back while the global budget is spent (campaign messages count against it as the API's
-/// do), otherwise sent.
+/// held back while the global budget, or the campaigns' share of it, is spent (campaign
+/// messages count against it as the API's do), otherwise sent.
 async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> Step {
     match app.shared.is_opted_out(phone).await {
         Ok(true) => return Step::Done(Outcome::OptedOut),
@@ -185,6 +196,7 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
         Check::new(phone.as_bytes(), &l.phone),
         Check::new(phone.as_bytes(), &l.phone_daily),
         Check::new(GLOBAL_KEY, &l.global),
+        Check::new(GLOBAL_KEY, &l.campaigns),
     ];
     let verdict = match app
         .shared
@@ -194,12 +206,13 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
     {
         Ok(v) if v.allowed() => v,
         Ok(v) => {
-            let [phone, daily, global] = &v.decisions[..] else {
+            let [phone, daily, global, share] = &v.decisions[..] else {
                 return Step::Unsure;
             };
             if phone.allowed && daily.allowed {
-                // A retry time always comes with a cost of one.
-                return Step::Wait(global.retry_after.unwrap_or(Duration::from_millis(10)));
+                // Only the budget denied (a retry time always comes with a cost of one).
+                let retry = global.retry_after.max(share.retry_after);
+                return Step::Wait(retry.unwrap_or(Duration::from_millis(10)));
             }
             metrics::counter!("sms_rejected_total", "limit" => "campaign-phone").increment(1);
             return Step::Done(Outcome::Limited);

@@ -255,6 +255,47 @@ async fn the_api_and_campaigns_spend_one_global_budget() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Campaigns take at most four fifths of the global budget: while one runs, the API keeps
+/// the rest, instead of every message through it being refused until the campaign ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_campaign_leaves_the_api_a_share_of_the_global_budget() {
+    let dir = temp_dir("share");
+    let gw = Gateway::start(
+        &dir,
+        "share",
+        &[("GLOBAL_PER_SECOND", "5"), ("IP_PER_MINUTE", "1000")],
+    );
+    let http = Http::new();
+    let phones: Vec<String> = (0..40).map(|i| format!("\"+86139000001{i:02}\"")).collect();
+    let campaign = format!(r#"{{"text":"sale","phones":[{}]}}"#, phones.join(","));
+    let created = http.post(&gw.url("/v1/campaigns"), &campaign).await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    // Once the campaign has spent the burst, ten API messages over three seconds.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let mut accepted = 0;
+    for i in 0..10 {
+        let r = http
+            .post(
+                &gw.url("/v1/sms"),
+                &sms(&format!("+86139000002{i:02}"), "hi"),
+            )
+            .await;
+        assert!(
+            r.status == 202 || r.status == 429,
+            "{}: {}",
+            r.status,
+            r.body
+        );
+        accepted += usize::from(r.status == 202);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(
+        accepted >= 2,
+        "the API got {accepted} of 10 messages through"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// How the test webhook answers.
 const TAKE: u8 = 0;
 const REFUSE: u8 = 1;
