@@ -82,17 +82,16 @@ fn fault_a_lease_answered_but_never_read_is_given_back() {
             let p = Policy::concurrency(1, Duration::from_secs(30)).expect("valid");
             warm_up(&limiter, &p).await;
             let checks = [Check::new(b"slot", &p)];
-            // Redis holds its answer back a moment, so that the first poll cannot find it
-            // already there on a busy machine.
-            server
-                .cmd_ok(&["CLIENT", "PAUSE", "100"])
-                .expect("CLIENT PAUSE");
+            // Redis holds its answer back while the check is first polled, so that the poll
+            // cannot find it already there on a busy machine.
+            server.pause().expect("pause");
             let mut check = Box::pin(limiter.check(&checks, CheckOptions::default()));
             std::future::poll_fn(|cx| {
                 assert!(check.as_mut().poll(cx).is_pending(), "decided at once");
                 std::task::Poll::Ready(())
             })
             .await;
+            server.resume().expect("resume");
             // Redis answers meanwhile; nobody reads it.
             tokio::time::sleep(Duration::from_millis(300)).await;
             drop(check);

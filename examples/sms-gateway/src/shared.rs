@@ -3,7 +3,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::{LazyLock, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use floodgate::lock::RedisLocks;
@@ -483,7 +484,7 @@ pub struct RedisShared {
     limiter: DenyCache<RedisLimiter>,
     locks: RedisLocks,
     conn: RedisConn,
-    bloom: RedisBloom,
+    optouts: OptOutFilter,
     prefix: String,
 }
 
@@ -494,6 +495,123 @@ impl std::fmt::Debug for RedisShared {
             .field("prefix", &self.prefix)
             .finish_non_exhaustive()
     }
+}
+
+/// Added to the opt-out filter once it holds every number of the exact set: a filter without
+/// it (just made, being filled, or a fill that stopped half-way) is not trusted to say "no".
+/// No phone number (E.164, validated) starts with a NUL byte.
+const FILTER_COMPLETE: &[u8] = b"\0complete";
+
+/// The opt-out Bloom filter in front of the exact set, kept trustworthy: made again from the
+/// set when it is missing (the first replica, or a key lost to eviction, a failover or an
+/// operator) or damaged (a part that lost one of its keys), and trusted to say "no" only once
+/// complete. Meanwhile the set answers.
+#[derive(Clone)]
+struct OptOutFilter {
+    bloom: RedisBloom,
+    conn: RedisConn,
+    /// The exact set's key.
+    set: String,
+    /// A repair is under way on this replica.
+    filling: Arc<AtomicBool>,
+}
+
+impl OptOutFilter {
+    /// Whether `phone` certainly never opted out: the filter is complete and says no. `false`
+    /// asks the set; a filter found missing or damaged is repaired in the background.
+    async fn certainly_not(&self, phone: &str) -> Result<bool, StoreError> {
+        match self
+            .bloom
+            .contains_many(&[phone.as_bytes(), FILTER_COMPLETE])
+            .await
+        {
+            Ok(found) => {
+                let (listed, complete) = (found[0], found[1]);
+                if !complete {
+                    self.repair_soon();
+                }
+                Ok(complete && !listed)
+            }
+            Err(e) if !damaged(&e) => Err(err(e)),
+            Err(e) => {
+                tracing::warn!(error = %e, "the opt-out filter is missing or damaged: rebuilding");
+                self.repair_soon();
+                Ok(false)
+            }
+        }
+    }
+
+    /// Adds `phone` (before the set: a failure in between leaves a false positive, never a
+    /// hidden opt-out). A filter found missing or damaged is left to the repair, which reads
+    /// the set, where the caller adds it next.
+    async fn add(&self, phone: &str) -> Result<(), StoreError> {
+        match self.bloom.add(phone.as_bytes()).await {
+            Ok(_) => Ok(()),
+            Err(e) if !damaged(&e) => Err(err(e)),
+            Err(_) => {
+                self.repair_soon();
+                Ok(())
+            }
+        }
+    }
+
+    /// Starts [`OptOutFilter::ensure`] in the background, unless one runs on this replica.
+    fn repair_soon(&self) {
+        if self.filling.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = this.ensure().await {
+                tracing::warn!(error = %e, "cannot rebuild the opt-out filter");
+            }
+            this.filling.store(false, Ordering::Release);
+        });
+    }
+
+    /// Makes the filter if it is missing and, unless it is complete, fills it from the set and
+    /// marks it complete; a damaged filter is dropped and made again. Several replicas may
+    /// fill at once: adding twice changes nothing. A filter with other parameters is an error,
+    /// never dropped.
+    async fn ensure(&self) -> Result<(), StoreError> {
+        match self.fill().await {
+            Err(e) if damaged(&e) => {
+                tracing::warn!(error = %e, "dropping a damaged opt-out filter");
+                self.bloom.delete().await.map_err(err)?;
+                self.fill().await.map_err(err)
+            }
+            filled => filled.map_err(err),
+        }
+    }
+
+    async fn fill(&self) -> Result<(), floodgate::redis::Error> {
+        self.bloom.try_init().await?;
+        if self.bloom.contains(FILTER_COMPLETE).await? {
+            return Ok(());
+        }
+        let mut cursor = 0u64;
+        loop {
+            let mut scan = redis::cmd("SSCAN");
+            scan.arg(&self.set).arg(cursor).arg("COUNT").arg(1_000);
+            let (next, phones): (u64, Vec<String>) = self.conn.query(scan).await?;
+            if !phones.is_empty() {
+                let items: Vec<&[u8]> = phones.iter().map(|p| p.as_bytes()).collect();
+                self.bloom.add_many(&items).await?;
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        self.bloom.add(FILTER_COMPLETE).await?;
+        Ok(())
+    }
+}
+
+/// Whether a filter's error means the filter itself is missing or damaged (not Redis being
+/// unreachable, nor a filter made with other parameters, which is never dropped).
+fn damaged(e: &floodgate::redis::Error) -> bool {
+    !(e.is_connection() || e.is_timeout() || e.is_mismatch())
 }
 
 impl RedisShared {
@@ -507,44 +625,20 @@ impl RedisShared {
             .notifications([url])
             .map_err(err)?
             .build();
-        let bloom = RedisBloom::new(conn.clone(), "optouts", optout_params()).map_err(err)?;
-        let shared = RedisShared {
+        let optouts = OptOutFilter {
+            bloom: RedisBloom::new(conn.clone(), "optouts", optout_params()).map_err(err)?,
+            conn: conn.clone(),
+            set: format!("{prefix}:optouts"),
+            filling: Arc::new(AtomicBool::new(false)),
+        };
+        optouts.ensure().await?;
+        Ok(RedisShared {
             limiter,
             locks,
             conn,
-            bloom,
+            optouts,
             prefix: prefix.to_owned(),
-        };
-        shared.ensure_filter().await?;
-        Ok(shared)
-    }
-
-    /// Creates the opt-out filter if it is missing (the first replica, or a filter key lost
-    /// to eviction, a failover or an operator), filled from the exact set: an empty filter
-    /// would hide every earlier opt-out. The others find it with the same parameters (a
-    /// filter with others is an error, never silently reused). While one replica fills a
-    /// filter it just created, another that finds it may miss an opt-out not added yet.
-    async fn ensure_filter(&self) -> Result<(), StoreError> {
-        if !self.bloom.try_init().await.map_err(err)? {
-            return Ok(());
-        }
-        let mut cursor = 0u64;
-        loop {
-            let mut scan = redis::cmd("SSCAN");
-            scan.arg(self.key(&["optouts"]))
-                .arg(cursor)
-                .arg("COUNT")
-                .arg(1_000);
-            let (next, phones): (u64, Vec<String>) = self.query(scan).await?;
-            if !phones.is_empty() {
-                let items: Vec<&[u8]> = phones.iter().map(|p| p.as_bytes()).collect();
-                self.bloom.add_many(&items).await.map_err(err)?;
-            }
-            if next == 0 {
-                return Ok(());
-            }
-            cursor = next;
-        }
+        })
     }
 
     fn key(&self, parts: &[&str]) -> String {
@@ -631,13 +725,7 @@ impl Shared for RedisShared {
     async fn opt_out(&self, phone: &str) -> Result<bool, StoreError> {
         // The filter first (see the memory store): a failure in between leaves a false
         // positive, never a hidden opt-out.
-        if let Err(e) = self.bloom.add(phone.as_bytes()).await {
-            if !e.is_not_initialized() {
-                return Err(err(e));
-            }
-            self.ensure_filter().await?;
-            self.bloom.add(phone.as_bytes()).await.map_err(err)?;
-        }
+        self.optouts.add(phone).await?;
         let mut add = redis::cmd("SADD");
         add.arg(self.key(&["optouts"])).arg(phone);
         let new: i64 = self.query(add).await?;
@@ -645,12 +733,8 @@ impl Shared for RedisShared {
     }
 
     async fn is_opted_out(&self, phone: &str) -> Result<bool, StoreError> {
-        match self.bloom.contains(phone.as_bytes()).await {
-            Ok(false) => return Ok(false),
-            Ok(true) => {}
-            // The filter is gone: made again, and the exact set answers.
-            Err(e) if e.is_not_initialized() => self.ensure_filter().await?,
-            Err(e) => return Err(err(e)),
+        if self.optouts.certainly_not(phone).await? {
+            return Ok(false);
         }
         let mut member = redis::cmd("SISMEMBER");
         member.arg(self.key(&["optouts"])).arg(phone);
@@ -924,30 +1008,60 @@ mod tests {
         assert_eq!((c.claimed, c.sent), (2, 1), "{c:?}");
     }
 
-    /// A lost opt-out filter (evicted, deleted) hides no opt-out: it is made again from the
-    /// exact set, by the replica that finds it gone and by one that starts after.
+    /// A lost, damaged or half-filled opt-out filter hides no opt-out: the set answers until
+    /// the filter is complete again, rebuilt in the background or by a replica that starts.
     #[tokio::test]
-    async fn a_lost_opt_out_filter_is_rebuilt_from_the_set() {
+    async fn a_lost_or_incomplete_opt_out_filter_hides_no_opt_out() {
         let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
         let store = RedisShared::connect(&server.url(), "optouts")
             .await
             .expect("connect");
         let (a, b) = ("+8613800000021", "+8613800000022");
         assert!(store.opt_out(a).await.expect("opt out"));
-        store.bloom.delete().await.expect("delete the filter");
-        assert!(store.is_opted_out(a).await.expect("answered"), "found gone");
-        assert!(store.bloom.contains(a.as_bytes()).await.expect("rebuilt"));
-        store.bloom.delete().await.expect("delete the filter");
+        let bloom = &store.optouts.bloom;
+        let complete = || async {
+            let started = std::time::Instant::now();
+            while !bloom.contains(FILTER_COMPLETE).await.unwrap_or(false) {
+                assert!(started.elapsed() < Duration::from_secs(10), "never rebuilt");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        // Deleted.
+        bloom.delete().await.expect("delete the filter");
+        assert!(store.is_opted_out(a).await.expect("answered"), "deleted");
+        complete().await;
+        assert!(bloom.contains(a.as_bytes()).await.expect("rebuilt"));
+        // Damaged: one part lost its bits (eviction takes keys one at a time).
+        server
+            .cmd_ok(&["DEL", "optouts:bloom:optouts:{optouts#0}"])
+            .expect("DEL");
+        assert!(store.is_opted_out(a).await.expect("answered"), "damaged");
+        complete().await;
+        // Made and not filled (a replica that died filling it): not trusted to say no.
+        bloom.delete().await.expect("delete the filter");
+        assert!(bloom.try_init().await.expect("init"));
+        assert!(store.is_opted_out(a).await.expect("answered"), "incomplete");
+        complete().await;
+        // Opting out while the filter is gone; a replica that starts after fills it.
+        bloom.delete().await.expect("delete the filter");
         assert!(
             store
                 .opt_out(b)
                 .await
                 .expect("opt out with the filter gone")
         );
-        store.bloom.delete().await.expect("delete the filter");
+        bloom.delete().await.expect("delete the filter");
         let restarted = RedisShared::connect(&server.url(), "optouts")
             .await
             .expect("connect");
+        assert!(
+            restarted
+                .optouts
+                .bloom
+                .contains(FILTER_COMPLETE)
+                .await
+                .expect("filled")
+        );
         for phone in [a, b] {
             assert!(
                 restarted.is_opted_out(phone).await.expect("answered"),
