@@ -50,8 +50,9 @@ pub const MAX_CAMPAIGN_PHONES: usize = 100_000;
 pub struct Limits {
     pub client_ip: Policy,
     pub global: Policy,
-    /// The campaigns' share of the global budget, four fifths: while campaigns run, the API
-    /// keeps the rest.
+    /// The campaigns' share of the global budget, four fifths rounded down and at least one
+    /// per second (so all of a budget of one per second): while campaigns run, the API keeps
+    /// the rest.
     pub campaigns: Policy,
     pub phone: Policy,
     pub phone_daily: Policy,

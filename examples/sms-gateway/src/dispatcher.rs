@@ -217,7 +217,14 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
             metrics::counter!("sms_rejected_total", "limit" => "campaign-phone").increment(1);
             return Step::Done(Outcome::Limited);
         }
-        Err(_) => return Step::Unsure,
+        // The store is down or hung: the number waits for it.
+        Err(e) if <S::Limiter as Limiter>::is_unavailable(&e) => return Step::Unsure,
+        // One key's problem (a corrupted state): it would fail the same way on every pass,
+        // and hold back every number after it.
+        Err(e) => {
+            tracing::warn!(campaign = %campaign.id, error = %e, "cannot check a number's limits");
+            return Step::Done(Outcome::Failed);
+        }
     };
     let sms = OutboundSms {
         id: message_id(),

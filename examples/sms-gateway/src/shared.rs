@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use floodgate::lock::RedisLocks;
+use floodgate::lock::{Lock, RedisLocks};
 use floodgate::redis::{RedisBloom, RedisConn, RedisLimiter};
 use floodgate::{
     BloomFilter, BloomParams, DenyCache, Limiter, LockStore, MemoryBloom, MemoryLimiter,
@@ -514,7 +514,12 @@ struct OptOutFilter {
     set: String,
     /// A repair is under way on this replica.
     filling: Arc<AtomicBool>,
+    /// One repair at a time across replicas (see [`OptOutFilter::ensure`]).
+    locks: RedisLocks,
 }
+
+/// The lease of the lock a filter repair holds (renewed while it runs).
+const REPAIR_LEASE: Duration = Duration::from_secs(10);
 
 impl OptOutFilter {
     /// Whether `phone` certainly never opted out: the filter is complete and says no. `false`
@@ -542,15 +547,16 @@ impl OptOutFilter {
     }
 
     /// Adds `phone` (before the set: a failure in between leaves a false positive, never a
-    /// hidden opt-out). A filter found missing or damaged is left to the repair, which reads
-    /// the set, where the caller adds it next.
-    async fn add(&self, phone: &str) -> Result<(), StoreError> {
+    /// hidden opt-out); `false` when the filter was found missing or damaged, which starts a
+    /// repair: the caller adds it again once it is in the set, in case the repair read the
+    /// set before.
+    async fn add(&self, phone: &str) -> Result<bool, StoreError> {
         match self.bloom.add(phone.as_bytes()).await {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(true),
             Err(e) if !damaged(&e) => Err(err(e)),
             Err(_) => {
                 self.repair_soon();
-                Ok(())
+                Ok(false)
             }
         }
     }
@@ -570,18 +576,32 @@ impl OptOutFilter {
     }
 
     /// Makes the filter if it is missing and, unless it is complete, fills it from the set and
-    /// marks it complete; a damaged filter is dropped and made again. Several replicas may
-    /// fill at once: adding twice changes nothing. A filter with other parameters is an error,
-    /// never dropped.
+    /// marks it complete; a damaged filter is dropped and made again. Under a lock: a replica
+    /// that drops a damaged filter must not drop another's fill half-way, which would then be
+    /// marked complete without the numbers added before. A replica that finds the lock held
+    /// leaves the repair to its holder (the set answers meanwhile). A filter with other
+    /// parameters is an error, never dropped.
     async fn ensure(&self) -> Result<(), StoreError> {
-        match self.fill().await {
+        let lock = Lock::new(self.locks.clone(), "optouts-filter", REPAIR_LEASE)
+            .map_err(err)?
+            .watchdog(true);
+        let Some(guard) = lock.try_acquire().await.map_err(err)? else {
+            return Ok(());
+        };
+        let repaired = match self.fill().await {
             Err(e) if damaged(&e) => {
                 tracing::warn!(error = %e, "dropping a damaged opt-out filter");
-                self.bloom.delete().await.map_err(err)?;
-                self.fill().await.map_err(err)
+                match self.bloom.delete().await {
+                    Ok(_) => self.fill().await,
+                    Err(e) => Err(e),
+                }
             }
-            filled => filled.map_err(err),
+            filled => filled,
+        };
+        if let Err(e) = guard.release().await {
+            tracing::warn!(error = %e, "the opt-out filter's repair lock was lost");
         }
+        repaired.map_err(err)
     }
 
     async fn fill(&self) -> Result<(), floodgate::redis::Error> {
@@ -620,7 +640,10 @@ impl RedisShared {
             .and_then(|c| c.key_prefix(prefix))
             .map_err(err)?;
         let conn = RedisConn::connect(&config).await.map_err(err)?;
-        let limiter = DenyCache::new(RedisLimiter::new(conn.clone(), prefix).map_err(err)?);
+        // The gateway refunds messages the provider did not take, possibly on another
+        // replica than the one that cached a denial: hold denials a second at most.
+        let limiter = DenyCache::new(RedisLimiter::new(conn.clone(), prefix).map_err(err)?)
+            .max_hold(floodgate::tower::DEFAULT_DENY_CACHE_MAX_HOLD_WITH_REFUNDS);
         let locks = RedisLocks::builder(conn.clone())
             .notifications([url])
             .map_err(err)?
@@ -630,6 +653,7 @@ impl RedisShared {
             conn: conn.clone(),
             set: format!("{prefix}:optouts"),
             filling: Arc::new(AtomicBool::new(false)),
+            locks: locks.clone(),
         };
         optouts.ensure().await?;
         Ok(RedisShared {
@@ -725,10 +749,13 @@ impl Shared for RedisShared {
     async fn opt_out(&self, phone: &str) -> Result<bool, StoreError> {
         // The filter first (see the memory store): a failure in between leaves a false
         // positive, never a hidden opt-out.
-        self.optouts.add(phone).await?;
+        let in_filter = self.optouts.add(phone).await?;
         let mut add = redis::cmd("SADD");
         add.arg(self.key(&["optouts"])).arg(phone);
         let new: i64 = self.query(add).await?;
+        if !in_filter {
+            self.optouts.add(phone).await?;
+        }
         Ok(new == 1)
     }
 
@@ -1042,7 +1069,9 @@ mod tests {
         assert!(bloom.try_init().await.expect("init"));
         assert!(store.is_opted_out(a).await.expect("answered"), "incomplete");
         complete().await;
-        // Opting out while the filter is gone; a replica that starts after fills it.
+        // Opting out while the filter is gone; a replica that starts after answers from the
+        // set, and the filter is complete again soon (made by that replica, or by the repair
+        // the opt-out started if it still held the repair lock).
         bloom.delete().await.expect("delete the filter");
         assert!(
             store
@@ -1054,17 +1083,16 @@ mod tests {
         let restarted = RedisShared::connect(&server.url(), "optouts")
             .await
             .expect("connect");
-        assert!(
-            restarted
-                .optouts
-                .bloom
-                .contains(FILTER_COMPLETE)
-                .await
-                .expect("filled")
-        );
         for phone in [a, b] {
             assert!(
                 restarted.is_opted_out(phone).await.expect("answered"),
+                "{phone}"
+            );
+        }
+        complete().await;
+        for phone in [a, b] {
+            assert!(
+                bloom.contains(phone.as_bytes()).await.expect("up"),
                 "{phone}"
             );
         }

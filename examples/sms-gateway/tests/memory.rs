@@ -240,8 +240,8 @@ async fn the_api_and_campaigns_spend_one_global_budget() {
     assert_eq!(refused.status, 429, "{}", refused.body);
     tokio::time::sleep(Duration::from_millis(1_100)).await;
 
-    let created = http.post(&gw.url("/v1/campaigns"), campaign).await;
     let started = Instant::now();
+    let created = http.post(&gw.url("/v1/campaigns"), campaign).await;
     assert_eq!(created.status, 202, "{}", created.body);
     let id = created.body["id"].as_str().expect("id").to_owned();
     let progress = wait_campaign(&http, &[&gw], &id, Duration::from_secs(30)).await;
