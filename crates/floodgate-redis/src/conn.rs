@@ -248,8 +248,9 @@ impl RedisConn {
 
     /// A connection made on first use, returned at once: a service can start while Redis is
     /// down (a replica restarted during an outage). Until Redis can be reached, calls fail as
-    /// unavailable ([`Error::Connect`], or [`Error::Timeout`] while an attempt is under way),
-    /// so a layer's failure policy decides them. Each attempt runs in a task of its own within
+    /// unavailable ([`Error::Connect`], [`Error::Timeout`] while an attempt is under way, or
+    /// [`Error::Unavailable`] while the circuit breaker is open), so a layer's failure policy
+    /// decides them. Each attempt runs in a task of its own within
     /// the connect timeout, whatever the deadline of the call that started it; calls meanwhile
     /// wait for it within their own. A failed attempt is followed by a new one at the next
     /// call (behind the circuit breaker, once per open period while Redis stays down). Once

@@ -224,9 +224,9 @@ impl RedisLimiter {
 
     /// [`RedisLimiter::connect`] without waiting for Redis: the connection is made on first use
     /// ([`RedisConn::connect_lazy`]), so a service can start while Redis is down. Until Redis
-    /// can be reached, checks fail as unavailable ([`Error::Connect`], or [`Error::Timeout`]
-    /// while an attempt is under way): a layer's failure policy decides them. A configuration
-    /// error is returned at once.
+    /// can be reached, checks fail as unavailable ([`Error::Connect`], [`Error::Timeout`] while
+    /// an attempt is under way, or [`Error::Unavailable`] while the circuit breaker is open): a
+    /// layer's failure policy decides them. A configuration error is returned at once.
     pub fn connect_lazy(config: &RedisConfig) -> Result<Self, Error> {
         let conn = RedisConn::connect_lazy(config)?;
         RedisLimiter::new(conn, config.get_key_prefix())

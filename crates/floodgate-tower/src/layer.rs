@@ -266,7 +266,8 @@ where
     L: Limiter + Clone + 'static,
 {
     /// Adds a rule. All rules that apply to a request are checked together, all-or-nothing,
-    /// in one call to the limiter.
+    /// in one call to the limiter (see the crate docs for where that holds only for the final
+    /// state).
     pub fn rule(mut self, rule: Rule) -> Self {
         self.rules.push(rule);
         self
@@ -307,8 +308,10 @@ where
         self
     }
 
-    /// After a store error, requests skip the store for this long (default 500 ms); then one
-    /// request tries it again. Zero tries the store on every request.
+    /// After the store is found unavailable (a timeout, a connection or not-serving error, or
+    /// the layer's own timeout), requests skip the store for this long (default 500 ms); then
+    /// one request tries it again. Zero tries the store on every request. One key's error (a
+    /// corrupted value) gives that request the failure policy and skips nothing.
     pub fn store_retry_interval(mut self, interval: Duration) -> Self {
         self.store_retry_interval = interval;
         self

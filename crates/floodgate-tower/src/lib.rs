@@ -46,7 +46,9 @@
 //!   [`key`]), a cost, and the requests it applies to (path prefixes, axum routes, methods, a
 //!   predicate). Every rule that applies to a request is checked in **one**
 //!   [`floodgate_core::Limiter::check`] call, all-or-nothing: a request denied by one policy is
-//!   counted by none.
+//!   counted by none. On Redis Cluster, for keys in several slots, this holds for the final
+//!   state (parts counted before a later slot denies are given back, logged if that fails);
+//!   with leasing, a lease taken for one policy stays counted in the store when another denies.
 //! - **Rejections** are responses: 429 with `Retry-After` and an RFC 9457
 //!   `application/problem+json` body, or for gRPC requests a trailers-only
 //!   `RESOURCE_EXHAUSTED` with a `google.rpc.RetryInfo` (see [`grpc`]). Replace them with a
