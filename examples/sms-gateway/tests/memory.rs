@@ -4,7 +4,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{Gateway, Http, sms, temp_dir, wait_campaign};
+use support::{Gateway, Http, REFUSE, STALL, TAKE, sms, temp_dir, wait_campaign, webhook};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_in_memory_limits_validates_and_opts_out() {
@@ -294,71 +294,6 @@ async fn a_running_campaign_leaves_the_api_a_share_of_the_global_budget() {
         "the API got {accepted} of 10 messages through"
     );
     let _ = std::fs::remove_dir_all(dir);
-}
-
-/// How the test webhook answers.
-const TAKE: u8 = 0;
-const REFUSE: u8 = 1;
-const STALL: u8 = 2;
-
-/// A webhook on loopback that takes messages (200), refuses them (422) or never answers,
-/// as `mode` says; returns its address and the count of messages it took.
-async fn webhook(
-    mode: std::sync::Arc<std::sync::atomic::AtomicU8>,
-) -> (String, std::sync::Arc<std::sync::atomic::AtomicU64>) {
-    use std::sync::atomic::Ordering;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let taken = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let count = std::sync::Arc::clone(&taken);
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            let (mode, count) = (std::sync::Arc::clone(&mode), std::sync::Arc::clone(&count));
-            tokio::spawn(async move {
-                // One request per connection: read to the end of the body, answer, close.
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                loop {
-                    let Ok(n) = stream.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    let text = String::from_utf8_lossy(&buf).to_ascii_lowercase();
-                    if let Some(end) = text.find("\r\n\r\n") {
-                        let len = text[..end]
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse::<usize>().ok())
-                            .unwrap_or(0);
-                        if buf.len() >= end + 4 + len {
-                            break;
-                        }
-                    }
-                }
-                let status = match mode.load(Ordering::SeqCst) {
-                    REFUSE => "422 Unprocessable Entity",
-                    STALL => {
-                        tokio::time::sleep(Duration::from_secs(30)).await;
-                        return;
-                    }
-                    _ => {
-                        count.fetch_add(1, Ordering::SeqCst);
-                        "200 OK"
-                    }
-                };
-                let reply =
-                    format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
-                let _ = stream.write_all(reply.as_bytes()).await;
-            });
-        }
-    });
-    (format!("http://{addr}/hook"), taken)
 }
 
 /// The provider refused the message: the phone's 30 minutes are not spent on a message that

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use floodgate_testkit::RedisServer;
 use serde_json::json;
-use support::{Gateway, Http, sms, temp_dir, wait_campaign};
+use support::{Gateway, Http, SLOW_REFUSE, TAKE, sms, temp_dir, wait_campaign, webhook};
 
 fn pair(dir: &std::path::Path, redis: &RedisServer, env: &[(&str, &str)]) -> (Gateway, Gateway) {
     let url = redis.url();
@@ -350,5 +350,49 @@ async fn idempotency_keys_and_opt_outs_are_shared_by_replicas() {
         .await;
     assert_eq!(r.status, 403, "{}", r.body);
     assert_eq!(a.outbox_lines().len() + b.outbox_lines().len(), 1);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A double submit across replicas: a phone's first message goes to replica A, its second to
+/// B, which refuses it (the phone's limit) and remembers that; A's provider then refuses the
+/// message, and A gives the phone's units back. The client's retry on B is accepted within
+/// about a second (B holds a denial a second at most), not in 30 minutes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_on_one_replica_reaches_the_other() {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    let redis = RedisServer::start().expect("redis-server");
+    let mode = Arc::new(AtomicU8::new(SLOW_REFUSE));
+    let (hook, taken) = webhook(Arc::clone(&mode)).await;
+    let dir = temp_dir("refund-replicas");
+    let (a, b) = pair(&dir, &redis, &[("WEBHOOK_URL", &hook)]);
+    let http = Http::new();
+    let phone = "+8613866666666";
+    let to_a = a.url("/v1/sms");
+    let first = tokio::spawn(async move { Http::new().post(&to_a, &sms(phone, "one")).await });
+    // A has counted the message and waits on the provider: B refuses the second.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let second = http.post(&b.url("/v1/sms"), &sms(phone, "two")).await;
+    assert_eq!(second.status, 429, "{}", second.body);
+    assert_eq!(second.body["error"]["limit"], "phone");
+    let first = first.await.expect("task");
+    assert_eq!(first.status, 502, "{}", first.body);
+    assert_eq!(first.body["error"]["code"], "provider_error");
+
+    mode.store(TAKE, Ordering::SeqCst);
+    let refunded = Instant::now();
+    loop {
+        let retry = http.post(&b.url("/v1/sms"), &sms(phone, "two")).await;
+        if retry.status == 202 {
+            break;
+        }
+        assert_eq!(retry.status, 429, "{}", retry.body);
+        assert!(
+            refunded.elapsed() < Duration::from_secs(5),
+            "B still refuses {:?} after A's refund",
+            refunded.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(taken.load(Ordering::SeqCst), 1);
     let _ = std::fs::remove_dir_all(dir);
 }
