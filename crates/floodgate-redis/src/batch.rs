@@ -239,7 +239,8 @@ pub(crate) async fn run_within(
     if let Err(e) = &result {
         if may_have_run(e) {
             for group in groups {
-                release_lease(conn, group);
+                // Given back when dropped unclaimed.
+                drop(Unclaimed::of(conn, group));
             }
         }
     }
@@ -511,12 +512,6 @@ fn may_have_run(e: &Error) -> bool {
         e,
         Error::Unavailable { .. } | Error::Config(_) | Error::CrossSlot { .. }
     )
-}
-
-/// Releases the concurrency lease `group` may hold (releasing one it does not hold changes
-/// nothing), in the background.
-fn release_lease(conn: &RedisConn, group: &Group) {
-    drop(Unclaimed::of(conn, group));
 }
 
 /// A concurrency lease a check's script call granted, or may have, until the caller claims it

@@ -89,9 +89,6 @@ pub(crate) struct Job {
 struct Checks {
     items: SmallVec<[Item; 2]>,
     grpc: bool,
-    /// A rule of these checks fails closed when the store cannot decide
-    /// ([`crate::Rule::fail_closed`]): no fallback decides them.
-    fail_closed: bool,
 }
 
 /// One rule's check: the rule (by position in the table), its key and its cost.
@@ -402,7 +399,6 @@ fn prepare(sh: &Shared, req: &RequestView<'_>, job: &mut Job) -> Option<Response
             }
         }
     }
-    job.checks.fail_closed = sh.fails_closed(&job.checks);
     None
 }
 
@@ -606,7 +602,6 @@ where
         for &pos in skipped.iter().rev() {
             job.items.remove(pos);
         }
-        job.fail_closed = sh.fails_closed(job);
         job.items
             .is_empty()
             .then(|| Decided::Allow(Allowed::default()))
@@ -661,7 +656,7 @@ where
             if let Some(span) = span {
                 span.record("outcome", "error");
             }
-            if sh.fail_closed || job.fail_closed {
+            if sh.fail_closed || sh.fails_closed(job) {
                 return Some(sh.reject_unavailable(grpc()));
             }
             if sh.request_info {
@@ -775,7 +770,7 @@ where
             // request holds the limiter's future and little else.
             Mode::Reject => {
                 let (verdict, source, asked) = self
-                    .check_once(&checks, CheckOptions::default(), job.fail_closed)
+                    .check_once(job, &checks, CheckOptions::default())
                     .await?;
                 Some(Verdicted {
                     verdict,
@@ -813,7 +808,7 @@ where
             } else {
                 CheckOptions::default()
             };
-            let (verdict, source, asked) = self.check_once(checks, opts, job.fail_closed).await?;
+            let (verdict, source, asked) = self.check_once(job, checks, opts).await?;
             let waited = || started.map_or(Duration::ZERO, |s| s.elapsed());
             if verdict.allowed() {
                 if !verdict.wait.is_zero() {
@@ -876,9 +871,9 @@ where
     /// check fails closed.
     async fn check_once(
         &self,
+        job: &Checks,
         checks: &[Check<'_>],
         opts: CheckOptions,
-        fail_closed: bool,
     ) -> Option<(Verdict, DecisionSource, Instant)> {
         let sh = &self.shared;
         if !sh.health.skip_store() {
@@ -911,7 +906,7 @@ where
                 }
             }
         }
-        sh.fallback_check(checks, opts, fail_closed)
+        sh.fallback_check(job, checks, opts)
     }
 
     /// The in-memory limiter decides synchronously: no future, no box, no clone of the inner
@@ -956,7 +951,7 @@ where
                 }
             }
         }
-        let fallback = sh.fallback_check(&checks, CheckOptions::default(), job.fail_closed);
+        let fallback = sh.fallback_check(job, &checks, CheckOptions::default());
         drop((checks, entered));
         let result = fallback
             .as_ref()
@@ -987,11 +982,11 @@ impl Shared {
     /// The local fallback's decision; `None` without one, or for checks that fail closed.
     fn fallback_check(
         &self,
+        job: &Checks,
         checks: &[Check<'_>],
         opts: CheckOptions,
-        fail_closed: bool,
     ) -> Option<(Verdict, DecisionSource, Instant)> {
-        let fallback = self.fallback.as_ref().filter(|_| !fail_closed)?;
+        let fallback = self.fallback.as_ref().filter(|_| !self.fails_closed(job))?;
         let asked = Instant::now();
         match fallback.check_sync(checks, opts) {
             Ok(verdict) => Some((verdict, DecisionSource::Fallback, asked)),

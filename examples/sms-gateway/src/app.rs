@@ -33,7 +33,8 @@ pub const MAX_SMS_BODY: usize = 16 * 1024;
 /// 502 `provider_unknown`), before its JSON body; accepted answers are stored as their body.
 const UNKNOWN_FATE: &str = "502 ";
 
-/// Marks the refusal of a message that may have gone out, with its body.
+/// Marks the refusal of a message that may have gone out, with what its Idempotency-Key
+/// records.
 #[derive(Clone)]
 struct UnknownFate(String);
 
@@ -387,7 +388,7 @@ async fn send_sms<S: Shared>(
                     Err(refused) => refused
                         .extensions()
                         .get::<UnknownFate>()
-                        .map(|u| format!("{UNKNOWN_FATE}{}", u.0)),
+                        .map(|u| u.0.clone()),
                 };
                 let recorded = match stored {
                     Some(stored) => app.shared.idempotency_finish(&key, &request, &stored).await,
@@ -471,9 +472,9 @@ async fn accept_sms<S: Shared>(
                 "provider_unknown",
                 "the SMS provider did not confirm the message; it may have been sent",
             );
-            let body = error.body().to_string();
+            let stored = format!("{UNKNOWN_FATE}{}", error.body());
             let mut response = error.into_response();
-            response.extensions_mut().insert(UnknownFate(body));
+            response.extensions_mut().insert(UnknownFate(stored));
             return Err(response);
         }
         // The message did not go out: it does not count against any limit, so the client can

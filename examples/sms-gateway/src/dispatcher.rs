@@ -89,6 +89,8 @@ async fn dispatch<S: Shared>(
         }
     };
     let instance = &app.config.instance_id;
+    // The lease is in doubt (another replica may take over) or the replica stops.
+    let stopping = || guard.is_lost() || *shutdown.borrow();
     let mut cursor = campaign.cursor;
     while cursor < campaign.total {
         let phones = match app.shared.campaign_phones(id, cursor, CHUNK).await {
@@ -102,7 +104,7 @@ async fn dispatch<S: Shared>(
         for phone in &phones {
             // Stop as soon as the lease is in doubt: another replica may take over, and the
             // per-number claim below keeps any overlap from sending a number twice.
-            if guard.is_lost() || *shutdown.borrow() {
+            if stopping() {
                 return;
             }
             match app.shared.campaign_claim(id, phone, instance).await {
@@ -121,8 +123,8 @@ async fn dispatch<S: Shared>(
                     Step::Unsure => break None,
                 };
                 // The global budget is spent: this number waits for it, as long as the lease
-                // holds and the replica runs.
-                if guard.is_lost() || *shutdown.borrow() {
+                // holds and the replica runs (a lost lease does not wake the wait).
+                if stopping() {
                     break None;
                 }
                 let mut stop = shutdown.clone();
@@ -130,7 +132,7 @@ async fn dispatch<S: Shared>(
                     _ = tokio::time::sleep(retry) => {}
                     _ = stop.changed() => {}
                 }
-                if guard.is_lost() || *shutdown.borrow() {
+                if stopping() {
                     break None;
                 }
             };

@@ -631,7 +631,7 @@ impl OptOutFilter {
 /// Whether a filter's error means the filter itself is missing or damaged (not Redis being
 /// unreachable, nor a filter made with other parameters, which is never dropped).
 fn damaged(e: &floodgate::redis::Error) -> bool {
-    !(e.is_connection() || e.is_timeout() || e.is_mismatch())
+    !(RedisLimiter::is_unavailable(e) || e.is_mismatch())
 }
 
 impl RedisShared {
@@ -751,7 +751,7 @@ impl Shared for RedisShared {
         // positive, never a hidden opt-out.
         let in_filter = self.optouts.add(phone).await?;
         let mut add = redis::cmd("SADD");
-        add.arg(self.key(&["optouts"])).arg(phone);
+        add.arg(&self.optouts.set).arg(phone);
         let new: i64 = self.query(add).await?;
         if !in_filter {
             self.optouts.add(phone).await?;
@@ -764,7 +764,7 @@ impl Shared for RedisShared {
             return Ok(false);
         }
         let mut member = redis::cmd("SISMEMBER");
-        member.arg(self.key(&["optouts"])).arg(phone);
+        member.arg(&self.optouts.set).arg(phone);
         Ok(self.query::<i64>(member).await? == 1)
     }
 

@@ -414,7 +414,7 @@ impl<C: Clock> MemoryLimiter<C> {
                         gcra.commit(&mut state, &ctx);
                         entry.set_tat(state.tat);
                         g.note_expiry(state.tat);
-                    } else if c.cost > 0 {
+                    } else {
                         let mut state = gcra.fresh();
                         gcra.commit(&mut state, &ctx);
                         // Room was made above: this cannot fail.
@@ -428,7 +428,7 @@ impl<C: Clock> MemoryLimiter<C> {
                 slot.set_expires_at(kind.expires_at(&slot.value));
                 let at = slot.expires_at();
                 g.note_expiry(at);
-            } else if c.cost > 0 {
+            } else {
                 let mut state = kind.fresh();
                 kind.commit(&mut state, &ctx);
                 let expires_at = kind.expires_at(&state);
