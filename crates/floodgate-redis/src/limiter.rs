@@ -28,6 +28,7 @@ macro_rules! with_algorithms {
     ($main:literal) => {
         concat!(
             include_str!("lua/errors.lua"),
+            include_str!("lua/numbers.lua"),
             include_str!("lua/prelude.lua"),
             include_str!("lua/gcra.lua"),
             include_str!("lua/shaper.lua"),
@@ -51,6 +52,7 @@ macro_rules! check_with {
     ($($alg:literal),+) => {
         concat!(
             include_str!("lua/errors.lua"),
+            include_str!("lua/numbers.lua"),
             include_str!("lua/prelude.lua"),
             $(include_str!($alg),)+
             include_str!("lua/check.lua"),
@@ -93,6 +95,7 @@ const UNDO_SRC: &str = with_algorithms!("lua/undo.lua");
 
 const RELEASE_SRC: &str = concat!(
     include_str!("lua/errors.lua"),
+    include_str!("lua/numbers.lua"),
     include_str!("lua/prelude.lua"),
     include_str!("lua/release.lua")
 );
@@ -104,6 +107,7 @@ static UNDO: LazyLock<Script> = LazyLock::new(|| Script::new(UNDO_SRC));
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         include_str!("lua/errors.lua"),
+        include_str!("lua/numbers.lua"),
         include_str!("lua/prelude.lua"),
         include_str!("lua/renew.lua")
     ))

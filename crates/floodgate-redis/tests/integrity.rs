@@ -206,6 +206,7 @@ fn after_prelude(
 ) -> Vec<String> {
     let script = [
         include_str!("../src/lua/errors.lua"),
+        include_str!("../src/lua/numbers.lua"),
         include_str!("../src/lua/prelude.lua"),
         snippet,
     ]

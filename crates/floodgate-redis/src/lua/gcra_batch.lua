@@ -20,19 +20,30 @@ local np = tonumber(ARGV[2])
 if now == nil or np == nil or np < 1 or np ~= math.floor(np) then
   malformed('header')
 end
+local nk = #KEYS
+local first = 2 + 2 * np
+local per_key = #ARGV > first
 -- Per policy: the emission interval, the latest tat a check may leave (`now + tolerance`),
--- and how far ahead a tat may be and still count (twice the tolerance).
-local emission, upto, twice = {}, {}, {}
+-- and how far ahead a tat may be and still count (twice the tolerance). Tables only when the
+-- keys name their policies: a table costs more than the rest of this header.
+local emission, upto, twice
+if per_key then
+  emission, upto, twice = {}, {}, {}
+end
+-- A number costs a strtod to read, about as much as the GCRA step: each is read once.
+local e1, until1, twice1
 for i = 1, np do
   local e, t = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
   if e == nil or t == nil or e < 1 or e > MAX_SPAN or t < e or t > MAX_SPAN then
     malformed('policy ' .. i)
   end
-  emission[i], upto[i], twice[i] = e, now + t, 2 * t
+  if i == 1 then
+    e1, until1, twice1 = e, now + t, 2 * t
+  end
+  if per_key then
+    emission[i], upto[i], twice[i] = e, now + t, 2 * t
+  end
 end
-local nk = #KEYS
-local first = 2 + 2 * np
-local per_key = #ARGV > first
 if per_key then
   if #ARGV ~= first + nk then
     malformed('the end')
@@ -47,41 +58,28 @@ elseif #ARGV ~= first then
   malformed('the end')
 end
 
--- Writes `tat` (later than now) to a key MGET found empty, unless the key exists: MGET also
--- reports a key of another type as empty, and such a key is refused, never overwritten.
-local function create(key, tat, ttl)
-  if not redis.call('SET', key, tat, 'PX', ttl, 'NX') then
-    return 'FLOODGATE_WRONGTYPE 0'
-  end
-  return nil
-end
-
--- Locals: the loop below runs once per check, and globals cost a table lookup each.
-local call, floor, tonum = redis.call, math.floor, tonumber
+-- Locals: the loop below runs once per check, and globals cost a table lookup each. It calls
+-- no Lua function of its own either: a call costs about as much as the GCRA step.
+local call, floor, tonum, fmt = redis.call, math.floor, tonumber, fmt
 local reply = { now }
-local e1, until1, twice1 = emission[1], upto[1], twice[1]
 -- A written state's TTL is floor((t - base) / 1000) milliseconds (see ttl_base).
 local base = ttl_base(now)
 -- Numbers written, by value: keys checked fresh in one call share their new tat and TTL, and
 -- formatting a number costs more than the rest of a check's Lua.
 local written = {}
-local function digits(x)
-  local s = written[x]
-  if not s then
-    s = fmt(x)
-    written[x] = s
-  end
-  return s
-end
 for c = 1, nk, 256 do
-  local last = math.min(c + 255, nk)
+  local last = c + 255
+  if last > nk then
+    last = nk
+  end
   local vals = call('MGET', unpack(KEYS, c, last))
   for i = c, last do
     local raw = vals[i - c + 1]
     local tat = 0
     if raw then
+      -- A whole number Lua holds exactly, as `exact` checks.
       tat = tonum(raw)
-      if not exact(tat) then
+      if tat == nil or tat < 0 or tat ~= floor(tat) or tat > MAX_EXACT then
         reply[i + 1] = 'FLOODGATE_CORRUPT 0 tat is ' .. shown(raw)
         tat = nil
       end
@@ -117,14 +115,22 @@ for c = 1, nk, 256 do
       -- A fresh or expired state (or one read as none) always admits the first check, so a
       -- changed tat is later than now, and a key read empty is always written.
       if t ~= tat then
-        local ttl = digits(floor((t - base) / 1000))
+        local ttl = floor((t - base) / 1000)
+        local ttl_s, t_s = written[ttl], written[t]
+        if not ttl_s then
+          ttl_s = fmt(ttl)
+          written[ttl] = ttl_s
+        end
+        if not t_s then
+          t_s = fmt(t)
+          written[t] = t_s
+        end
         if raw then
-          call('SET', KEYS[i], digits(t), 'PX', ttl)
-        else
-          local err = create(KEYS[i], digits(t), ttl)
-          if err then
-            reply[i + 1] = err
-          end
+          call('SET', KEYS[i], t_s, 'PX', ttl_s)
+        elseif not call('SET', KEYS[i], t_s, 'PX', ttl_s, 'NX') then
+          -- MGET also reports a key of another type as empty: such a key is refused, never
+          -- overwritten.
+          reply[i + 1] = 'FLOODGATE_WRONGTYPE 0'
         end
       end
     end
