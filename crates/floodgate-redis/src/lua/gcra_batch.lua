@@ -8,9 +8,9 @@
 -- ARGV: now (us, or '' for the server's TIME), P, then P pairs of GCRA parameters (emission,
 --       tolerance), then either nothing (each key: one check of policy 1) or one value per key,
 --       n * P + (i - 1): n checks of policy i, in a row.
--- Reply: the time used, then per key the tat it held before its checks (0: no state), or the
---        key's error ('FLOODGATE_CORRUPT 0 ...', 'FLOODGATE_WRONGTYPE 0'), in which case
---        nothing of that key changed. The client replays each key's checks on its tat with
+-- Reply: per key the tat it held before its checks (0: no state), or the key's error
+--        ('FLOODGATE_CORRUPT 0 ...', 'FLOODGATE_WRONGTYPE 0'), in which case nothing of that
+--        key changed; then the time used. The client replays each key's checks on its tat with
 --        floodgate-core's GCRA, which decides exactly as this script does (integers below
 --        2^53), and so learns every decision without the script sending it.
 
@@ -61,7 +61,8 @@ end
 -- Locals: the loop below runs once per check, and globals cost a table lookup each. It calls
 -- no Lua function of its own either: a call costs about as much as the GCRA step.
 local call, floor, tonum, fmt = redis.call, math.floor, tonumber, fmt
-local reply = { now }
+-- The reply is the first MGET's table, each key's value replaced: no table of its own.
+local reply = nk == 0 and {} or nil
 -- A written state's TTL is floor((t - base) / 1000) milliseconds (see ttl_base).
 local base = ttl_base(now)
 -- Numbers written, by value: keys checked fresh in one call share their new tat and TTL, and
@@ -73,6 +74,9 @@ for c = 1, nk, 256 do
     last = nk
   end
   local vals = call('MGET', unpack(KEYS, c, last))
+  if c == 1 then
+    reply = vals
+  end
   for i = c, last do
     local raw = vals[i - c + 1]
     local tat = 0
@@ -80,12 +84,12 @@ for c = 1, nk, 256 do
       -- A whole number Lua holds exactly, as `exact` checks.
       tat = tonum(raw)
       if tat == nil or tat < 0 or tat ~= floor(tat) or tat > MAX_EXACT then
-        reply[i + 1] = 'FLOODGATE_CORRUPT 0 tat is ' .. shown(raw)
+        reply[i] = 'FLOODGATE_CORRUPT 0 tat is ' .. shown(raw)
         tat = nil
       end
     end
     if tat then
-      reply[i + 1] = tat
+      reply[i] = tat
       local t = tat
       if per_key then
         local v = tonum(ARGV[first + i])
@@ -130,10 +134,11 @@ for c = 1, nk, 256 do
         elseif not call('SET', KEYS[i], t_s, 'PX', ttl_s, 'NX') then
           -- MGET also reports a key of another type as empty: such a key is refused, never
           -- overwritten.
-          reply[i + 1] = 'FLOODGATE_WRONGTYPE 0'
+          reply[i] = 'FLOODGATE_WRONGTYPE 0'
         end
       end
     end
   end
 end
+reply[nk + 1] = now
 return reply
