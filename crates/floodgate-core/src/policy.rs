@@ -271,10 +271,8 @@ impl Kind {
     }
 
     /// [`Kind::check`] and, when allowed, [`Kind::expires_at`] of the new state, in one
-    /// dispatch (the in-memory hot path). `expires_at` is written only when allowed. Always
-    /// inlined: as a call, its outcome went through memory, 34 of the 438 instructions of a
-    /// one-key check (under callgrind).
-    #[inline(always)]
+    /// dispatch (the in-memory hot path). `expires_at` is written only when allowed.
+    #[inline]
     pub(crate) fn check_expiring(
         &self,
         state: &mut State,
@@ -347,7 +345,6 @@ impl Kind {
 /// One algorithm's check and, when allowed, the new state's expiry: small and monomorphic, so
 /// that the dispatch around it stays small too.
 #[inline(never)]
-#[inline(always)]
 fn check_expiring<A: Algorithm>(
     alg: &A,
     state: &mut A::State,
