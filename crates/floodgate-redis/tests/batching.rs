@@ -312,6 +312,79 @@ fn plain_gcra_batches_decide_and_store_as_the_checks_one_by_one() {
     });
 }
 
+/// A plain GCRA batch of more keys than one `MGET` reads (256) decides each of them as the
+/// memory store does, over two rounds (fresh states, then held ones), and a garbage key and a
+/// key of another type past the first 256 fail alone.
+#[test]
+fn a_plain_gcra_batch_of_more_keys_than_one_mget_decides_each() {
+    let server = server();
+    run(Duration::from_secs(60), async {
+        let config = RedisConfig::new(&server.url()).expect("valid URL");
+        let batching = BatchConfig {
+            max_in_flight: 1,
+            max_batch: 1_000,
+            ..BatchConfig::default()
+        };
+        let limiter = support::limiter_batching(&config, batching).await;
+        let policy = Policy::gcra(1, 1, HOUR).expect("valid");
+        let keys: Vec<Vec<u8>> = (0..600).map(|k| format!("k{k}").into_bytes()).collect();
+        let (garbage, list) = (300, 557);
+        server
+            .cmd(&[
+                b"SET".as_slice(),
+                &limiter.state_key(&policy, &keys[garbage]),
+                b"x",
+            ])
+            .expect("set");
+        server
+            .cmd(&[
+                b"RPUSH".as_slice(),
+                &limiter.state_key(&policy, &keys[list]),
+                b"kept",
+            ])
+            .expect("rpush");
+        let memory = MemoryLimiter::new();
+        let t0 = 1_709_214_330_000_000u64;
+        let (calls_before, mgets_before) = (
+            command_calls(&server, "evalsha"),
+            command_calls(&server, "mget"),
+        );
+        for round in 0..3u64 {
+            let opts = CheckOptions::at(Timestamp::from_micros(t0 + round * 1_000));
+            let checks: Vec<[Check<'_>; 1]> =
+                keys.iter().map(|k| [Check::new(k, &policy)]).collect();
+            let got =
+                tokio::task::unconstrained(join_all(checks.iter().map(|c| limiter.check(c, opts))))
+                    .await;
+            for (i, (c, got)) in checks.iter().zip(&got).enumerate() {
+                match got {
+                    Err(e) if i == garbage => assert!(
+                        matches!(e, floodgate_redis::Error::Corrupted { .. }),
+                        "{e:?}"
+                    ),
+                    Err(e) if i == list => assert!(
+                        matches!(e, floodgate_redis::Error::WrongType { .. }),
+                        "{e:?}"
+                    ),
+                    Ok(v) if i != garbage && i != list => {
+                        let want = memory.check_sync(c, opts).expect("decided");
+                        assert_eq!(v.decisions, want.decisions, "round {round}, key {i}");
+                    }
+                    other => panic!("round {round}, key {i}: {other:?}"),
+                }
+            }
+        }
+        // Each call of at most 256 keys reads them with one MGET: more MGETs than calls means
+        // some call read past its first 256 keys.
+        let calls = command_calls(&server, "evalsha") - calls_before;
+        let mgets = command_calls(&server, "mget") - mgets_before;
+        assert!(
+            mgets > calls,
+            "{mgets} MGETs in {calls} calls: no call held over 256 keys"
+        );
+    });
+}
+
 /// In a batch of plain GCRA checks, keys holding garbage (anything but a whole number below
 /// 2^53) and a key of another type fail their own checks with typed errors naming them and are
 /// left exactly as they were; the other keys of the batch are decided and counted.
