@@ -16,8 +16,9 @@
 //! The script's fixed cost per call is what a batch of a few dozen checks feels most: reading a
 //! number (a `strtod`) costs about 1.7k instructions, a Lua table about 600, a closure about as
 //! much, and a `redis.call` several thousand. So the script includes only `numbers.lua` of the
-//! shared helpers, reads each argument once, builds no policy tables for a batch of one policy,
-//! and calls no Lua function of its own per check; its reply is the table of its first `MGET`,
+//! shared helpers, reads each policy's parameters once, builds no policy tables when every key
+//! has one check of the first policy (the usual batch), and calls no Lua function of its own per
+//! check except to format a number not written yet; its reply is the table of its first `MGET`,
 //! the time appended. Under callgrind, `floodgate bench`'s server instructions per decision
 //! went from 25.9k to 23.4k (about 20 checks per call, runs alternated); `CL.THROTTLE`, the
 //! native module, pipelined 16 deep on the same keys, takes 26.0k.

@@ -22,8 +22,8 @@ use crate::gcra_batch::{GCRA_BATCH, GcraBatch};
 use crate::keys::{key_slot, state_key};
 use crate::{ConnectionKind, Error, RedisConfig, RedisConn};
 
-/// A script with every algorithm defined before `$main`: the errors and the prelude, then one
-/// file per algorithm, then the script's own body.
+/// A script with every algorithm defined before `$main`: the errors, the numbers and the
+/// prelude, then one file per algorithm, then the script's own body.
 macro_rules! with_algorithms {
     ($main:literal) => {
         concat!(
@@ -43,7 +43,7 @@ macro_rules! with_algorithms {
     };
 }
 
-/// The check script: the prelude, every algorithm, then the batch driver.
+/// The check script: the shared helpers, every algorithm, then the batch driver.
 pub(crate) const CHECK_SRC: &str = with_algorithms!("lua/check.lua");
 
 /// The check script with only the named algorithm files: a script defines its algorithms on

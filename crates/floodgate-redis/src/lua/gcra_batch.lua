@@ -30,7 +30,7 @@ local emission, upto, twice
 if per_key then
   emission, upto, twice = {}, {}, {}
 end
--- A number costs a strtod to read, about as much as the GCRA step: each is read once.
+-- A number costs a strtod to read, many times the GCRA step: the policies are read once.
 local e1, until1, twice1
 for i = 1, np do
   local e, t = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
@@ -60,7 +60,7 @@ end
 
 -- Locals: the loop below runs once per check, and globals cost a table lookup each. It calls
 -- no Lua function of its own either: a call costs about as much as the GCRA step.
-local call, floor, tonum, fmt = redis.call, math.floor, tonumber, fmt
+local call, floor, tonum = redis.call, math.floor, tonumber
 -- The reply is the first MGET's table, each key's value replaced: no table of its own.
 local reply = nk == 0 and {} or nil
 -- A written state's TTL is floor((t - base) / 1000) milliseconds (see ttl_base).

@@ -7,7 +7,7 @@
 -- call, and the batch runs per call of a few dozen checks. prelude.lua has the rest.
 
 local MAX_SPAN = 2251799813685248 -- 2^51, floodgate_core::algorithm::MAX_SPAN_US
-local MAX_EXACT = 9007199254740991 -- 2^53 - 1: past it, a double no longer holds every integer
+local MAX_EXACT = 9007199254740991 -- 2^53 - 1: up to it, a double holds every integer
 -- Milliseconds added to every TTL. Zero in production; when a caller injects `now` (tests and
 -- simulations), Redis still expires keys on its own clock, so keys are kept a minute longer than
 -- their state matters. A state past its expiry decides exactly like no state, so this changes
