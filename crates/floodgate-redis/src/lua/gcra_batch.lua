@@ -24,10 +24,10 @@ local nk = #KEYS
 local first = 2 + 2 * np
 local per_key = #ARGV > first
 -- Per policy: the emission interval, the latest tat a check may leave (`now + tolerance`),
--- and how far ahead a tat may be and still count (twice the tolerance). Tables only when the
--- keys name their policies: a table costs more than the rest of this header.
+-- and how far ahead a tat may be and still count (twice the tolerance). Tables only for
+-- several policies: a table costs more than the rest of this header.
 local emission, upto, twice
-if per_key then
+if np > 1 then
   emission, upto, twice = {}, {}, {}
 end
 -- A number costs a strtod to read, many times the GCRA step: the policies are read once.
@@ -40,19 +40,23 @@ for i = 1, np do
   if i == 1 then
     e1, until1, twice1 = e, now + t, 2 * t
   end
-  if per_key then
+  if np > 1 then
     emission[i], upto[i], twice[i] = e, now + t, 2 * t
   end
 end
+-- Per key, when given: its checks and policy, read (and checked) once.
+local value
 if per_key then
   if #ARGV ~= first + nk then
     malformed('the end')
   end
+  value = {}
   for i = 1, nk do
     local v = tonumber(ARGV[first + i])
     if v == nil or v < np or v ~= math.floor(v) then
       malformed('key ' .. i)
     end
+    value[i] = v
   end
 elseif #ARGV ~= first then
   malformed('the end')
@@ -92,12 +96,15 @@ for c = 1, nk, 256 do
       reply[i] = tat
       local t = tat
       if per_key then
-        local v = tonum(ARGV[first + i])
+        local v = value[i]
         local p = v % np
-        local e, last = emission[p + 1], upto[p + 1]
+        local e, last, tw = e1, until1, twice1
+        if p > 0 then
+          e, last, tw = emission[p + 1], upto[p + 1], twice[p + 1]
+        end
         -- GCRA, as gcra_step: a tat more than twice the tolerance ahead reads as none, and a
         -- check is admitted when the new tat is within the tolerance.
-        if t - now > twice[p + 1] then
+        if t - now > tw then
           t = now
         end
         for _ = 1, (v - p) / np do
