@@ -591,3 +591,54 @@ fn a_gcra_state_no_check_could_leave_reads_as_none_and_heals() {
         assert_eq!(left.as_bytes(), Some(b"9007199254740991".as_slice()));
     });
 }
+
+/// The GCRA batch script refuses a key's count of checks that no client sends (2^32 checks or
+/// more, `inf`, a fraction) before it writes anything, even to the keys before it; a sound
+/// count is decided and written.
+#[test]
+fn the_gcra_batch_script_refuses_a_count_out_of_range_before_writing() {
+    let server = server();
+    let script = [
+        include_str!("../src/lua/numbers.lua"),
+        include_str!("../src/lua/gcra_batch.lua"),
+    ]
+    .concat();
+    // Two keys, one policy (100 ms apart, bursts of 10), a count per key.
+    let eval = |second: &str| {
+        server
+            .cmd(&[
+                "EVAL",
+                script.as_str(),
+                "2",
+                "bad:first",
+                "bad:second",
+                "",
+                "1",
+                "100000",
+                "900000",
+                "3",
+                second,
+            ])
+            .expect("EVAL")
+    };
+    for count in ["4294967296", "inf", "1e300", "2.5", "0", "x"] {
+        let reply = eval(count);
+        assert!(
+            matches!(&reply, floodgate_testkit::Resp::Error(e) if e.contains("FLOODGATE_BADARG") && e.contains("key 2")),
+            "count {count}: {reply:?}"
+        );
+        let first = server.cmd(&["GET", "bad:first"]).expect("GET");
+        assert_eq!(
+            first.as_bytes(),
+            None,
+            "count {count}: the first key was written"
+        );
+    }
+    let reply = eval("2");
+    assert!(
+        matches!(&reply, floodgate_testkit::Resp::Array(Some(items)) if items.len() == 3),
+        "sound counts: {reply:?}"
+    );
+    let first = server.cmd(&["GET", "bad:first"]).expect("GET");
+    assert!(first.as_bytes().is_some(), "the first key was not written");
+}

@@ -53,7 +53,8 @@ if per_key then
   value = {}
   for i = 1, nk do
     local v = tonumber(ARGV[first + i])
-    if v == nil or v < np or v ~= math.floor(v) then
+    -- At most 2^32 - 1 checks of a key, as the client counts them (which also refuses inf).
+    if v == nil or v < np or v ~= math.floor(v) or v >= 4294967296 * np then
       malformed('key ' .. i)
     end
     value[i] = v
@@ -98,9 +99,9 @@ for c = 1, nk, 256 do
       if per_key then
         local v = value[i]
         local p = v % np
-        local e, last, tw = e1, until1, twice1
+        local e, cap, tw = e1, until1, twice1
         if p > 0 then
-          e, last, tw = emission[p + 1], upto[p + 1], twice[p + 1]
+          e, cap, tw = emission[p + 1], upto[p + 1], twice[p + 1]
         end
         -- GCRA, as gcra_step: a tat more than twice the tolerance ahead reads as none, and a
         -- check is admitted when the new tat is within the tolerance.
@@ -109,7 +110,7 @@ for c = 1, nk, 256 do
         end
         for _ = 1, (v - p) / np do
           local after = (t > now and t or now) + e
-          if after <= last then
+          if after <= cap then
             t = after
           end
         end
