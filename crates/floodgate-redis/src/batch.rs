@@ -39,7 +39,10 @@ pub struct BatchConfig {
     pub window: Duration,
     /// The most checks in one script call. Default 128.
     pub max_batch: usize,
-    /// The most script calls in flight at once. Default 4.
+    /// The most script calls in flight at once. Default 4. Calls in flight together are sent
+    /// from tasks of their own, so checks issued at once (concurrent checks, which have no
+    /// order) may be decided in another order than they were issued; with 1, each batch goes
+    /// after the one before, in order of issue, at the cost of pipelining.
     pub max_in_flight: usize,
     /// How many checks may queue for the batcher before callers wait. Default 16384.
     pub queue: usize,

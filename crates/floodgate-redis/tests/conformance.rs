@@ -11,7 +11,7 @@ use floodgate_core::{
     CalendarUnit, Check, CheckOptions, LeaseId, Limiter, ManualClock, MemoryLimiter, Policy,
     Timestamp, Verdict,
 };
-use floodgate_redis::{ConnectionKind, RedisLimiter};
+use floodgate_redis::{BatchConfig, ConnectionKind, RedisConfig, RedisLimiter};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
@@ -522,7 +522,17 @@ fn conformance_cluster() {
 fn gcra_states_ahead_of_the_tolerance_decide_alike() {
     let server = server();
     run(LIMIT, async {
-        let one_by_one = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        // One script call at a time: batches in flight together are sent from tasks of their
+        // own, in no set order (concurrent checks have none), and the memory backend below
+        // replays the order of issue.
+        let config = RedisConfig::new(&server.url())
+            .expect("valid URL")
+            .timeout(Duration::from_secs(2));
+        let batching = BatchConfig {
+            max_in_flight: 1,
+            ..BatchConfig::default()
+        };
+        let one_by_one = support::limiter_batching(&config, batching).await;
         let policies = [
             Policy::per_hour(6)
                 .and_then(|p| p.named("g"))
