@@ -190,7 +190,16 @@ impl<C: Clock> MemoryLimiter<C> {
         let mut shard = map.lock(map.shard_of(hash));
         if let Some(slot) = shard.find_mut(hash, ident, key) {
             let mut expires_at = 0;
-            let out = kind.check_expiring(&mut slot.value, ctx, &mut expires_at);
+            // GCRA (the default) in line: a key too long for the compact table (an API key, a
+            // user name) costs no dispatch through every algorithm either.
+            let out = match (kind, &mut slot.value) {
+                (Kind::Gcra(gcra), State::Gcra(state)) => {
+                    let out = gcra.check(state, ctx);
+                    expires_at = state.tat;
+                    out
+                }
+                (kind, value) => kind.check_expiring(value, ctx, &mut expires_at),
+            };
             if out.decision.allowed {
                 slot.set_expires_at(expires_at);
                 let at = slot.expires_at();
@@ -794,6 +803,47 @@ mod tests {
         });
         drop(held);
         assert_eq!(admitted.load(Ordering::Relaxed), 99);
+    }
+
+    #[test]
+    fn gcra_decides_alike_in_the_compact_table_and_in_slots() {
+        use crate::clock::ManualClock;
+        use std::time::Duration;
+        let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
+        let limiter = MemoryLimiter::builder().clock(clock.clone()).build();
+        let p = Policy::gcra(4, 10, Duration::from_secs(1)).expect("valid");
+        // Compact, a slot compared in two words, a slot compared with `memcmp`.
+        let keys: [&[u8]; 3] = [b"k", b"client-42", b"an-api-key-of-more-than-16-bytes"];
+        let map = &limiter.inner.map;
+        assert!(matches!(locate(map, &p, keys[0]), Loc::Compact { .. }));
+        assert!(matches!(locate(map, &p, keys[1]), Loc::Slot { .. }));
+        assert!(matches!(locate(map, &p, keys[2]), Loc::Slot { .. }));
+        let mut rng = fastrand::Rng::with_seed(3);
+        let (mut allowed, mut denied) = (0, 0);
+        for step in 0..5_000 {
+            let cost = rng.u64(0..4);
+            let decisions: Vec<Decision> = keys
+                .iter()
+                .map(|k| limiter.check_key(k, &p, cost))
+                .collect();
+            assert_eq!(decisions[0], decisions[1], "step {step}");
+            assert_eq!(decisions[0], decisions[2], "step {step}");
+            let states: Vec<_> = keys.iter().map(|k| limiter.state(k, &p)).collect();
+            assert_eq!(states[0], states[1], "step {step}");
+            assert_eq!(states[0], states[2], "step {step}");
+            if decisions[0].allowed {
+                allowed += 1;
+            } else {
+                denied += 1;
+            }
+            clock.advance(Duration::from_micros(rng.u64(0..150_000)));
+        }
+        assert!(allowed > 1_000 && denied > 1_000, "{allowed} {denied}");
+        // Each slot's expiry follows its state: past it, the sweep drops all three keys.
+        clock.advance(Duration::from_secs(3));
+        limiter.purge_expired();
+        assert_eq!(limiter.stats().keys, 0);
+        assert_eq!(limiter.stats().expired, 3);
     }
 
     #[test]

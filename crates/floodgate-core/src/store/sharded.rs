@@ -78,10 +78,19 @@ impl<V> Slot<V> {
     }
 }
 
-/// Key equality without a `memcmp` call for the short keys of the common case.
+/// Key equality without a `memcmp` call for keys of up to 16 bytes (the common case): two
+/// overlapping 8-byte reads cover 9 to 16 bytes, [`load`] up to 8.
 #[inline]
 fn same_key(stored: &[u8], key: &[u8]) -> bool {
-    stored.len() == key.len() && stored == key
+    let n = key.len();
+    if stored.len() != n {
+        return false;
+    }
+    match n {
+        0..=8 => load(stored) == load(key),
+        9..=16 => le8(stored) == le8(key) && le8(&stored[n - 8..]) == le8(&key[n - 8..]),
+        _ => stored == key,
+    }
 }
 
 /// Microseconds to whole seconds, rounded up and saturated (the year 2106).
@@ -328,6 +337,14 @@ fn load(b: &[u8]) -> u64 {
         4..=7 => le::<4>(b) | le::<4>(&b[n - 4..]) << (8 * (n - 4)),
         _ => le::<8>(b),
     }
+}
+
+/// The first eight bytes of `b` (at least eight long) as a little-endian word.
+#[inline]
+fn le8(b: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(w)
 }
 
 pub(crate) struct Shard<V> {
@@ -767,10 +784,14 @@ mod tests {
             }
         }
         // Whatever parses is the canonical text of its address: no two texts share a packing.
-        for _ in 0..200_000 {
+        // Bytes next to the digits and the dot, and the same with the high bit set: none may
+        // pass as either.
+        let hostile = b"0123456789./:\x00\x1e\xae\xb0\xb9\xff";
+        for i in 0..400_000 {
             let len = rng.usize(7..=16);
+            let alphabet: &[u8] = if i % 2 == 0 { b"0123456789." } else { hostile };
             let text: Vec<u8> = (0..len)
-                .map(|_| *rng.choice(b"0123456789.").unwrap_or(&b'.'))
+                .map(|_| *rng.choice(alphabet).unwrap_or(&b'.'))
                 .collect();
             if let Some(ip) = canonical_ipv4(&text) {
                 assert_eq!(
@@ -791,6 +812,26 @@ mod tests {
             "a-longer-key-12",
         ] {
             assert_eq!(pack(1, text.as_bytes()), None, "{text}");
+        }
+    }
+
+    #[test]
+    fn keys_are_the_same_only_when_every_byte_is() {
+        let mut rng = fastrand::Rng::with_seed(5);
+        for n in 0..=40 {
+            let key: Vec<u8> = (0..n).map(|_| rng.u8(..)).collect();
+            assert!(same_key(&key, &key.clone()), "{n}");
+            for i in 0..n {
+                let mut other = key.clone();
+                other[i] ^= 1 << rng.u32(0..8);
+                assert!(!same_key(&key, &other), "{n} bytes, byte {i}");
+                assert!(!same_key(&other, &key), "{n} bytes, byte {i}");
+            }
+            // A zero byte more or less is another key, though the words read alike.
+            let mut longer = key.clone();
+            longer.push(0);
+            assert!(!same_key(&key, &longer), "{n}");
+            assert!(!same_key(&longer, &key), "{n}");
         }
     }
 
