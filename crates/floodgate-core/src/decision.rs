@@ -88,7 +88,7 @@ pub(crate) fn ceil_ms(us: u64) -> Duration {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Verdict {
     /// One decision per checked policy, in the order they were given.
-    pub decisions: SmallVec<[Decision; 4]>,
+    pub decisions: SmallVec<[Decision; 2]>,
     /// For shaping (queueing) policies: how long the caller must wait before going ahead.
     /// Zero for every other algorithm.
     pub wait: Duration,
