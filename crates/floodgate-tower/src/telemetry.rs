@@ -141,8 +141,10 @@ pub(crate) struct LayerMetrics {
     /// When the cache counters are next copied, in milliseconds after `base`.
     next_copy_ms: AtomicU64,
     base: Instant,
-    /// Times in-memory checks: a read of the CPU's counter costs a fraction of an `Instant`.
-    timer: quanta::Clock,
+    /// Times in-memory checks (made at the first: a Redis layer never pays its calibration).
+    /// `quanta` reads the CPU's counter where it is invariant, a fraction of an `Instant`'s
+    /// cost, and the monotonic clock elsewhere.
+    timer: OnceLock<quanta::Clock>,
 }
 
 impl Default for LayerMetrics {
@@ -154,7 +156,7 @@ impl Default for LayerMetrics {
             copied: Mutex::new(CacheStats::default()),
             next_copy_ms: AtomicU64::new(0),
             base: Instant::now(),
-            timer: quanta::Clock::new(),
+            timer: OnceLock::new(),
         }
     }
 }
@@ -179,17 +181,22 @@ impl LayerMetrics {
             .record(seconds);
     }
 
+    fn clock(&self) -> &quanta::Clock {
+        self.timer.get_or_init(quanta::Clock::new)
+    }
+
     /// A reading of the check timer, for [`LayerMetrics::check_duration_since`].
     #[inline]
     pub(crate) fn timer(&self) -> u64 {
-        self.timer.raw()
+        self.clock().raw()
     }
 
     /// Records the time since `start`, a reading of [`LayerMetrics::timer`].
     #[inline]
     pub(crate) fn check_duration_since(&self, start: u64) {
-        let end = self.timer.raw();
-        self.check_duration(self.timer.delta(start, end).as_secs_f64());
+        let clock = self.clock();
+        let end = clock.raw();
+        self.check_duration(clock.delta(start, end).as_secs_f64());
     }
 
     pub(crate) fn store_error(&self, timeout: bool) {

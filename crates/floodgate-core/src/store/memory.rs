@@ -812,7 +812,8 @@ mod tests {
         let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
         let limiter = MemoryLimiter::builder().clock(clock.clone()).build();
         let p = Policy::gcra(4, 10, Duration::from_secs(1)).expect("valid");
-        // Compact, a slot compared in two words, a slot compared with `memcmp`.
+        // Compact, a slot compared in two words, a slot compared with `memcmp`. The slots step
+        // GCRA in line; the compact table has its own step.
         let keys: [&[u8]; 3] = [b"k", b"client-42", b"an-api-key-of-more-than-16-bytes"];
         let map = &limiter.inner.map;
         assert!(matches!(locate(map, &p, keys[0]), Loc::Compact { .. }));
@@ -839,8 +840,17 @@ mod tests {
             clock.advance(Duration::from_micros(rng.u64(0..150_000)));
         }
         assert!(allowed > 1_000 && denied > 1_000, "{allowed} {denied}");
-        // Each slot's expiry follows its state: past it, the sweep drops all three keys.
-        clock.advance(Duration::from_secs(3));
+        // Each key's expiry follows its state: a sweep while the state is ahead of the clock
+        // keeps all three keys (a slot whose expiry was not moved on would go), one after the
+        // state's time (rounded up to the second) drops them.
+        clock.advance(Duration::from_secs(1));
+        for k in keys {
+            assert!(limiter.check_key(k, &p, 1).allowed);
+        }
+        limiter.purge_expired();
+        assert_eq!(limiter.stats().keys, 3);
+        assert_eq!(limiter.stats().expired, 0);
+        clock.advance(Duration::from_millis(1_200));
         limiter.purge_expired();
         assert_eq!(limiter.stats().keys, 0);
         assert_eq!(limiter.stats().expired, 3);
