@@ -11,7 +11,7 @@ use metrics::{Counter, Gauge, Histogram};
 /// Requests decided, by `outcome` (`allowed`, `denied`, `error`, `fallback`) and `policy`
 /// (the strictest policy of the decision).
 pub const REQUESTS_TOTAL: &str = "floodgate_requests_total";
-/// Time taken by the store to decide (including the fallback, excluding delay-mode sleeps).
+/// Time taken by the store to decide, each check (not the local fallback's, nor delay-mode sleeps).
 pub const CHECK_DURATION_SECONDS: &str = "floodgate_check_duration_seconds";
 /// Store errors and timeouts, by `kind` (`error`, `timeout`).
 pub const STORE_ERRORS_TOTAL: &str = "floodgate_store_errors_total";
