@@ -74,8 +74,8 @@
 //! once, when the layer is built. With a [`floodgate_core::MemoryLimiter`] in reject mode the
 //! decision is made synchronously inside `call`, like any in-process limiter: the key stays
 //! inline (up to 48 bytes), nothing is allocated for the decision of up to two rules (a
-//! verdict holds two decisions inline), and the response future is
-//! the inner one and a pointer. Per allowed request the layer allocates the `RateLimitInfo`
+//! verdict holds two decisions inline), and the response future is the inner one and a
+//! pointer. Per allowed request the layer allocates the `RateLimitInfo`
 //! extension (disable with [`RateLimitLayerBuilder::request_info`]) and, only when asked for
 //! with [`RateLimitLayerBuilder::headers_on_allowed`], the `RateLimit` header value. Behind
 //! axum, [`RateLimitLayer::native_body`] keeps axum's own body type, which axum would otherwise

@@ -151,7 +151,7 @@ async fn decisions_are_counted() {
         .expect("histogram");
     let samples = samples.0.lock().expect("lock");
     assert_eq!(samples.len(), 3);
-    // Seconds, timed on the CPU's counter: an in-memory check takes well under a second.
+    // Seconds, not the timer's raw ticks: an in-memory check takes well under a second.
     assert!(
         samples.iter().all(|s| (0.0..1.0).contains(s)),
         "{samples:?}"
