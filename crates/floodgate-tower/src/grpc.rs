@@ -29,7 +29,8 @@ pub enum GrpcCode {
     Unavailable = 14,
 }
 
-/// Whether `headers` are those of a gRPC request (`content-type: application/grpc*`).
+/// Whether `headers` have a gRPC content type (`content-type: application/grpc*`). The layer
+/// also asks for `POST` ([`RequestView::is_grpc`](crate::key::RequestView::is_grpc)).
 pub fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)

@@ -1,12 +1,15 @@
 //! [`Rule`]: a policy, the key it counts, its cost, and the requests it applies to.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
 use floodgate_core::Policy;
 use http::{HeaderValue, Method};
 
-use crate::key::{AnyExtractor, AsyncKeyExtractor, Key, KeyExtractor, PeerIp, RequestView};
+use crate::key::{
+    AnyExtractor, AsyncKeyExtractor, Key, KeyExtractor, PeerIp, RequestView, normalized_path,
+};
 use crate::layer::OnMissingKey;
 use crate::telemetry::PolicyMetrics;
 
@@ -39,6 +42,8 @@ pub struct Rule {
     pub(crate) key: AnyExtractor,
     cost: Cost,
     prefixes: Vec<Arc<str>>,
+    /// Each of `prefixes` in canonical form ([`canonical_path`]).
+    canonical_prefixes: Vec<Arc<[u8]>>,
     routes: Vec<Arc<str>>,
     methods: Vec<Method>,
     predicate: Option<Predicate>,
@@ -63,6 +68,7 @@ impl Rule {
             key: AnyExtractor::sync(PeerIp::new()),
             cost: Cost::Fixed(1),
             prefixes: Vec::new(),
+            canonical_prefixes: Vec::new(),
             routes: Vec::new(),
             methods: Vec::new(),
             predicate: None,
@@ -116,10 +122,19 @@ impl Rule {
 
     /// Applies to paths under `prefix` (segment-wise: `/api` matches `/api` and `/api/x`,
     /// not `/apix`). With several prefixes and routes, any one matching is enough.
+    ///
+    /// A path matches as it is sent or in its canonical form: percent-escapes decoded (but
+    /// `%2F`, which stays a character of its segment), empty and `.` segments dropped, `..`
+    /// segments taking the one before them away. Routers and file servers decode paths before
+    /// they act on them (axum's path parameters, `ServeDir`), so `/v1/%73ms/send` and
+    /// `/v1/./sms//send` reach the handler of `/v1/sms/send` and count under `/v1/sms` too.
     #[must_use]
     pub fn path_prefix(mut self, prefix: &str) -> Self {
         let trimmed = prefix.trim_end_matches('/');
+        let canonical = canonical_path(trimmed);
+        let canonical = canonical.strip_suffix(b"/").unwrap_or(&canonical);
         self.prefixes.push(trimmed.into());
+        self.canonical_prefixes.push(canonical.into());
         self
     }
 
@@ -131,7 +146,9 @@ impl Rule {
         self
     }
 
-    /// Applies only to these methods.
+    /// Applies only to these methods. `GET` covers `HEAD` too: a `HEAD` request is a `GET`
+    /// without the body, and routers answer it with the `GET` handler (axum does), which does
+    /// the work all the same.
     #[must_use]
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.methods.extend(methods);
@@ -174,22 +191,43 @@ impl Rule {
 
     /// Whether the rule applies to `req`.
     pub fn applies_to(&self, req: &RequestView<'_>) -> bool {
-        if !self.methods.is_empty() && !self.methods.contains(req.method()) {
+        if !self.methods.is_empty() && !self.applies_to_method(req.method()) {
             return false;
         }
-        if !self.prefixes.is_empty() || !self.routes.is_empty() {
-            let path = req.path();
-            let by_prefix = self.prefixes.iter().any(|p| {
-                p.is_empty()
-                    || path
-                        .strip_prefix(&**p)
-                        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
-            });
-            if !by_prefix && !self.matches_route(req) {
-                return false;
-            }
+        let scoped = !self.prefixes.is_empty() || !self.routes.is_empty();
+        if scoped && !self.matches_prefix(req.path()) && !self.matches_route(req) {
+            return false;
         }
         self.predicate.as_ref().is_none_or(|p| p(req))
+    }
+
+    fn applies_to_method(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+            || (*method == Method::HEAD && self.methods.contains(&Method::GET))
+    }
+
+    /// Whether `path`, as sent or in canonical form, is under one of the prefixes.
+    fn matches_prefix(&self, path: &str) -> bool {
+        let under = |path: &[u8], prefix: &[u8]| {
+            prefix.is_empty()
+                || path
+                    .strip_prefix(prefix)
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with(b"/"))
+        };
+        if self.prefixes.is_empty() {
+            return false;
+        }
+        if self
+            .prefixes
+            .iter()
+            .any(|p| under(path.as_bytes(), p.as_bytes()))
+        {
+            return true;
+        }
+        let canonical = canonical_path(path);
+        // A path that is canonical already was matched above.
+        !matches!(canonical, Cow::Borrowed(_))
+            && self.canonical_prefixes.iter().any(|p| under(&canonical, p))
     }
 
     #[cfg(feature = "axum")]
@@ -241,6 +279,43 @@ impl fmt::Debug for Rule {
     }
 }
 
+/// `path` as routers and file servers act on it: percent-escapes decoded as
+/// [`normalized_path`] does (`%2F` and `%25` stay escaped, so segments stay apart), then empty
+/// and `.` segments dropped and each `..` segment taking the one before it away. Borrowed when
+/// `path` is canonical already; a path that does not start with `/` (`*`) is left as it is.
+fn canonical_path(path: &str) -> Cow<'_, [u8]> {
+    let decoded = normalized_path(path);
+    let raw: &[u8] = &decoded;
+    let dotted = |seg: &[u8]| seg.is_empty() || seg == b"." || seg == b"..";
+    let Some(body) = raw.strip_prefix(b"/") else {
+        return decoded;
+    };
+    // A trailing `/` changes nothing under a prefix.
+    let body = body.strip_suffix(b"/").unwrap_or(body);
+    if body.is_empty() || !body.split(|&b| b == b'/').any(dotted) {
+        return decoded;
+    }
+    let mut segments: Vec<&[u8]> = Vec::new();
+    for seg in raw[1..].split(|&b| b == b'/') {
+        match seg {
+            b"" | b"." => {}
+            b".." => {
+                segments.pop();
+            }
+            seg => segments.push(seg),
+        }
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    for seg in &segments {
+        out.push(b'/');
+        out.extend_from_slice(seg);
+    }
+    if out.is_empty() {
+        out.push(b'/');
+    }
+    Cow::Owned(out)
+}
+
 /// A rule as the layer holds it: with its pre-rendered header item and its counters.
 #[derive(Debug)]
 pub(crate) struct RuleEntry {
@@ -252,6 +327,27 @@ pub(crate) struct RuleEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn canonical_paths() {
+        for (path, canonical) in [
+            ("/", "/"),
+            ("/a/b/", "/a/b/"),
+            ("*", "*"),
+            ("//a", "/a"),
+            ("/a/./b", "/a/b"),
+            ("/a/../b", "/b"),
+            ("/../../a", "/a"),
+            ("/a/..", "/"),
+            ("/%61/%2e/b", "/a/b"),
+            ("/a%2Fb/c", "/a%2Fb/c"),
+            ("/a%2f..%2fb", "/a%2F..%2Fb"),
+        ] {
+            assert_eq!(canonical_path(path), canonical.as_bytes(), "{path}");
+        }
+        assert!(matches!(canonical_path("/a/b/c"), Cow::Borrowed(_)));
+        assert!(matches!(canonical_path("/a/b/"), Cow::Borrowed(_)));
+    }
 
     #[test]
     fn route_matching() {
@@ -274,6 +370,34 @@ mod tests {
         assert!(!check(Method::POST, "/loginx"));
         assert!(!check(Method::GET, "/login"));
         assert!(!check(Method::POST, "/"));
+        // HEAD is a GET without its body.
+        assert!(!check(Method::HEAD, "/login"));
+        let reads = Rule::new(p.clone()).methods([Method::GET]);
+        let req = http::Request::head("/x").body(()).expect("request");
+        assert!(reads.applies_to(&RequestView::from_request(&req)));
+        let req = http::Request::post("/x").body(()).expect("request");
+        assert!(!reads.applies_to(&RequestView::from_request(&req)));
+        // Spellings of a path under the prefix, and of paths that are not.
+        for (path, under) in [
+            ("/api%2fx", false),
+            ("/%61pi/x", true),
+            ("/%61pi", true),
+            ("/api/../login", true),
+            ("//login", true),
+            ("/./login/", true),
+            ("/x/../../login", true),
+            ("/login/..", true),
+            // As sent, it is under the prefix.
+            ("/login/../x", true),
+            ("/x/../loginx", false),
+            ("/%2e%2e/login", true),
+            ("/log%69nx", false),
+            ("/logi%6e%2Fx", false),
+            ("/.", false),
+            ("/login%", false),
+        ] {
+            assert_eq!(check(Method::POST, path), under, "{path}");
+        }
         let all = Rule::new(p).path_prefix("/");
         let req = http::Request::get("/anything").body(()).expect("request");
         assert!(all.applies_to(&RequestView::from_request(&req)));

@@ -303,6 +303,94 @@ async fn rules_apply_per_route_and_method() {
     );
 }
 
+/// HEAD is answered by the GET handler, and a percent-escaped or dotted path by the handler
+/// of its decoded form: both count under the rule of what the handler does.
+#[tokio::test]
+async fn head_requests_and_other_spellings_of_a_path_count_under_its_rule() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy(1, 60, "export"))
+                .path_prefix("/export")
+                .methods([Method::GET]),
+        )
+        .rule(Rule::new(policy(1, 60, "sms")).path_prefix("/v1/sms"))
+        .build()
+        .expect("layer");
+    let exports = Arc::new(Mutex::new(0));
+    let channels = Arc::new(Mutex::new(Vec::new()));
+    let app = Router::new()
+        .route(
+            "/export",
+            get({
+                let exports = Arc::clone(&exports);
+                move || async move {
+                    *exports.lock().expect("lock") += 1;
+                    "data"
+                }
+            }),
+        )
+        .route(
+            "/v1/{channel}/send",
+            post({
+                let channels = Arc::clone(&channels);
+                move |axum::extract::Path(channel): axum::extract::Path<String>| async move {
+                    channels.lock().expect("lock").push(channel);
+                    "sent"
+                }
+            }),
+        )
+        .layer(layer);
+    let client = HttpClient::new(serve(app).await);
+
+    assert_eq!(client.get("/export").await.status, StatusCode::OK);
+    let head = client.send(http::Request::head("/export"), &[]).await;
+    assert_eq!(head.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        *exports.lock().expect("lock"),
+        1,
+        "HEAD ran the GET handler"
+    );
+
+    let send = |path: &'static str| client.send(http::Request::post(path), &[]);
+    assert_eq!(send("/v1/sms/send").await.status, StatusCode::OK);
+    assert_eq!(
+        send("/v1/%73ms/send").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        send("/v1/%73%4d%53/send").await.status,
+        StatusCode::OK,
+        "sMS is another"
+    );
+    assert_eq!(
+        *channels.lock().expect("lock"),
+        ["sms", "sMS"],
+        "the escaped path reached the handler of the rule's path"
+    );
+}
+
+#[tokio::test]
+async fn a_grpc_content_type_on_a_get_is_answered_as_http() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(1, 60, "per-ip")).key(PeerIp::new()))
+        .build()
+        .expect("layer");
+    let client = HttpClient::new(serve(Router::new().route("/app.js", get(ok)).layer(layer)).await);
+    let grpc: &[(&str, &[u8])] = &[("content-type", b"application/grpc")];
+    assert_eq!(
+        client.get_with("/app.js", grpc).await.status,
+        StatusCode::OK
+    );
+    // Not gRPC's trailers-only 200 with an empty body, which a cache could keep for /app.js.
+    let res = client.get_with("/app.js", grpc).await;
+    assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(res.headers.get("grpc-status").is_none());
+    assert_eq!(
+        res.headers.get("content-type").map(|v| v.as_bytes()),
+        Some(&b"application/problem+json"[..])
+    );
+}
+
 #[tokio::test]
 async fn spoofed_forwarding_headers_do_not_change_the_key() {
     // The test client connects from 127.0.0.1: make it a trusted proxy.

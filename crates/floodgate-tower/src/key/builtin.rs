@@ -18,7 +18,9 @@ impl KeyExtractor for GlobalKey {
 }
 
 /// The IP address of the connection's peer (see [`RequestView::peer_addr`]), IPv6 grouped by
-/// a prefix (default /64, what one subscriber usually gets).
+/// a prefix (default /64, the smallest network a subscriber is given). Many ISPs give a home
+/// a /56 or a /48, and a client there can spread its requests over 256 or 65,536 keys of /64:
+/// where that matters, group by the shorter prefix with [`PeerIp::ipv6_prefix`].
 ///
 /// Behind a proxy every request comes from the proxy: use [`super::ClientIp`] there.
 #[derive(Clone, Copy, Debug)]
@@ -142,7 +144,7 @@ impl KeyExtractor for PathKey {
 /// (in capitals) so that segments stay apart and the result stays one-to-one; a `%` that
 /// starts no escape becomes `%25`, as the router reads it. Every spelling of one decoded path
 /// gives the same bytes (which need not be UTF-8), and different decoded paths different ones.
-fn normalized_path(path: &str) -> std::borrow::Cow<'_, [u8]> {
+pub(crate) fn normalized_path(path: &str) -> std::borrow::Cow<'_, [u8]> {
     fn hex(b: u8) -> Option<u8> {
         (b as char).to_digit(16).and_then(|d| u8::try_from(d).ok())
     }

@@ -41,6 +41,11 @@ impl TrustedProxies {
 
     /// Loopback and private networks: `127.0.0.0/8`, `10.0.0.0/8`, `172.16.0.0/12`,
     /// `192.168.0.0/16`, `::1/128`, `fc00::/7`.
+    ///
+    /// Every address in them is taken for a proxy. Where clients too connect from a private
+    /// network (internal services through the same ingress), the walk goes past such a client
+    /// into the entries it wrote itself, and it picks its own key: list the proxies' own
+    /// networks instead.
     pub fn private() -> Self {
         let nets = [
             "127.0.0.0/8",
@@ -120,7 +125,8 @@ pub enum ForwardedHeader {
     Custom(HeaderName),
 }
 
-/// The client's IP address behind trusted proxies, IPv6 grouped by a prefix (default /64).
+/// The client's IP address behind trusted proxies, IPv6 grouped by a prefix (default /64; a
+/// client given a /56 or a /48 has 256 or 65,536 of those, see [`super::PeerIp`]).
 ///
 /// With no trusted proxy this is the peer address. Unparseable, `unknown` or obfuscated
 /// (`_hidden`) entries written by a trusted proxy end the walk: the key is then the trusted hop

@@ -27,6 +27,7 @@ use smallvec::SmallVec;
 
 #[cfg(feature = "axum")]
 pub use builtin::RouteKey;
+pub(crate) use builtin::normalized_path;
 pub use builtin::{Composite, GlobalKey, HeaderKey, MetadataKey, MethodKey, PathKey, PeerIp};
 pub use client_ip::{ClientIp, ForwardedHeader, TrustedProxies};
 
@@ -99,10 +100,14 @@ impl<'a> RequestView<'a> {
         self.extensions
     }
 
-    /// Whether this is a gRPC request: its `content-type` starts with `application/grpc`
-    /// (`application/grpc`, `application/grpc+proto`, `application/grpc-web`, ...).
+    /// Whether this is a gRPC request: a `POST` (as every gRPC and gRPC-Web call is) whose
+    /// `content-type` starts with `application/grpc` (`application/grpc`,
+    /// `application/grpc+proto`, `application/grpc-web`, ...). Another method with that
+    /// content type is an HTTP request, turned away with an HTTP status: a client that sends
+    /// `GET /app.js` with it does not turn its 429 into gRPC's `200 OK` with an empty body,
+    /// which a cache in front could keep and serve to everyone.
     pub fn is_grpc(&self) -> bool {
-        crate::grpc::is_grpc(self.headers)
+        *self.method() == http::Method::POST && crate::grpc::is_grpc(self.headers)
     }
 
     /// The address of the connection's peer, from a [`SocketAddr`] extension, axum's
