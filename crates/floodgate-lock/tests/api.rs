@@ -10,7 +10,8 @@ use std::time::Duration;
 use floodgate_lock::{
     Backoff, Error, Lock, LockAttempt, LockStore, MAX_LOCK_NAME, MAX_TTL, MemoryLocks, Redlock,
 };
-use support::{redis_locks, redis_locks_silent, redis_locks_with, run, server};
+use floodgate_redis::{RedisConfig, RedisConn};
+use support::{redis_locks, redis_locks_silent, redis_locks_with, run, server, servers};
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(10);
@@ -510,4 +511,61 @@ fn a_guard_dropped_outside_a_runtime_does_not_panic() {
         .build()
         .expect("runtime");
     assert!(runtime.block_on(lock.try_acquire()).expect("ok").is_none());
+}
+
+/// `url` as the ACL user `app` (password `pw`): every key and command, no pub/sub channel
+/// (what Redis 7 gives a new user unless told otherwise), created on the server at `url`.
+async fn user_without_channels(url: &str) -> String {
+    let admin = RedisConn::connect(&RedisConfig::new(url).expect("valid URL"))
+        .await
+        .expect("connect");
+    let mut cmd = redis::cmd("ACL");
+    cmd.arg("SETUSER")
+        .arg("app")
+        .arg("on")
+        .arg(">pw")
+        .arg("~*")
+        .arg("+@all")
+        .arg("resetchannels");
+    let _: () = admin.query(cmd).await.expect("ACL SETUSER");
+    url.replacen("redis://", "redis://app:pw@", 1)
+}
+
+/// A user without rights on the release channels: the release script's announcement is
+/// refused after the lock is deleted, and that is still a release, on one server and on
+/// Redlock's quorum (where a failed release used to read as a lost lock).
+#[test]
+fn a_user_without_channel_rights_releases() {
+    let server = server();
+    let nodes = servers(3);
+    run(Duration::from_secs(60), async {
+        let url = user_without_channels(&server.url()).await;
+        let lock = Lock::new(redis_locks(&url).await, "acl", TTL).expect("lock");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        // A waiter, whose notification never comes: it finds the release by backoff.
+        let waiter = {
+            let lock = lock.clone();
+            tokio::spawn(async move { lock.acquire(Duration::from_secs(10)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        guard.release().await.expect("released");
+        let taken = waiter
+            .await
+            .expect("task")
+            .expect("acquired after the release");
+        taken.release().await.expect("released");
+        let again = lock.try_acquire().await.expect("ok").expect("released");
+        again.release().await.expect("released");
+
+        let mut clients = Vec::new();
+        for node in nodes.iter() {
+            clients.push(redis_locks(&user_without_channels(&node.url()).await).await);
+        }
+        let redlock = Redlock::new(clients).expect("three nodes");
+        let lock = Lock::new(redlock, "acl", TTL).expect("lock");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        guard.release().await.expect("released on a quorum");
+        let again = lock.try_acquire().await.expect("ok").expect("released");
+        again.release().await.expect("released");
+    });
 }

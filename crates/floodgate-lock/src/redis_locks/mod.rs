@@ -170,6 +170,11 @@ impl RedisLocksBuilder {
     /// (on a cluster, any nodes of it: a `PUBLISH` reaches every node; give several, the
     /// subscriber moves to the next when one fails). A `?cluster=...` query is ignored.
     ///
+    /// With ACLs, the user needs rights on the channels `<prefix>:lock:*:released`
+    /// (`&floodgate:lock:*` with the default prefix; Redis 7 gives a new user none). Without
+    /// them releases still release (the script's announcement is refused, not the release),
+    /// but waiters find them by backoff only.
+    ///
     /// # Errors
     /// [`Error::Invalid`] for a URL redis-rs does not accept (shown without its password).
     pub fn notifications<I, U>(mut self, urls: I) -> Result<Self, Error>

@@ -150,6 +150,11 @@ impl Drop for Waiter {
             entry.waiters = entry.waiters.saturating_sub(1);
             if entry.waiters == 0 {
                 entry.idle_since = Instant::now();
+                // Never subscribed (nor being): nothing to undo on the server, and kept, it
+                // would stay for as long as the subscriber cannot connect.
+                if entry.status == Status::Wanted {
+                    channels.remove(&self.channel);
+                }
             }
         }
     }
@@ -168,8 +173,9 @@ type Op = Pin<Box<dyn Future<Output = Done> + Send>>;
 enum Ended {
     /// The notifier is gone.
     Stop,
-    /// The connection broke.
-    Reconnect,
+    /// The connection broke, or the server refused a command (why). `served`: whether the
+    /// session had one confirmed SUBSCRIBE or PING first, and so worked for a while.
+    Reconnect { why: String, served: bool },
 }
 
 async fn run(shared: Arc<Shared>, mut kicks: mpsc::UnboundedReceiver<()>) {
@@ -190,16 +196,29 @@ async fn run(shared: Arc<Shared>, mut kicks: mpsc::UnboundedReceiver<()>) {
         };
         match connected {
             Ok(Ok(pubsub)) => {
-                if failing {
-                    tracing::info!("lock release notifications: subscriber connected again");
-                }
-                failing = false;
-                backoff = RECONNECT_MIN;
                 let (sink, stream) = pubsub.split();
                 let ended = session(&shared, sink, stream, &mut kicks).await;
                 wake_all_after_disconnect(&shared);
-                if matches!(ended, Ended::Stop) {
+                let Ended::Reconnect { why, served } = ended else {
                     return;
+                };
+                if served {
+                    if failing {
+                        tracing::info!("lock release notifications: subscriber working again");
+                    }
+                    failing = false;
+                    backoff = RECONNECT_MIN;
+                } else {
+                    // Connected, then refused or cut off at once (a user without rights on the
+                    // channels, a proxy that does not relay SUBSCRIBE): not a connection that
+                    // works, so the backoff keeps growing rather than reconnecting every 50 ms.
+                    if !failing {
+                        tracing::warn!(
+                            error = %why,
+                            "lock release notifications: the subscriber's connection does not work; waiters fall back to backoff"
+                        );
+                    }
+                    failing = true;
                 }
             }
             Ok(Err(e)) => {
@@ -242,12 +261,14 @@ async fn session(
     schedule(shared, &sink, &mut ops);
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let started = Instant::now();
+    let mut served = false;
     loop {
         tokio::select! {
             message = stream.next() => {
                 let Some(message) = message else {
                     tracing::debug!("lock release notifications: subscriber connection closed");
-                    return Ended::Reconnect;
+                    return Ended::Reconnect { why: "connection closed".to_owned(), served };
                 };
                 let Ok(channel) = message.get_channel::<Vec<u8>>() else { continue };
                 if let Some(entry) = shared.channels().get(&channel) {
@@ -263,6 +284,7 @@ async fn session(
             }
             Some(done) = ops.next(), if !ops.is_empty() => match done {
                 Done::Subscribed(channel) => {
+                    served = true;
                     if let Some(entry) = shared.channels().get_mut(&channel) {
                         if entry.status == Status::Subscribing {
                             entry.status = Status::Subscribed;
@@ -283,10 +305,12 @@ async fn session(
                         }
                     }
                 }
-                Done::Pinged => {}
+                // Not the first PING (sent at once, which may be answered before a refused
+                // SUBSCRIBE is).
+                Done::Pinged => served |= started.elapsed() >= TICK,
                 Done::Failed(e) => {
                     tracing::debug!(error = %e, "lock release notifications: subscriber failed");
-                    return Ended::Reconnect;
+                    return Ended::Reconnect { why: e, served };
                 }
             },
             _ = tick.tick() => {
@@ -361,4 +385,101 @@ fn wake_all_after_disconnect(shared: &Shared) {
         entry.status = Status::Wanted;
         true
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A server that answers every command `+OK` but closes the connection on SUBSCRIBE, as a
+    /// proxy without pub/sub does (twemproxy): each connection works until it is used. Counts
+    /// the connections.
+    async fn closes_on_subscribe() -> (String, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("redis://{}/", listener.local_addr().expect("addr"));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::Relaxed);
+                tokio::spawn(async move {
+                    let mut buf = vec![0; 4096];
+                    while let Ok(n) = socket.read(&mut buf).await {
+                        let read = &buf[..n];
+                        if n == 0
+                            || read
+                                .windows(9)
+                                .any(|w| w.eq_ignore_ascii_case(b"SUBSCRIBE"))
+                        {
+                            return;
+                        }
+                        // One reply per command (an array, `*`, at the start of a line).
+                        let commands = read
+                            .iter()
+                            .enumerate()
+                            .filter(|&(i, &b)| b == b'*' && (i == 0 || read[i - 1] == b'\n'))
+                            .count();
+                        if socket
+                            .write_all(&b"+OK\r\n".repeat(commands))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (url, accepted)
+    }
+
+    /// A subscriber whose connections fail as soon as they are used backs off as when it
+    /// cannot connect, rather than reconnecting (and waking every waiter) every 50 ms.
+    #[tokio::test]
+    async fn a_connection_that_fails_at_once_does_not_reset_the_backoff() {
+        let (url, accepted) = closes_on_subscribe().await;
+        let client = redis::Client::open(url).expect("url");
+        let notifier = Notifier::new(vec![client]);
+        let waiter = notifier.released(b"lock".to_vec());
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        drop(waiter);
+        // Backoff from 50 ms, doubling, jittered by half either way: 5 to 8 connections in
+        // 2 s; about 40 when every connection reset it.
+        let accepted = accepted.load(Ordering::Relaxed);
+        assert!(
+            (2..=10).contains(&accepted),
+            "{accepted} connections in 2 s"
+        );
+    }
+
+    /// Waiters on locks named per entity, while the subscriber cannot connect: each channel
+    /// leaves with its last waiter, as none was ever subscribed.
+    #[tokio::test]
+    async fn waiters_leave_nothing_behind_while_the_subscriber_cannot_connect() {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = free.local_addr().expect("addr").port();
+        drop(free);
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).expect("url");
+        let notifier = Notifier::new(vec![client]);
+        let held = notifier.released(b"held".to_vec());
+        for i in 0..10_000 {
+            drop(notifier.released(format!("order:{i}").into_bytes()));
+            if i % 1000 == 0 {
+                // The subscriber's task tries (and fails) to connect meanwhile.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        tokio::time::sleep(TICK + Duration::from_millis(100)).await;
+        let channels = notifier.shared.channels().len();
+        assert_eq!(channels, 1, "channels left behind");
+        assert!(notifier.shared.channels().contains_key(&b"held"[..]));
+        drop(held);
+        assert!(notifier.shared.channels().is_empty());
+    }
 }
