@@ -150,6 +150,7 @@ pub struct ClientIp {
     trusted: Arc<TrustedProxies>,
     header: ForwardedHeader,
     v6_prefix: u8,
+    trust_unaddressed: bool,
 }
 
 impl ClientIp {
@@ -159,7 +160,21 @@ impl ClientIp {
             trusted: Arc::new(trusted),
             header: ForwardedHeader::XForwardedFor,
             v6_prefix: 64,
+            trust_unaddressed: false,
         }
+    }
+
+    /// Takes a peer without an IP address for a trusted proxy: a reverse proxy on this host
+    /// that connects over a Unix socket (axum served on a `UnixListener`), where no request
+    /// has a peer address. The key is then the rightmost untrusted hop of the header chain
+    /// (a request without one has no key and follows [`OnMissingKey`](crate::OnMissingKey)).
+    ///
+    /// Only for a socket that nothing but the proxy can reach: whoever connects to it writes
+    /// the chain, and with it the key.
+    #[must_use]
+    pub fn trust_peers_without_address(mut self) -> Self {
+        self.trust_unaddressed = true;
+        self
     }
 
     /// Reads the chain from another header.
@@ -189,6 +204,12 @@ impl ClientIp {
         if !self.trusted.contains(peer) {
             return peer;
         }
+        self.walk(Some(peer), headers).unwrap_or(peer)
+    }
+
+    /// The rightmost untrusted hop of the chain behind the trusted `peer` (`None`: a peer
+    /// without an address); else the last trusted hop that could say, if any.
+    fn walk(&self, peer: Option<IpAddr>, headers: &HeaderMap) -> Option<IpAddr> {
         let mut hops = Hops::default();
         match &self.header {
             ForwardedHeader::XForwardedFor => collect_list(
@@ -203,9 +224,9 @@ impl ClientIp {
         for hop in hops.iter_rev() {
             match hop {
                 Some(ip) => {
-                    client = ip;
+                    client = Some(ip);
                     if !self.trusted.contains(ip) {
-                        return ip;
+                        return client;
                     }
                 }
                 // A trusted proxy could not say who sent it the request: keep that proxy.
@@ -218,13 +239,20 @@ impl ClientIp {
 
 impl KeyExtractor for ClientIp {
     fn extract(&self, req: &RequestView<'_>) -> Result<Key, KeyError> {
-        let peer = req.peer_addr().ok_or(KeyError::Missing {
-            what: "peer address",
-        })?;
-        Ok(Key::from_ip(
-            self.resolve(peer.ip(), req.headers()),
-            self.v6_prefix,
-        ))
+        let client = match req.peer_addr() {
+            Some(peer) => self.resolve(peer.ip(), req.headers()),
+            None if self.trust_unaddressed => {
+                self.walk(None, req.headers()).ok_or(KeyError::Missing {
+                    what: "client address in the forwarding header",
+                })?
+            }
+            None => {
+                return Err(KeyError::Missing {
+                    what: "peer address",
+                });
+            }
+        };
+        Ok(Key::from_ip(client, self.v6_prefix))
     }
 }
 
@@ -454,6 +482,53 @@ mod tests {
         ClientIp::new(TrustedProxies::parse(trusted).expect("nets"))
             .forwarded()
             .resolve(ip(peer), &headers("forwarded", values))
+    }
+
+    /// Behind a proxy on a Unix socket no request has a peer address: opted in, the chain
+    /// alone gives the key.
+    #[test]
+    fn peers_without_an_address() {
+        let key = |client_ip: &ClientIp, values: &[&[u8]], peer: Option<&str>| {
+            let mut req = http::Request::get("/").body(()).expect("request");
+            *req.headers_mut() = headers("x-forwarded-for", values);
+            if let Some(peer) = peer {
+                req.extensions_mut()
+                    .insert(std::net::SocketAddr::new(ip(peer), 443));
+            }
+            client_ip
+                .extract(&RequestView::from_request(&req))
+                .map(|k| String::from_utf8_lossy(k.as_bytes()).into_owned())
+        };
+        let chain: &[&[u8]] = &[b"6.6.6.6, 203.0.113.9, 10.0.0.2"];
+        let plain = ClientIp::new(TrustedProxies::parse("10.0.0.0/8").expect("nets"));
+        assert!(matches!(
+            key(&plain, chain, None),
+            Err(KeyError::Missing {
+                what: "peer address"
+            })
+        ));
+        let local = plain.clone().trust_peers_without_address();
+        assert_eq!(key(&local, chain, None).expect("key"), "203.0.113.9");
+        // The socket's proxy only: nothing else trusted.
+        let alone = ClientIp::new(TrustedProxies::new([])).trust_peers_without_address();
+        assert_eq!(key(&alone, chain, None).expect("key"), "10.0.0.2");
+        // No chain, or one the proxy could not write: no key.
+        assert!(key(&local, &[], None).is_err());
+        assert!(key(&local, &[b"203.0.113.9, unknown"], None).is_err());
+        // Every hop trusted: the oldest.
+        assert_eq!(
+            key(&local, &[b"10.0.0.3, 10.0.0.2"], None).expect("key"),
+            "10.0.0.3"
+        );
+        // A request with a peer address is read as before.
+        assert_eq!(
+            key(&local, chain, Some("198.51.100.7")).expect("key"),
+            "198.51.100.7"
+        );
+        assert_eq!(
+            key(&local, chain, Some("10.0.0.1")).expect("key"),
+            "203.0.113.9"
+        );
     }
 
     #[test]
