@@ -1,5 +1,6 @@
 //! The built-in key extractors.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -127,16 +128,17 @@ pub type MetadataKey = HeaderKey;
 /// The request path. Every distinct path is a key: with path parameters prefer
 /// [`RouteKey`] (feature `axum`), which keys on the route pattern.
 ///
-/// The path is keyed with its percent-escapes decoded, as a router decodes path parameters:
-/// `/files/report`, `/files/%72eport` and `/files/%72%65port`, one `name` to a
-/// `/files/{name}` route, are one key, so a client cannot escape its limit by spelling one
-/// path many ways.
+/// The path is keyed in canonical form: its percent-escapes decoded, as a router decodes path
+/// parameters, and its empty and dot segments resolved, as a file server does (a trailing `/`
+/// is kept). `/files/report`, `/files/%72eport`, `/files/%72%65port` and `/files/./report`,
+/// one `name` to a `/files/{name}` route and one file to `ServeDir`, are one key, so a client
+/// cannot escape its limit by spelling one path many ways.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PathKey;
 
 impl KeyExtractor for PathKey {
     fn extract(&self, req: &RequestView<'_>) -> Result<Key, KeyError> {
-        Ok(Key::new(&normalized_path(req.path())))
+        Ok(Key::new(&canonical_path(req.path())))
     }
 }
 
@@ -144,13 +146,13 @@ impl KeyExtractor for PathKey {
 /// (in capitals) so that segments stay apart and the result stays one-to-one; a `%` that
 /// starts no escape becomes `%25`, as the router reads it. Every spelling of one decoded path
 /// gives the same bytes (which need not be UTF-8), and different decoded paths different ones.
-pub(crate) fn normalized_path(path: &str) -> std::borrow::Cow<'_, [u8]> {
+fn normalized_path(path: &str) -> Cow<'_, [u8]> {
     fn hex(b: u8) -> Option<u8> {
         (b as char).to_digit(16).and_then(|d| u8::try_from(d).ok())
     }
     let raw = path.as_bytes();
     if !raw.contains(&b'%') {
-        return std::borrow::Cow::Borrowed(raw);
+        return Cow::Borrowed(raw);
     }
     let mut out = Vec::with_capacity(raw.len());
     let mut i = 0;
@@ -178,7 +180,54 @@ pub(crate) fn normalized_path(path: &str) -> std::borrow::Cow<'_, [u8]> {
             }
         }
     }
-    std::borrow::Cow::Owned(out)
+    Cow::Owned(out)
+}
+
+/// `path` as routers and file servers act on it: percent-escapes decoded as
+/// [`normalized_path`] does (`%2F` and `%25` stay escaped, so segments stay apart), then empty
+/// and `.` segments dropped and each `..` segment taking the one before it away. Borrowed when
+/// `path` is canonical already; a path that does not start with `/` (`*`) is left as it is.
+pub(crate) fn canonical_path(path: &str) -> Cow<'_, [u8]> {
+    let decoded = normalized_path(path);
+    let raw: &[u8] = &decoded;
+    let dotted = |seg: &[u8]| seg.is_empty() || seg == b"." || seg == b"..";
+    let Some(body) = raw.strip_prefix(b"/") else {
+        return decoded;
+    };
+    // A trailing `/` is kept: `/dir/` and `/dir` are two resources (routes, a directory's
+    // index and its redirect).
+    let trailing = body.ends_with(b"/");
+    let body = body.strip_suffix(b"/").unwrap_or(body);
+    if body.is_empty() {
+        // `/`, or `//`.
+        return if raw.len() == 1 {
+            decoded
+        } else {
+            Cow::Owned(b"/".to_vec())
+        };
+    }
+    if !body.split(|&b| b == b'/').any(dotted) {
+        return decoded;
+    }
+    let mut segments: Vec<&[u8]> = Vec::new();
+    for seg in body.split(|&b| b == b'/') {
+        match seg {
+            b"" | b"." => {}
+            b".." => {
+                segments.pop();
+            }
+            seg => segments.push(seg),
+        }
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    for seg in &segments {
+        out.push(b'/');
+        out.extend_from_slice(seg);
+    }
+    if out.is_empty() || trailing {
+        out.push(b'/');
+    }
+    Cow::Owned(out)
 }
 
 /// The route pattern axum matched (`/users/{id}`), from `MatchedPath`. Missing when the layer
@@ -296,6 +345,31 @@ tuple_extractor!(A 0, B 1, C 2, D 3);
 mod tests {
     use super::*;
 
+    #[test]
+    fn canonical_paths() {
+        for (path, canonical) in [
+            ("/", "/"),
+            ("/a/b/", "/a/b/"),
+            ("*", "*"),
+            ("//a", "/a"),
+            ("/a/./b", "/a/b"),
+            ("/a/../b", "/b"),
+            ("/../../a", "/a"),
+            ("/a/..", "/"),
+            ("/a/b/./", "/a/b/"),
+            ("/a//b/", "/a/b/"),
+            ("//", "/"),
+            ("///", "/"),
+            ("/%61/%2e/b", "/a/b"),
+            ("/a%2Fb/c", "/a%2Fb/c"),
+            ("/a%2f..%2fb", "/a%2F..%2Fb"),
+        ] {
+            assert_eq!(canonical_path(path), canonical.as_bytes(), "{path}");
+        }
+        assert!(matches!(canonical_path("/a/b/c"), Cow::Borrowed(_)));
+        assert!(matches!(canonical_path("/a/b/"), Cow::Borrowed(_)));
+    }
+
     fn request(path: &str, headers: &[(&str, &[u8])]) -> http::Request<()> {
         let mut req = http::Request::builder().uri(path);
         for (name, value) in headers {
@@ -370,9 +444,18 @@ mod tests {
             "/files/%72%65%70%6f%72%74",
             "/files/%72%65%70%6F%72%74",
             "/%66iles/report",
+            "/files/./report",
+            "/files//report",
+            "//files/report",
+            "/files/x/../report",
+            "/files/%2e/report",
+            "/x/../../files/report",
         ] {
             assert_eq!(path_key(spelled), plain, "{spelled}");
         }
+        // A trailing slash is another resource.
+        assert_eq!(path_key("/files/report/"), b"/files/report/");
+        assert_eq!(path_key("/files/./report/"), b"/files/report/");
         // Escaped slashes and percent signs stay escaped, in one case: segments stay apart.
         assert_eq!(path_key("/a%2fb"), b"/a%2Fb");
         assert_eq!(path_key("/a%2Fb"), b"/a%2Fb");

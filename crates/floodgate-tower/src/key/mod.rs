@@ -27,7 +27,7 @@ use smallvec::SmallVec;
 
 #[cfg(feature = "axum")]
 pub use builtin::RouteKey;
-pub(crate) use builtin::normalized_path;
+pub(crate) use builtin::canonical_path;
 pub use builtin::{Composite, GlobalKey, HeaderKey, MetadataKey, MethodKey, PathKey, PeerIp};
 pub use client_ip::{ClientIp, ForwardedHeader, TrustedProxies};
 
