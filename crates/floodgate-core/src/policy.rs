@@ -502,7 +502,7 @@ impl Policy {
         if n == 0 {
             return Err(PolicyError::Zero { field: "count" });
         }
-        Ok(Policy::new(Kind::Gcra(Gcra::new(n - 1, n, period)?)))
+        Ok(Policy::new(Kind::Gcra(Gcra::spread(n - 1, n, period)?)))
     }
 
     /// `rate` per `period`, where `rate` may be fractional (`0.5` per second): GCRA with
@@ -518,7 +518,10 @@ impl Policy {
         if period_us == 0 {
             return Err(PolicyError::Zero { field: "period" });
         }
-        let emission = (period_us as f64 / rate).floor();
+        // Rounded up, as `per`: never more than `rate` per `period` after the burst (below one
+        // microsecond it is refused).
+        let exact = period_us as f64 / rate;
+        let emission = if exact < 1.0 { 0.0 } else { exact.ceil() };
         if emission > MAX_SPAN_US as f64 {
             return Err(PolicyError::TooLarge {
                 field: "period",

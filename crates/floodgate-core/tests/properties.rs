@@ -206,7 +206,7 @@ proptest! {
     #[test]
     fn funnel_is_gcra(cap in 1u64..10, drain in ms(1, 10_000), evs in events(2_000_000, 3)) {
         let f = Policy::funnel(cap, Duration::from_micros(drain)).expect("valid");
-        let g = Policy::gcra(cap - 1, cap, Duration::from_micros(drain)).expect("valid");
+        let g = Policy::per(cap, Duration::from_micros(drain)).expect("valid");
         let a = run(f.kind(), &evs, 0);
         let b = run(g.kind(), &evs, 0);
         let (mut sf, mut sg) = (f.kind().fresh(), g.kind().fresh());
@@ -234,7 +234,7 @@ proptest! {
         // of now, or of the check's time when the clock is now behind it) takes the same off
         // both.
         let f = Policy::funnel(cap, Duration::from_micros(drain)).expect("valid");
-        let g = Policy::gcra(cap - 1, cap, Duration::from_micros(drain)).expect("valid");
+        let g = Policy::per(cap, Duration::from_micros(drain)).expect("valid");
         let (mut sf, mut sg) = (f.kind().fresh(), g.kind().fresh());
         let mut now = T0;
         let mut allowed: Vec<(u64, u64, u64)> = Vec::new();
@@ -259,7 +259,9 @@ proptest! {
     #[test]
     fn token_bucket_greedy_is_gcra(cap in 1u64..10, amount in 1u64..10, interval in ms(1, 10_000), evs in events(2_000_000, 3)) {
         let t = Policy::token_bucket(cap, amount, Duration::from_micros(interval)).expect("valid");
-        let g = Policy::gcra(cap - 1, amount, Duration::from_micros(interval)).expect("valid");
+        let g = Policy::per(amount, Duration::from_micros(interval))
+            .and_then(|p| p.with_burst(cap))
+            .expect("valid");
         let (mut st, mut sg) = (t.kind().fresh(), g.kind().fresh());
         let mut now = T0;
         for e in &evs {
@@ -270,7 +272,7 @@ proptest! {
             prop_assert_eq!(dt.remaining, dg.remaining);
         }
         let Kind::TokenBucket(_) = *t.kind() else { unreachable!() };
-        let step = interval / amount;
+        let step = interval.div_ceil(amount);
         assert_rate_bound(&run(t.kind(), &evs, 0), cap, step, 1);
         assert_promises(t.kind(), &evs, 0);
     }
@@ -286,7 +288,9 @@ proptest! {
     #[test]
     fn shaper_try_acquire_is_gcra(burst in 1u64..10, count in 1u64..20, period in ms(1, 10_000), evs in events(2_000_000, 3)) {
         let s = Policy::shaper(count, Duration::from_micros(period)).and_then(|p| p.with_burst(burst)).expect("valid");
-        let g = Policy::gcra(burst - 1, count, Duration::from_micros(period)).expect("valid");
+        let g = Policy::per(count, Duration::from_micros(period))
+            .and_then(|p| p.with_burst(burst))
+            .expect("valid");
         let (mut ss, mut sg) = (s.kind().fresh(), g.kind().fresh());
         let mut now = T0;
         for e in &evs {
@@ -322,6 +326,43 @@ proptest! {
         units.sort_by_key(|s| s.now);
         assert_rate_bound(&units, burst, t, 1);
         assert_promises(s.kind(), &evs, max_wait);
+    }
+
+    /// A client that asks every microsecond, against `count` per `period` with a burst:
+    /// no window of one `period` admits more than the burst and `count - 1` more, for periods
+    /// that `count` does not divide too (where spacing rounded down fits one more).
+    #[test]
+    fn rate_policies_keep_their_promise_in_any_window(
+        count in 1u64..12,
+        burst in 1u64..6,
+        extra in 0u64..3_000,
+        which in 0usize..4,
+    ) {
+        let period = count + extra;
+        let p = Duration::from_micros(period);
+        let (policy, burst) = match which {
+            0 => (Policy::per(count, p).and_then(|x| x.with_burst(burst)), burst),
+            1 => (Policy::funnel(count, p), count),
+            2 => (Policy::shaper(count, p).and_then(|x| x.with_burst(burst)), burst),
+            _ => (Policy::token_bucket(burst, count, p), burst),
+        };
+        let policy = policy.expect("valid");
+        let mut state = policy.kind().fresh();
+        let mut admitted: Vec<u64> = Vec::new();
+        for now in T0..T0 + 3 * period {
+            let out = policy.kind().check(&mut state, &Ctx::new(now, 1));
+            if out.decision.allowed {
+                admitted.push(now);
+            }
+        }
+        let bound = burst + count - 1;
+        for (j, &last) in admitted.iter().enumerate() {
+            let inside = admitted[..=j].iter().filter(|&&t| t + period > last).count() as u64;
+            prop_assert!(
+                inside <= bound,
+                "{:?}: {} admitted in ({}, {}], bound {}", policy.kind(), inside, last - period, last, bound
+            );
+        }
     }
 
     #[test]

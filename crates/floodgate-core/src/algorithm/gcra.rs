@@ -45,6 +45,17 @@ pub struct State {
     pub tat: u64,
 }
 
+/// `count` events spread over `period_us`: the microseconds between them, rounded up so that
+/// no more than `count` fit in `period_us`; 0 (refused by the callers) when they would be
+/// less than a microsecond apart.
+pub(crate) fn spaced(period_us: u64, count: u64) -> u64 {
+    if period_us < count {
+        0
+    } else {
+        period_us.div_ceil(count)
+    }
+}
+
 impl fmt::Debug for Gcra {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Without `recip`, which follows from `emission`.
@@ -57,7 +68,10 @@ impl fmt::Debug for Gcra {
 }
 
 impl Gcra {
-    /// redis-cell's parameters: `max_burst + 1` at once, then `count` per `period`.
+    /// redis-cell's parameters: `max_burst + 1` at once, then `count` per `period`, one every
+    /// `period / count` rounded down to the microsecond, as redis-cell rounds (to its
+    /// nanosecond): a period that `count` does not divide lets through a little more than
+    /// `count` per `period`. [`Gcra::spread`] rounds the other way.
     pub fn new(max_burst: u64, count: u64, period: Duration) -> Result<Self, PolicyError> {
         if count == 0 {
             return Err(PolicyError::Zero { field: "count" });
@@ -67,6 +81,21 @@ impl Gcra {
             return Err(PolicyError::Zero { field: "period" });
         }
         Self::from_emission(max_burst, period_us / count, "period")
+    }
+
+    /// `max_burst + 1` at once, then `count` per `period`, one every `period / count` rounded
+    /// up to the microsecond: never more than `count` per `period` after the burst, the promise
+    /// of [`Policy::per`](crate::Policy::per) (`per(3, 1 s)` spaces requests 333,334 us apart;
+    /// 333,333 would fit a fourth in the second).
+    pub fn spread(max_burst: u64, count: u64, period: Duration) -> Result<Self, PolicyError> {
+        if count == 0 {
+            return Err(PolicyError::Zero { field: "count" });
+        }
+        let period_us = duration_micros(period);
+        if period_us == 0 {
+            return Err(PolicyError::Zero { field: "period" });
+        }
+        Self::from_emission(max_burst, spaced(period_us, count), "period")
     }
 
     /// `max_burst + 1` at once, then one every `emission` microseconds.

@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use super::gcra::Gcra;
+use super::gcra::{Gcra, spaced};
 use super::{Algorithm, Ctx, Outcome, Undo, mul_span};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
@@ -49,7 +49,8 @@ impl LeakyBucket {
             return Err(PolicyError::Zero { field: "drain" });
         }
         // Validation and limits are GCRA's: same schedule.
-        let g = Gcra::from_emission(capacity - 1, drain_us / capacity, "drain")?;
+        // Rounded up: a full funnel takes at least `drain` to empty, never less.
+        let g = Gcra::from_emission(capacity - 1, spaced(drain_us, capacity), "drain")?;
         Ok(LeakyBucket {
             capacity,
             unit: g.emission_us(),

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use super::gcra::Gcra;
+use super::gcra::{Gcra, spaced};
 use super::{Algorithm, Ctx, MAX_SPAN_US, Outcome, Undo, mul_span};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
@@ -47,7 +47,8 @@ impl Shaper {
         if period_us == 0 {
             return Err(PolicyError::Zero { field: "period" });
         }
-        let g = Gcra::from_emission(burst - 1, period_us / count, "period")?;
+        // Rounded up: never more than `count` departures per `period` after the burst.
+        let g = Gcra::from_emission(burst - 1, spaced(period_us, count), "period")?;
         Ok(Shaper {
             interval: g.emission_us(),
             burst,

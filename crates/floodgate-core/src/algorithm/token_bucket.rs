@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use super::gcra::spaced;
 use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
@@ -77,7 +78,8 @@ impl TokenBucket {
             });
         }
         let (per_step, step) = if greedy {
-            (1, interval_us / amount)
+            // Rounded up: never more than `amount` tokens per `interval`.
+            (1, spaced(interval_us, amount))
         } else {
             (amount, interval_us)
         };
