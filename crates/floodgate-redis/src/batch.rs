@@ -10,7 +10,7 @@ use redis::Value;
 use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use crate::error::{is_refusal, strip_script_suffix};
+use crate::error::{is_refusal, refusal, strip_script_suffix};
 use crate::gcra_batch::GcraBatch;
 use crate::limiter::{Group, RELEASE, check_script_for, decode_group};
 use crate::{ConnectionKind, Error, RedisConn, display_key};
@@ -346,21 +346,21 @@ pub(crate) fn group_error(message: &str, keys: &[Vec<u8>], addr: &str) -> Error 
     }
 }
 
-/// Whether a check script's reply carries a server's refusal to serve (`OOM`, `READONLY`...)
+/// The refusal to serve (`OOM`, `READONLY`...) a check script's reply carries, if any,
 /// as the error of one of its groups or keys: those are the reply's strings, every other
 /// value an integer. The circuit breaker counts such a reply as a failure.
-pub(crate) fn refused_reply(reply: &Value) -> bool {
+pub(crate) fn refused_reply(reply: &Value) -> Option<&'static str> {
     let Value::Array(items) = reply else {
-        return false;
+        return None;
     };
-    items.iter().any(|item| {
+    items.iter().find_map(|item| {
         let text = match item {
             Value::BulkString(b) => b.as_slice(),
             Value::SimpleString(s) => s.as_bytes(),
-            _ => return false,
+            _ => return None,
         };
         let code = text.split(|b| *b == b' ').next().unwrap_or_default();
-        std::str::from_utf8(code).is_ok_and(is_refusal)
+        std::str::from_utf8(code).ok().and_then(refusal)
     })
 }
 
@@ -729,7 +729,7 @@ mod tests {
                 Value::Int(0),
                 Value::BulkString(message.as_bytes().to_vec()),
             ]);
-            assert!(refused_reply(&reply), "{message}");
+            assert!(refused_reply(&reply).is_some(), "{message}");
         }
         // A key's own error is not a refusal, nor is a reply of integers.
         let corrupt = "FLOODGATE_CORRUPT 0 tat is x";
@@ -742,7 +742,7 @@ mod tests {
             Value::Array(vec![Value::Int(1), Value::Int(2)]),
             Value::Int(3),
         ] {
-            assert!(!refused_reply(&reply), "{reply:?}");
+            assert!(refused_reply(&reply).is_none(), "{reply:?}");
         }
     }
 

@@ -20,7 +20,7 @@ use std::fmt;
 use std::future::Future;
 use std::io;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, Shared, join_all};
@@ -54,6 +54,8 @@ const RECONNECT_RETRIES: usize = 6;
 /// key, so while the client's slot map is stale it can land on another node
 /// than the `EVALSHA` (which a `MOVED` redirects).
 const NOSCRIPT_ROUNDS: usize = 3;
+/// How often the connections to a server that answers `READONLY` are made again, at most.
+const LEAVE_DEMOTED_EVERY: Duration = Duration::from_secs(1);
 
 /// One script call for [`RedisConn::pipeline_scripts`].
 #[derive(Clone)]
@@ -122,6 +124,8 @@ struct Inner {
     key_prefix: String,
     redis_cell: OnceCell<bool>,
     breakers: Breakers,
+    /// When the connections were last closed for a server that answered `READONLY`.
+    left_demoted: std::sync::Mutex<Option<Instant>>,
 }
 
 /// What a lazy connection connects to, and its attempt under way or last made.
@@ -289,6 +293,7 @@ impl RedisConn {
                 key_prefix: config.get_key_prefix().to_owned(),
                 redis_cell: OnceCell::new(),
                 breakers: Breakers::new(config.get_breaker(), kind == ConnectionKind::Cluster),
+                left_demoted: std::sync::Mutex::new(None),
             }),
         }
     }
@@ -360,7 +365,7 @@ impl RedisConn {
         args: &[&[u8]],
         timeout: Duration,
     ) -> Result<Value, Error> {
-        self.invoke_check_within(script, keys, args, timeout, |_| false)
+        self.invoke_check_within(script, keys, args, timeout, |_| None)
             .await
     }
 
@@ -374,7 +379,7 @@ impl RedisConn {
         keys: &[&[u8]],
         args: &[&[u8]],
         timeout: Duration,
-        refused: fn(&Value) -> bool,
+        refused: fn(&Value) -> Option<&'static str>,
     ) -> Result<Value, Error> {
         let target = self.script_target(keys)?;
         let cmd = evalsha(script, keys, args);
@@ -409,7 +414,7 @@ impl RedisConn {
     /// when the reply does not convert to `T`, [`Error::Redis`].
     pub async fn query<T: FromRedisValue>(&self, cmd: Cmd) -> Result<T, Error> {
         let slot = first_arg(&cmd).map(key_slot);
-        self.bounded_for("query", slot, self.inner.timeout, |_| false, async {
+        self.bounded_for("query", slot, self.inner.timeout, |_| None, async {
             let value = self
                 .send(&cmd, Target::Default)
                 .await
@@ -584,7 +589,7 @@ impl RedisConn {
         op: &'static str,
         fut: impl Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
-        self.bounded_for(op, None, self.inner.timeout, |_| false, fut)
+        self.bounded_for(op, None, self.inner.timeout, |_| None, fut)
             .await
     }
 
@@ -596,7 +601,7 @@ impl RedisConn {
         op: &'static str,
         slot: Option<u16>,
         after: Duration,
-        refused: impl FnOnce(&T) -> bool,
+        refused: impl FnOnce(&T) -> Option<&'static str>,
         fut: impl Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
         let breaker = self.inner.breakers.get(slot);
@@ -615,14 +620,78 @@ impl RedisConn {
         let result = tokio::time::timeout(after, fut)
             .await
             .unwrap_or_else(|_| Err(Error::Timeout { after, op }));
-        let unreachable = match &result {
-            Ok(answer) => refused(answer),
-            Err(e) => e.is_timeout() || e.is_connection(),
+        let (unreachable, demoted) = match &result {
+            Ok(answer) => {
+                let code = refused(answer);
+                (code.is_some(), code == Some("READONLY"))
+            }
+            Err(e) => (e.is_timeout() || e.is_connection(), e.is_demoted()),
         };
+        if demoted {
+            self.leave_demoted();
+        }
         if pending.record(!unreachable) {
             tracing::warn!(addr = %self.inner.addr, "Redis unreachable: failing fast for a while (circuit breaker open)");
         }
         result
+    }
+
+    /// The server answered `READONLY`: a failover demoted it to a replica, and it keeps the
+    /// connections it had as a primary. Behind an endpoint that now leads to the new primary
+    /// (a managed Redis' DNS name, a proxy), only new connections reach that one: the
+    /// connections are closed, at most once a second, and made again on their next use (the
+    /// multiplexed connection's by redis-rs once the server has closed it on `QUIT`; the
+    /// pool's idle ones are dropped and those in use are refused again, then dropped at the
+    /// next round). A cluster follows its failovers by itself.
+    fn leave_demoted(&self) {
+        let Some(backend) = self.inner.backend.get() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        {
+            let mut last = self
+                .inner
+                .left_demoted
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if last.is_some_and(|t| t.elapsed() < LEAVE_DEMOTED_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        tracing::warn!(
+            addr = %self.inner.addr,
+            "Redis refuses writes (READONLY): a failover demoted this server; connecting again"
+        );
+        let timeout = self.inner.timeout;
+        match backend {
+            Backend::Multiplexed(manager) => {
+                let mut manager = manager.clone();
+                runtime.spawn(async move {
+                    // The server closes the connection after its reply; the next command finds
+                    // it closed, and the manager connects again.
+                    let (quit, ping) = (redis::cmd("QUIT"), redis::cmd("PING"));
+                    let _ = tokio::time::timeout(timeout, quit.exec_async(&mut manager)).await;
+                    let _ = tokio::time::timeout(timeout, ping.exec_async(&mut manager)).await;
+                });
+            }
+            Backend::Pool(pool) => {
+                let pool = pool.clone();
+                runtime.spawn(async move {
+                    for _ in 0..pool.state().idle_connections {
+                        let idle = tokio::time::timeout(Duration::from_millis(10), pool.get());
+                        match idle.await {
+                            // Dropped as broken: bb8 makes another.
+                            Ok(Ok(mut conn)) => conn.broken = true,
+                            _ => break,
+                        }
+                    }
+                });
+            }
+            Backend::Cluster(_) => {}
+        }
     }
 
     /// Whether the circuit breaker is open or probing: Redis was unreachable just now.

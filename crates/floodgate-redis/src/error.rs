@@ -184,6 +184,11 @@ impl Error {
         }
     }
 
+    /// Whether this is a primary demoted to a replica refusing writes (`READONLY`).
+    pub(crate) fn is_demoted(&self) -> bool {
+        matches!(self, Self::NotServing { message, .. } if message.starts_with("READONLY"))
+    }
+
     /// Maps an error reply to a command whose first key is `key`.
     pub(crate) fn from_command(e: RedisError, key: Option<&[u8]>, addr: &str) -> Self {
         if e.code() == Some("WRONGTYPE") {
@@ -259,18 +264,23 @@ fn is_connection_error(e: &RedisError) -> bool {
 /// The codes of the error replies by which a server that is up refuses to serve anything for
 /// now: its state, not the call's keys or arguments (see [`Error::NotServing`]).
 pub(crate) fn is_refusal(code: &str) -> bool {
-    matches!(
-        code,
-        "OOM"
-            | "MISCONF"
-            | "BUSY"
-            | "READONLY"
-            | "LOADING"
-            | "NOREPLICAS"
-            | "MASTERDOWN"
-            | "CLUSTERDOWN"
-            | "TRYAGAIN"
-    )
+    refusal(code).is_some()
+}
+
+/// `code` if it is one of a refusal to serve ([`is_refusal`]), as a static string.
+pub(crate) fn refusal(code: &str) -> Option<&'static str> {
+    const CODES: [&str; 9] = [
+        "OOM",
+        "MISCONF",
+        "BUSY",
+        "READONLY",
+        "LOADING",
+        "NOREPLICAS",
+        "MASTERDOWN",
+        "CLUSTERDOWN",
+        "TRYAGAIN",
+    ];
+    CODES.into_iter().find(|c| *c == code)
 }
 
 /// True for an error reply that the script itself produced: `ERR ...`

@@ -220,10 +220,15 @@ fn fault_a_server_that_refuses_writes_is_unavailable() {
                         .check(checks, CheckOptions::default())
                         .await
                         .expect_err("the server refuses writes");
-                    let Error::NotServing { message, .. } = &err else {
-                        panic!("{code} {name}: expected NotServing, got {err:?}");
-                    };
-                    assert!(message.starts_with(code), "{name}: {message}");
+                    match &err {
+                        Error::NotServing { message, .. } => {
+                            assert!(message.starts_with(code), "{name}: {message}");
+                        }
+                        // A client leaves a server that answers READONLY (a demoted primary,
+                        // see below): a call made meanwhile finds its connection closed.
+                        _ if code == "READONLY" && err.is_connection() => {}
+                        _ => panic!("{code} {name}: expected NotServing, got {err:?}"),
+                    }
                     assert!(err.is_connection(), "{code} {name}: {err:?}");
                     assert!(RedisLimiter::is_unavailable(&err), "{code} {name}: {err:?}");
                 }
@@ -253,7 +258,16 @@ fn fault_a_server_that_refuses_writes_is_unavailable() {
 
             server.cmd_ok(serve).expect("serve again");
             for limiter in [&batched, &unbatched] {
-                let d = limiter.check_one(code.as_bytes(), &gcra, 1).await;
+                // (Once the client is done connecting again, after READONLY.)
+                let again = Instant::now();
+                let d = loop {
+                    match limiter.check_one(code.as_bytes(), &gcra, 1).await {
+                        Err(e) if e.is_connection() && again.elapsed() < Duration::from_secs(5) => {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                        d => break d,
+                    }
+                };
                 assert!(d.expect("serving again").allowed, "{code}");
             }
         }
@@ -325,6 +339,95 @@ fn fault_a_lazy_connection_starts_while_redis_is_down() {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             server.kill().expect("kill");
+        }
+    });
+}
+
+/// A TCP proxy on loopback to one Redis port, which can be pointed at another: the stable
+/// endpoint (a DNS name) of a managed Redis, whose primary moves in a failover. Connections
+/// made before a move stay with the server they reached.
+struct Endpoint {
+    port: u16,
+    upstream: std::sync::Arc<std::sync::atomic::AtomicU16>,
+}
+
+impl Endpoint {
+    async fn start(upstream: u16) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let upstream = std::sync::Arc::new(std::sync::atomic::AtomicU16::new(upstream));
+        let to = std::sync::Arc::clone(&upstream);
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let port = to.load(std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    if let Ok(mut server) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", port)).await
+                    {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        Endpoint { port, upstream }
+    }
+
+    fn point_to(&self, port: u16) {
+        self.upstream
+            .store(port, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A failover behind a stable endpoint: the old primary is demoted (`REPLICAOF`, so it answers
+/// `READONLY`) and keeps the client's connections, while the endpoint now leads to the new
+/// one. The client leaves the demoted server for the endpoint's new primary instead of being
+/// refused by it for as long as its connections last.
+#[test]
+fn fault_a_demoted_primary_is_left_for_the_one_the_endpoint_leads_to() {
+    let (old, new) = (server(), server());
+    run(Duration::from_secs(90), async {
+        let p = Policy::per_second(1_000).expect("valid");
+        let endpoint = Endpoint::start(old.port()).await;
+        for kind in [
+            ConnectionKind::Multiplexed,
+            ConnectionKind::Pool { size: 3 },
+        ] {
+            old.cmd_ok(&["REPLICAOF", "NO", "ONE"])
+                .expect("primary again");
+            endpoint.point_to(old.port());
+            let config = RedisConfig::new(&format!("redis://127.0.0.1:{}", endpoint.port))
+                .expect("url")
+                .connection(kind)
+                .timeout(Duration::from_secs(1));
+            let limiter = RedisLimiter::connect(&config).await.expect("connect");
+            assert!(limiter.check_one(b"k", &p, 1).await.expect("up").allowed);
+
+            old.cmd_ok(&["REPLICAOF", "127.0.0.1", &new.port().to_string()])
+                .expect("demoted");
+            endpoint.point_to(new.port());
+            let err = limiter.check_one(b"k", &p, 1).await.expect_err("READONLY");
+            assert!(err.is_connection(), "{err:?}");
+            let deadline = Instant::now() + Duration::from_secs(15);
+            let mut refused = 0;
+            loop {
+                match limiter.check_one(b"k", &p, 1).await {
+                    Ok(d) => {
+                        assert!(d.allowed);
+                        break;
+                    }
+                    Err(e) => {
+                        assert!(e.is_connection(), "{e:?}");
+                        refused += 1;
+                    }
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{kind:?}: still refused after {refused} tries: the demoted server kept"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
     });
 }
