@@ -172,6 +172,20 @@ impl Calendar {
         (self.offset_us / SECOND_US) as i32
     }
 
+    /// The window's nominal length in microseconds: `n` of its unit, a month taken as 30 days
+    /// (the length of every window but months', whatever the offset).
+    pub fn nominal_us(&self) -> u64 {
+        let unit = match self.unit {
+            CalendarUnit::Second => SECOND_US,
+            CalendarUnit::Minute => MINUTE_US,
+            CalendarUnit::Hour => HOUR_US,
+            CalendarUnit::Day => DAY_US,
+            CalendarUnit::Week => 7 * DAY_US,
+            CalendarUnit::Month => 30 * DAY_US,
+        };
+        unit.unsigned_abs() * u64::from(self.n)
+    }
+
     /// The window containing `now`: `(start, end)` in microseconds since the epoch.
     pub fn bounds(&self, now: u64) -> (u64, u64) {
         let local = now as i64 + self.offset_us;

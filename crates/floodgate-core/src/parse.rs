@@ -517,6 +517,26 @@ mod tests {
         );
     }
 
+    /// A calendar window's length is its unit's, whatever its offset and whichever weekday
+    /// 1970 began on (the first window of each, cut at the epoch, was measured).
+    #[test]
+    fn a_calendar_window_is_as_long_as_its_unit() {
+        for (text, secs) in [
+            ("calendar:10/week", 7 * 86_400),
+            ("calendar:10/day@+08:00", 86_400),
+            ("calendar:10/day@-05:00", 86_400),
+            ("calendar:1/hour@+05:30", 3_600),
+            ("calendar:3/minute", 60),
+            ("calendar:5/month", 30 * 86_400),
+        ] {
+            assert_eq!(
+                p(text).kind().window(),
+                Some(Duration::from_secs(secs)),
+                "{text}"
+            );
+        }
+    }
+
     #[test]
     fn several() {
         let ps = Policy::parse_many("5/2s; 100/hour").expect("valid");

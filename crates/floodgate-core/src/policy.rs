@@ -318,13 +318,8 @@ impl Kind {
         let us = match self {
             Kind::FixedWindow(a) => match a.window() {
                 Window::Rolling(w) => w,
-                Window::Calendar(c) => {
-                    let (s, e) = c.bounds(0);
-                    match c.unit() {
-                        CalendarUnit::Month => 30 * 86_400_000_000 * u64::from(c.n()),
-                        _ => e - s,
-                    }
-                }
+                // Not the bounds of some window: those of 1970's first are cut at the epoch.
+                Window::Calendar(c) => c.nominal_us(),
             },
             Kind::SlidingLog(a) => a.window_us(),
             Kind::SlidingWindow(a) => a.window_us(),
