@@ -281,3 +281,61 @@ async fn max_hold_sees_another_replicas_refund() {
     }
     assert_eq!(store.calls.load(Ordering::Relaxed) - before, 3);
 }
+
+/// A reset made through the cache forgets the denials it held: the next check of the reset
+/// key asks the store, which admits it.
+#[tokio::test]
+async fn a_reset_through_the_cache_forgets_its_denials() {
+    let store = Store::new();
+    let p = Policy::funnel(1, Duration::from_secs(30 * 60)).expect("valid");
+    let other = Policy::per_minute(1).expect("valid");
+    let clock = ManualClock::new(Timestamp::from_micros(1_000_000));
+    let cache = DenyCache::with_clock(store.clone(), clock.clone(), 1_000);
+    let checks = [Check::new(b"+15551234", &p)];
+    let elsewhere = [Check::new(b"203.0.113.9", &other)];
+    for c in [&checks[..], &elsewhere[..]] {
+        assert!(
+            cache
+                .check(c, CheckOptions::default())
+                .await
+                .expect("ok")
+                .allowed()
+        );
+        assert!(
+            !cache
+                .check(c, CheckOptions::default())
+                .await
+                .expect("ok")
+                .allowed()
+        );
+    }
+    let hits = cache.stats().hits;
+    assert!(
+        !cache
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed()
+    );
+    assert_eq!(cache.stats().hits, hits + 1, "held locally");
+
+    cache.reset(b"+15551234", &p).await.expect("reset");
+    let calls = store.calls.load(Ordering::Relaxed);
+    assert!(
+        cache
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed(),
+        "the reset key is admitted at once"
+    );
+    // Another key's denial is asked again too (still denied by the store).
+    assert!(
+        !cache
+            .check(&elsewhere, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed()
+    );
+    assert_eq!(store.calls.load(Ordering::Relaxed) - calls, 2);
+}

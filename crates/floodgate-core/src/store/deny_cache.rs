@@ -38,6 +38,8 @@ pub struct DenyCacheStats {
 struct Entry {
     /// Denied until this time (local clock, µs).
     until: u64,
+    /// The cache's count of resets when the check was sent: a reset since makes it stale.
+    resets: u64,
     /// When the verdict was cached.
     at: u64,
     verdict: Verdict,
@@ -51,6 +53,8 @@ struct Shared<C> {
     hits: AtomicU64,
     misses: AtomicU64,
     coalesced: AtomicU64,
+    /// Resets made through this cache (see [`Entry::resets`]).
+    resets: AtomicU64,
 }
 
 /// A [`Limiter`] in front of another that remembers denials.
@@ -69,7 +73,7 @@ struct Shared<C> {
 /// an operator's `reset` made through another replica or cache) is not seen here until the
 /// cached denial runs out, so it may deny longer than the store would: up to the whole retry
 /// time, or at most [`DenyCache::max_hold`] when set. A refund made through this cache forgets
-/// its own check's denial at once. Concurrency policies, whose leases may be released early,
+/// its own check's denial at once, and a reset made through it every cached denial. Concurrency policies, whose leases may be released early,
 /// are never cached.
 pub struct DenyCache<L, C = SystemClock> {
     inner: L,
@@ -117,6 +121,7 @@ impl<L, C: Clock> DenyCache<L, C> {
                 hits: AtomicU64::new(0),
                 misses: AtomicU64::new(0),
                 coalesced: AtomicU64::new(0),
+                resets: AtomicU64::new(0),
             }),
             max_hold_us: u64::MAX,
         }
@@ -172,7 +177,10 @@ impl<L, C: Clock> DenyCache<L, C> {
         let map = &self.shared.map;
         let hash = map.hash(0, &key);
         let shard = map.lock(map.shard_of(hash));
+        let resets = self.shared.resets.load(Ordering::Acquire);
         match shard.find(hash, 0, &key) {
+            // Cached before a reset: as if absent.
+            Some(slot) if slot.value.resets != resets => Lookup::Miss,
             Some(slot) if slot.value.until > now => {
                 Lookup::Denied(Box::new(aged(&slot.value, now)))
             }
@@ -368,6 +376,8 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
                 let _ = Box::pin(tokio::time::timeout(PROBE_PATIENCE, notified)).await;
             }
         }
+        // Read before the store is asked: a reset made meanwhile makes this answer stale.
+        let resets = self.shared.resets.load(Ordering::Acquire);
         let result = self.inner.check(checks, opts).await;
         if let (Some(fp), Ok(verdict)) = (fp, &result) {
             // Measured from the reply: a denial may outlast the store's by the reply's trip
@@ -377,6 +387,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             let now = self.shared.clock.now().as_micros();
             let entry = denial_for(checks, verdict).map(|d| Entry {
                 until: now.saturating_add(duration_micros(d).min(self.max_hold_us)),
+                resets,
                 at: now,
                 verdict: if verdict.allowed() {
                     synthesized_denial(checks, verdict, d)
@@ -416,8 +427,14 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
         Ok(())
     }
 
+    /// Resets in the store, then forgets every denial cached so far (of any key: a cached
+    /// check is known by a digest of its keys), which the reset may make wrong; those of other
+    /// keys cost one store call each.
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), L::Error> {
-        self.inner.reset(key, policy).await
+        self.inner.reset(key, policy).await?;
+        // After the store's reset: a check asked before it and cached after it is stale too.
+        self.shared.resets.fetch_add(1, Ordering::AcqRel);
+        Ok(())
     }
 }
 
