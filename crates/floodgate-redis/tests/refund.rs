@@ -201,3 +201,34 @@ async fn partial_log_refund<L: Limiter>(store: &L, name: &str) {
     store.refund(&two, &v).await.expect("refunds");
     assert_eq!(left().await, 5, "{name}: the rest back");
 }
+
+/// A refund on the server's clock keeps a state no longer than it matters: its TTL is the
+/// state's remaining time, without the minute of slack that injected times get.
+#[test]
+fn a_refund_keeps_the_state_no_longer_than_it_matters() {
+    let server = server();
+    run(LIMIT, async {
+        let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
+        // 5 per minute: each check holds 12 s of the key's state.
+        let gcra = Policy::per_minute(5).expect("valid");
+        let checks = [Check::new(b"refunded".as_slice(), &gcra).cost(2)];
+        let first = redis
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("checks");
+        let second = redis
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("checks");
+        assert!(first.allowed() && second.allowed());
+        redis.refund(&checks, &second).await.expect("refunds");
+        let key = redis.state_key(&gcra, b"refunded");
+        let ttl = server
+            .cmd(&[b"PTTL".as_slice(), &key])
+            .expect("PTTL")
+            .as_int()
+            .expect("an integer");
+        // What the first check left: 24 s.
+        assert!(ttl > 22_000 && ttl <= 24_000, "a TTL of {ttl} ms");
+    });
+}

@@ -25,9 +25,10 @@ end
 if refund_now == nil then
   fail('FLOODGATE_BADARG', 0, 'malformed undo time')
 end
-if #KEYS > 0 then
+if #KEYS > 0 and (ARGV[3] ~= '' or now > refund_now) then
   -- States are written as of the refund's time (`u.now`, never before the check's), which may
-  -- be an injected time ahead of the server's: keep the slack that injected times get.
+  -- be an injected time ahead of the server's: keep the slack that injected times get. On the
+  -- server's clock (its TIME, not behind the check's), none.
   TTL_SLACK = 60000
 end
 -- Every check is parsed and every key read and checked (its algorithm's load) before any is
