@@ -558,6 +558,17 @@ impl RedisLimiter {
         let mut first_time = None;
         for (n, part) in parts.iter().enumerate() {
             let sub: Vec<Check<'_>> = part.iter().map(|&i| checks[i]).collect();
+            // Every part is decided as of the first part's time: one time for the whole check,
+            // which a refund gives back as of (a sliding log finds its entry by that time, a
+            // window that the check opened starts at it). Later nodes decide as of a moment in
+            // their past: the time between the calls, usually well under a millisecond.
+            let opts = match (opts.now, first_time) {
+                (None, Some(first)) => CheckOptions {
+                    now: Some(Timestamp::from_micros(first)),
+                    ..opts
+                },
+                _ => opts,
+            };
             let result = self.run_group(self.encode_with(&sub, opts, lease)?).await;
             let (verdict, now) = match result {
                 Ok(v) => v,
@@ -595,25 +606,9 @@ impl RedisLimiter {
             }
             wait = Duration::ZERO;
         } else {
-            let kept = counted.keep();
-            if let Some(first) = first_time.filter(|_| !kept.is_empty()) {
-                // Each later part's reset times are moved to count from the first part's time
-                // (still whole milliseconds, rounded up), so that `at + reset_after` stays the
-                // instant each key is full again (what a refund gives back depends on it).
-                for (part, now) in &kept[1..] {
-                    for &i in part.iter() {
-                        if let Some(d) = &mut decisions[i] {
-                            let us = u64::try_from(d.reset_after.as_micros()).unwrap_or(u64::MAX);
-                            let us = if *now >= first {
-                                us.saturating_add(now - first)
-                            } else {
-                                us.saturating_sub(first - now)
-                            };
-                            d.reset_after = Duration::from_millis(us.div_ceil(1_000));
-                        }
-                    }
-                }
-            }
+            // Stays counted. Every part was decided as of the first part's time, so each
+            // `at + reset_after` is the instant its key is full again, as a refund needs.
+            drop(counted.keep());
         }
         let decisions = decisions
             .into_iter()
