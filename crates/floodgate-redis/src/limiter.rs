@@ -321,9 +321,10 @@ impl RedisLimiter {
 
     /// Validates and encodes one check (its keys may span cluster slots: see `split`).
     fn encode(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Group, Error> {
+        // A lease only for a concurrency check that takes something (cost 0 holds nothing).
         let lease = if checks
             .iter()
-            .any(|c| matches!(c.policy.kind(), Kind::Concurrency(_)))
+            .any(|c| c.cost > 0 && matches!(c.policy.kind(), Kind::Concurrency(_)))
         {
             fastrand::u64(1..)
         } else {

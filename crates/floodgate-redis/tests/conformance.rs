@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use floodgate_core::{
-    CalendarUnit, Check, CheckOptions, LeaseId, Limiter, ManualClock, MemoryLimiter, Policy,
+    CalendarUnit, Check, CheckOptions, Kind, LeaseId, Limiter, ManualClock, MemoryLimiter, Policy,
     Timestamp, Verdict,
 };
 use floodgate_redis::{BatchConfig, ConnectionKind, RedisConfig, RedisLimiter};
@@ -111,6 +111,16 @@ async fn compare(
             .check(&checks, opts)
             .await
             .map_err(|err| format!("event {i}: redis failed: {err}"))?;
+        // A lease only for a concurrency check that takes something: one of cost 0 (a peek)
+        // holds nothing to release.
+        let takes = checks
+            .iter()
+            .any(|c| c.cost > 0 && matches!(c.policy.kind(), Kind::Concurrency(_)));
+        if !takes && (a.lease.is_some() || b.lease.is_some()) {
+            return Err(format!(
+                "event {i}: a lease that holds nothing: memory {a:?}, redis {b:?}"
+            ));
+        }
         if !same_verdict(&a, &b) {
             return Err(format!(
                 "event {i} at {:+}us {e:?}:\n  memory {a:?}\n  redis  {b:?}",

@@ -156,6 +156,10 @@ impl<C: Clock> MemoryLimiter<C> {
 
     /// Checks one policy for one key: the fast path.
     ///
+    /// A concurrency policy's lease taken here cannot be released (a decision carries no
+    /// lease id): it lapses after its TTL. Check those with [`MemoryLimiter::check_sync`],
+    /// whose verdict has the lease to release.
+    ///
     /// When the store is full and set to [`OnFull::Reject`], or the clock is past the year
     /// 3100, the check is denied with no retry time (see [`MemoryLimiter::check_sync`] for the
     /// errors).
@@ -302,8 +306,11 @@ impl<C: Clock> MemoryLimiter<C> {
                 .unwrap_or_else(|| self.inner.clock.now())
                 .as_micros(),
         )?;
+        // A lease only for a concurrency check that takes something: one of cost 0 holds
+        // nothing, and there is nothing to release.
         let lease = checks
             .iter()
+            .filter(|c| c.cost > 0)
             .map(|c| lease_for(c.policy.kind()))
             .find(|l| *l != 0)
             .unwrap_or(0);

@@ -174,7 +174,9 @@ pub trait Limiter: Send + Sync {
         CacheStats::default()
     }
 
-    /// Checks one policy for one key.
+    /// Checks one policy for one key. A concurrency policy's lease taken here cannot be
+    /// released (the decision has no lease id) and lapses after its TTL: check those with
+    /// [`Limiter::check`], whose verdict has the lease.
     fn check_one(
         &self,
         key: &[u8],
