@@ -214,10 +214,14 @@ impl Target {
         }
     }
 
-    /// Where to load a script after this target answered `NOSCRIPT`.
-    fn for_load(self) -> Self {
+    /// Where to load a script after this target answered `NOSCRIPT` (`round`: how many
+    /// loads were made before). A slot's master first; then every master: while a slot
+    /// migrates, a key its master no longer holds is asked about on the importing node
+    /// (`ASK`), and that is the node whose cache lacks the script.
+    fn for_load(self, round: usize) -> Self {
         match self {
             Self::AnyMaster => Self::AllMasters,
+            Self::Slot(_) if round > 0 => Self::AllMasters,
             other => other,
         }
     }
@@ -389,13 +393,13 @@ impl RedisConn {
         };
         self.bounded_for("invoke_script", slot, timeout, refused, async {
             let mut result = self.send(&cmd, target).await;
-            for _ in 0..NOSCRIPT_ROUNDS {
+            for round in 0..NOSCRIPT_ROUNDS {
                 match &result {
                     Err(e) if is_noscript(e) => {}
                     _ => break,
                 }
                 tracing::debug!(sha = script.get_hash(), "NOSCRIPT: loading the script");
-                result = match self.load_script(script, target.for_load()).await {
+                result = match self.load_script(script, target.for_load(round)).await {
                     Ok(()) => self.send(&cmd, target).await,
                     Err(e) => Err(e),
                 };
@@ -815,7 +819,7 @@ impl RedisConn {
     ) -> RedisResult<Vec<(usize, Result<Value, Error>)>> {
         let mut done = Vec::with_capacity(indices.len());
         let mut missing = self.run_pipeline(calls, target, indices, &mut done).await?;
-        for _ in 0..NOSCRIPT_ROUNDS {
+        for round in 0..NOSCRIPT_ROUNDS {
             if missing.is_empty() {
                 break;
             }
@@ -824,7 +828,7 @@ impl RedisConn {
                 let script = calls[i].script;
                 if !loaded.contains(&script.get_hash()) {
                     tracing::debug!(sha = script.get_hash(), "NOSCRIPT: loading the script");
-                    self.load_script(script, target.for_load()).await?;
+                    self.load_script(script, target.for_load(round)).await?;
                     loaded.push(script.get_hash());
                 }
             }

@@ -628,6 +628,71 @@ fn fault_pause_and_resume_never_hangs() {
     });
 }
 
+/// While a slot migrates, a key not yet on the importing node is asked about there (`ASK`),
+/// whose script cache may not have the script (a node restarted, flushed, or new): loaded on
+/// the slot's owner only, as after a plain `NOSCRIPT`, the call would fail until the migration
+/// ends. It is then loaded on every master, and the call succeeds.
+#[test]
+fn cluster_loads_a_script_where_a_migrating_slot_asks() {
+    let cluster = RedisCluster::start().expect("start a 6-node cluster");
+    run(async {
+        let config = RedisConfig::from_urls(cluster.urls())
+            .expect("valid seeds")
+            .timeout(Duration::from_secs(2));
+        let conn = RedisConn::connect(&config).await.expect("connect");
+        let script = incr();
+        let seed = b"{seed}:n".as_slice();
+        let slot = RedisCluster::key_slot(seed);
+        let source = cluster.node_for_slot(slot).expect("owner");
+        let target = cluster
+            .masters()
+            .expect("masters")
+            .into_iter()
+            .find(|&m| m != source)
+            .expect("another master");
+        // Loaded on the owner, by a key it holds.
+        let value = conn
+            .invoke_script(&script, &[seed], &[])
+            .await
+            .expect("EVALSHA");
+        assert_eq!(int(&value), 1);
+        let id = |node: usize| -> String {
+            let reply = cluster.node(node).cmd(&["CLUSTER", "MYID"]).expect("MYID");
+            String::from_utf8_lossy(reply.as_bytes().expect("an id")).into_owned()
+        };
+        let (source_id, target_id) = (id(source), id(target));
+        let slot_arg = slot.to_string();
+        cluster
+            .node(target)
+            .cmd_ok(&["CLUSTER", "SETSLOT", &slot_arg, "IMPORTING", &source_id])
+            .expect("IMPORTING");
+        cluster
+            .node(source)
+            .cmd_ok(&["CLUSTER", "SETSLOT", &slot_arg, "MIGRATING", &target_id])
+            .expect("MIGRATING");
+        cluster
+            .node(target)
+            .cmd_ok(&["SCRIPT", "FLUSH"])
+            .expect("SCRIPT FLUSH");
+        // A key of the slot that the owner does not hold: asked about on the importing node.
+        let fresh = (0..100_000)
+            .map(|i| format!("{{seed}}:fresh-{i}"))
+            .find(|k| RedisCluster::key_slot(k.as_bytes()) == slot)
+            .expect("a key in the slot");
+        let value = conn
+            .invoke_script(&script, &[fresh.as_bytes()], &[])
+            .await
+            .expect("EVALSHA of a key that moved");
+        assert_eq!(int(&value), 1);
+        for node in [source, target] {
+            cluster
+                .node(node)
+                .cmd_ok(&["CLUSTER", "SETSLOT", &slot_arg, "NODE", &source_id])
+                .expect("SETSLOT NODE");
+        }
+    });
+}
+
 #[test]
 fn cluster_routes_scripts_by_slot_and_pipelines_per_slot() {
     let cluster = RedisCluster::start().expect("start a 6-node cluster");
