@@ -278,8 +278,7 @@ impl Simulator {
         let now_ms = self
             .start_ms
             .checked_add(event.t_ms)
-            // 2^53 µs (the year 2255): every time the algorithms (and Lua) compute stays exact
-            // and far from overflowing.
+            // The memory store's last second (2106): past it, it refuses to decide.
             .filter(|ms| *ms <= MAX_TIME_MS)
             .ok_or_else(|| format!("time {} is too far in the future", event.t_ms))?;
         self.previous_t = Some(event.t_ms);
@@ -371,8 +370,10 @@ fn ceil_ms(d: Duration) -> u64 {
     u64::try_from(d.as_micros().div_ceil(1_000)).unwrap_or(u64::MAX)
 }
 
-/// The latest time `simulate` accepts, in ms since the epoch: 2^53 µs.
-const MAX_TIME_MS: u64 = (1 << 53) / 1_000;
+/// The latest time `simulate` accepts, in ms since the epoch: the memory store's latest
+/// (2106-02-07 06:28:14 UTC, where its expiry times run out), well within the 2^53 us up to
+/// which the algorithms' (and Lua's) times stay exact.
+const MAX_TIME_MS: u64 = (u32::MAX as u64 - 1) * 1_000;
 
 #[cfg(test)]
 mod tests {

@@ -552,6 +552,14 @@ fn times_past_what_the_algorithms_hold_exactly_are_refused_with_their_line() {
         err.contains("line 2: time 18446744073709551 is too far in the future"),
         "{err}"
     );
+    // 136 years after the start (the epoch): past 2106, where the memory store's expiry times run
+    // out (before, the line was taken and the store refused it).
+    let (out, err) = simulate_fails(&["--policy", "10/s"], "0 k\n4300000000000 k\n", 1);
+    assert_eq!(out.len(), 1);
+    assert!(
+        err.contains("line 2: time 4300000000000 is too far in the future"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -172,23 +172,46 @@ fn single_and_all_or_nothing_gcra_checks_racing_on_one_key_admit_exactly_the_lim
 }
 
 /// Times past what the store's states can hold are refused, not saturated into wrong
-/// decisions.
+/// decisions: past 2106 a slot's expiry (whole seconds in 32 bits) would read as passed, and a
+/// full store set to refuse new keys would drop live state to make room.
 #[test]
-fn a_time_beyond_the_year_3100_is_refused() {
+fn a_time_beyond_the_year_2106_is_refused() {
     let limiter = MemoryLimiter::builder().clock(clock()).build();
     let p = Policy::per_second(1).expect("valid");
-    let far = Timestamp::from_micros(1 << 56);
-    let refused = limiter.check_sync(&[Check::new(b"k", &p)], CheckOptions::at(far));
-    assert!(
-        matches!(&refused, Err(MemoryError::InvalidCheck(m)) if m.contains("beyond")),
-        "{refused:?}"
-    );
-    let last = Timestamp::from_micros((1 << 55) - 1);
+    for far in [u64::from(u32::MAX) * 1_000_000, 1 << 53, 1 << 56] {
+        let far = Timestamp::from_micros(far);
+        let refused = limiter.check_sync(&[Check::new(b"k", &p)], CheckOptions::at(far));
+        assert!(
+            matches!(&refused, Err(MemoryError::InvalidCheck(m)) if m.contains("beyond")),
+            "{refused:?}"
+        );
+    }
+    let last = Timestamp::from_micros((u64::from(u32::MAX) - 1) * 1_000_000);
     for allowed in [true, false] {
         let v = limiter
             .check_sync(&[Check::new(b"k", &p)], CheckOptions::at(last))
             .expect("within range");
         assert_eq!(v.allowed(), allowed);
+    }
+    // Near the end of the range, a full store that refuses new keys keeps the state it has.
+    let clock = ManualClock::new(Timestamp::from_micros(
+        (u64::from(u32::MAX) - 3_600) * 1_000_000,
+    ));
+    let full = refusing(&clock, 16, 1);
+    let hourly = Policy::per_hour(1).expect("valid");
+    for i in 0..16u8 {
+        assert!(full.check_key(&[b'k', i], &hourly, 1).allowed);
+    }
+    clock.advance(Duration::from_secs(1));
+    assert!(
+        !full.check_key(b"new", &hourly, 1).allowed,
+        "the store is full"
+    );
+    for i in 0..16u8 {
+        assert!(
+            !full.check_key(&[b'k', i], &hourly, 1).allowed,
+            "key {i} lost its state"
+        );
     }
 }
 

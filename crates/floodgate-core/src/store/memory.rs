@@ -161,7 +161,7 @@ impl<C: Clock> MemoryLimiter<C> {
     /// whose verdict has the lease to release.
     ///
     /// When the store is full and set to [`OnFull::Reject`], or the clock is past the year
-    /// 3100, the check is denied with no retry time (see [`MemoryLimiter::check_sync`] for the
+    /// 2106, the check is denied with no retry time (see [`MemoryLimiter::check_sync`] for the
     /// errors).
     #[inline]
     pub fn check_key(&self, key: &[u8], policy: &Policy, cost: u64) -> Decision {
@@ -295,7 +295,7 @@ impl<C: Clock> MemoryLimiter<C> {
     /// Checks several policies, all-or-nothing, atomically with respect to every other check.
     ///
     /// Errors: [`MemoryError::Full`] when the store refuses new keys, and
-    /// [`MemoryError::InvalidCheck`] for a malformed check or a time past the year 3100.
+    /// [`MemoryError::InvalidCheck`] for a malformed check or a time past the year 2106.
     pub fn check_sync(
         &self,
         checks: &[Check<'_>],
@@ -526,7 +526,7 @@ impl<C: Clock> MemoryLimiter<C> {
     /// Gives back what the allowed `verdict` of `checks` took (see [`Limiter::refund`]).
     ///
     /// Errors: [`MemoryError::InvalidCheck`] when `checks` are not as many as the verdict's
-    /// decisions, or the verdict's time is past the year 3100; nothing is given back then. A
+    /// decisions, or the verdict's time is past the year 2106; nothing is given back then. A
     /// refund from before its verdict's time counts as made then.
     pub fn refund_sync(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
         self.refund_at(checks, verdict, self.inner.clock.now())
@@ -663,9 +663,11 @@ impl Loc<'_> {
     }
 }
 
-/// `now` (µs since the epoch), if the store can decide at that time: up to about the year 3100.
-/// States hold times up to `now` plus the longest span a policy may have, and the compact table
-/// holds them in 56 bits.
+/// `now` (µs since the epoch), if the store can decide at that time: up to the year 2106, when
+/// the slots' expiry times (whole seconds in 32 bits) run out; past it, every state would read
+/// as expired, and a full store set to refuse new keys would drop live ones. (States hold times
+/// up to `now` plus the longest span a policy may have, which the compact table's 56 bits
+/// hold.)
 #[inline]
 fn checked_now(now: u64) -> Result<u64, MemoryError> {
     if now > MAX_NOW_US {
@@ -677,9 +679,9 @@ fn checked_now(now: u64) -> Result<u64, MemoryError> {
     Ok(now)
 }
 
-/// The latest time the memory store decides at: past it, a state's times would not fit the
-/// compact table's 56 bits.
-const MAX_NOW_US: u64 = (1 << 55) - 1;
+/// The latest time the memory store decides at (2106-02-07 06:28:14 UTC): the last whole
+/// second a slot's expiry holds, less one.
+const MAX_NOW_US: u64 = (u32::MAX as u64 - 1) * 1_000_000;
 
 /// Where `policy`'s state for `key` lives: the same answer every time, for every path.
 #[inline]
