@@ -33,7 +33,9 @@ pub enum OnFull {
     /// should for the evicted keys. Memory stays bounded.
     #[default]
     EvictSoonest,
-    /// Refuse the new key with [`MemoryError::Full`]; existing keys keep their state.
+    /// Refuse the new key with [`MemoryError::Full`]; existing keys keep their state. Expired
+    /// keys are dropped to make room a batch at a time (an eighth of the shard), not one by
+    /// one: a full store may refuse new keys while fewer than a batch of old ones have expired.
     Reject,
 }
 
@@ -350,8 +352,9 @@ fn le8(b: &[u8]) -> u64 {
 pub(crate) struct Shard<V> {
     table: HashTable<Slot<V>>,
     compact: HashTable<Compact>,
-    /// No value expires before this: sweeping earlier frees nothing. Atomic for checks under
-    /// the read lock (their tats only grow, so they rarely write it).
+    /// No sweep before this: no value expires before it, or (after a sweep that freed little)
+    /// too few to be worth a sweep. Atomic for checks under the read lock (their tats only
+    /// grow, so they rarely write it).
     next_expiry: AtomicU64,
 }
 
@@ -371,6 +374,9 @@ pub(crate) struct ShardedMap<V> {
     expired: AtomicU64,
     evicted: AtomicU64,
     refused: AtomicU64,
+    /// Sweeps made to find room (tests count them).
+    #[cfg(test)]
+    sweeps: AtomicU64,
 }
 
 impl<V> ShardedMap<V> {
@@ -402,6 +408,8 @@ impl<V> ShardedMap<V> {
             expired: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            #[cfg(test)]
+            sweeps: AtomicU64::new(0),
         }
     }
 
@@ -551,8 +559,19 @@ impl<V> ShardedMap<V> {
             return Ok(());
         }
         if now >= *shard.next_expiry.get_mut() {
+            #[cfg(test)]
+            self.sweeps.fetch_add(1, Ordering::Relaxed);
             let freed = shard.sweep(now);
             self.expired.fetch_add(freed as u64, Ordering::Relaxed);
+            // A sweep costs the whole shard: one that freed less than a batch is not made again
+            // until a batch more has expired (else a flood of new keys that expire at the rate
+            // they come, the store just full, would pay a whole sweep for every key). Evicting
+            // takes the soonest to expire first, expired or not; refusing may refuse new keys
+            // while up to a batch of old ones have expired.
+            let batch = (self.cap / 8).max(n);
+            if freed < batch {
+                shard.defer_sweep(batch - freed);
+            }
             if shard.len() + n <= self.cap {
                 return Ok(());
             }
@@ -656,6 +675,22 @@ impl<V> Shard<V> {
         before - self.len()
     }
 
+    /// Puts the next sweep off until `n` more values have expired (all that are left, if
+    /// fewer).
+    fn defer_sweep(&mut self, n: usize) {
+        let mut expiries: Vec<u64> = self
+            .table
+            .iter()
+            .map(Slot::expires_at)
+            .chain(self.compact.iter().map(Compact::tat))
+            .collect();
+        let next = match n.min(expiries.len()) {
+            0 => u64::MAX,
+            n => *expiries.select_nth_unstable(n - 1).1,
+        };
+        *self.next_expiry.get_mut() = next;
+    }
+
     /// Evicts about `n` live slots and entries, those that expire soonest; returns how many.
     fn evict_soonest(&mut self, n: usize) -> usize {
         let mut expiries: Vec<u64> = self
@@ -728,6 +763,33 @@ mod tests {
         Packed {
             key: u64::from_le_bytes(word),
             tag: index << 4 | key.len() as u8,
+        }
+    }
+
+    /// New keys coming as fast as old ones expire, the store just full: a sweep that frees a
+    /// key or two is not made again for every new key, in either mode, and each mode still
+    /// does what it promises (evicting keeps every new key, refusing never drops a live one).
+    #[test]
+    fn a_full_store_under_a_steady_flood_does_not_sweep_for_every_key() {
+        for on_full in [OnFull::EvictSoonest, OnFull::Reject] {
+            let map: ShardedMap<u32> = ShardedMap::new(1_024, 1, on_full);
+            // Each key lives 1,024 s; one comes every second (slots keep whole seconds).
+            let mut refused = 0;
+            for i in 0..20_000u64 {
+                let key = i.to_le_bytes();
+                if put(&map, &key, (i + 1_024) * 1_000_000, i * 1_000_000).is_err() {
+                    refused += 1;
+                }
+            }
+            let sweeps = map.sweeps.load(Ordering::Relaxed);
+            assert!(sweeps < 400, "{on_full:?}: {sweeps} sweeps for 20,000 keys");
+            let stats = map.stats();
+            assert!(stats.keys <= 1_024, "{on_full:?}: {stats:?}");
+            match on_full {
+                OnFull::EvictSoonest => assert_eq!(refused, 0),
+                // Refused only while fewer than a batch (an eighth) had expired.
+                OnFull::Reject => assert!(refused < 20_000 / 8 + 1_024, "{refused} refused"),
+            }
         }
     }
 
