@@ -497,10 +497,12 @@ impl std::fmt::Debug for RedisShared {
     }
 }
 
-/// Added to the opt-out filter once it holds every number of the exact set: a filter without
-/// it (just made, being filled, or a fill that stopped half-way) is not trusted to say "no".
-/// No phone number (E.164, validated) starts with a NUL byte.
-const FILTER_COMPLETE: &[u8] = b"\0complete";
+/// Set in the opt-out filter's first config hash once the filter holds every number of the
+/// exact set: a filter without it (just made, being filled, or a fill that stopped half-way)
+/// is not trusted to say "no". Kept beside the filter's own fields (which its scripts read by
+/// name), so that it goes with the filter: a filter made again has none. Not a member of the
+/// filter itself, which a false positive could find there before the fill ends.
+const FILTER_COMPLETE: &str = "gateway-complete";
 
 /// The opt-out Bloom filter in front of the exact set, kept trustworthy: made again from the
 /// set when it is missing (the first replica, or a key lost to eviction, a failover or an
@@ -525,13 +527,11 @@ impl OptOutFilter {
     /// Whether `phone` certainly never opted out: the filter is complete and says no. `false`
     /// asks the set; a filter found missing or damaged is repaired in the background.
     async fn certainly_not(&self, phone: &str) -> Result<bool, StoreError> {
-        match self
-            .bloom
-            .contains_many(&[phone.as_bytes(), FILTER_COMPLETE])
-            .await
-        {
-            Ok(found) => {
-                let (listed, complete) = (found[0], found[1]);
+        let (listed, complete) =
+            tokio::join!(self.bloom.contains(phone.as_bytes()), self.is_complete());
+        match listed {
+            Ok(listed) => {
+                let complete = complete.map_err(err)?;
                 if !complete {
                     self.repair_soon();
                 }
@@ -604,9 +604,27 @@ impl OptOutFilter {
         repaired.map_err(err)
     }
 
+    /// The key and field of the filter's completeness (see [`FILTER_COMPLETE`]).
+    fn complete_field(&self) -> (&[u8], &str) {
+        let config = self
+            .bloom
+            .keys()
+            .next()
+            .map_or(&[][..], |(_, config)| config);
+        (config, FILTER_COMPLETE)
+    }
+
+    /// Whether the filter is marked complete.
+    async fn is_complete(&self) -> Result<bool, floodgate::redis::Error> {
+        let (key, field) = self.complete_field();
+        let mut get = redis::cmd("HEXISTS");
+        get.arg(key).arg(field);
+        Ok(self.conn.query::<i64>(get).await? == 1)
+    }
+
     async fn fill(&self) -> Result<(), floodgate::redis::Error> {
         self.bloom.try_init().await?;
-        if self.bloom.contains(FILTER_COMPLETE).await? {
+        if self.is_complete().await? {
             return Ok(());
         }
         let mut cursor = 0u64;
@@ -623,7 +641,13 @@ impl OptOutFilter {
             }
             cursor = next;
         }
-        self.bloom.add(FILTER_COMPLETE).await?;
+        // Marked on the filter as it is now: had it been dropped and made again meanwhile (not
+        // by a replica, which holds the repair lock to do it), its config hash would be new,
+        // and a check that finds this field on a filter missing a part fails as damaged.
+        let (key, field) = self.complete_field();
+        let mut mark = redis::cmd("HSET");
+        mark.arg(key).arg(field).arg(1);
+        let _: i64 = self.conn.query(mark).await?;
         Ok(())
     }
 }
@@ -1048,7 +1072,7 @@ mod tests {
         let bloom = &store.optouts.bloom;
         let complete = || async {
             let started = std::time::Instant::now();
-            while !bloom.contains(FILTER_COMPLETE).await.unwrap_or(false) {
+            while !store.optouts.is_complete().await.unwrap_or(false) {
                 assert!(started.elapsed() < Duration::from_secs(10), "never rebuilt");
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
@@ -1068,6 +1092,16 @@ mod tests {
         bloom.delete().await.expect("delete the filter");
         assert!(bloom.try_init().await.expect("init"));
         assert!(store.is_opted_out(a).await.expect("answered"), "incomplete");
+        complete().await;
+        // Half filled, with whatever its bits say (the old marker, a member of the filter that
+        // a false positive could find there before the fill ended): the set answers.
+        bloom.delete().await.expect("delete the filter");
+        assert!(bloom.try_init().await.expect("init"));
+        assert!(bloom.add(b"\0complete").await.expect("add"));
+        assert!(
+            store.is_opted_out(a).await.expect("answered"),
+            "half filled"
+        );
         complete().await;
         // Opting out while the filter is gone; a replica that starts after answers from the
         // set, and the filter is complete again soon (made by that replica, or by the repair
