@@ -339,3 +339,51 @@ async fn a_reset_through_the_cache_forgets_its_denials() {
     );
     assert_eq!(store.calls.load(Ordering::Relaxed) - calls, 2);
 }
+
+/// `check_store` asks the store past a cached denial, and leaves the cache as it is.
+#[tokio::test]
+async fn check_store_asks_the_store_past_a_cached_denial() {
+    let store = Store::new();
+    let p = Policy::funnel(1, Duration::from_secs(30 * 60)).expect("valid");
+    let clock = ManualClock::new(Timestamp::from_micros(1_000_000));
+    let cache = DenyCache::with_clock(store.clone(), clock, 1_000);
+    let checks = [Check::new(b"+15551234", &p)];
+    assert!(
+        cache
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed()
+    );
+    assert!(
+        !cache
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed()
+    );
+    let calls = store.calls.load(Ordering::Relaxed);
+    let fresh = cache
+        .check_store(&checks, CheckOptions::default())
+        .await
+        .expect("ok");
+    assert!(!fresh.allowed());
+    assert_eq!(
+        store.calls.load(Ordering::Relaxed),
+        calls + 1,
+        "asked the store"
+    );
+    let hits = cache.stats().hits;
+    assert!(
+        !cache
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("ok")
+            .allowed()
+    );
+    assert_eq!(
+        cache.stats().hits,
+        hits + 1,
+        "the cached denial is still there"
+    );
+}

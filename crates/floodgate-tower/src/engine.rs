@@ -884,7 +884,15 @@ where
         let sh = &self.shared;
         if !sh.health.skip_store() {
             let started = Instant::now();
-            let result = timeout_unless_ready(sh.timeout, self.limiter.check(checks, opts)).await;
+            let result = if sh.health.is_failing() {
+                // The probe of a failing store (one request per retry interval): answered by
+                // the store itself, not by a deny cache or a lease, whose local answer would
+                // say it is back. Rare: boxed, so the usual path's future stays as it is.
+                let fresh = Box::pin(self.limiter.check_store(checks, opts));
+                timeout_unless_ready(sh.timeout, fresh).await
+            } else {
+                timeout_unless_ready(sh.timeout, self.limiter.check(checks, opts)).await
+            };
             sh.metrics.check_duration(started.elapsed().as_secs_f64());
             sh.metrics
                 .copy_caches_soon(started, || self.limiter.cache_stats());

@@ -928,6 +928,103 @@ impl Limiter for BrokenStore {
     }
 }
 
+/// A store that can be taken down (every check fails as unavailable), counting its checks.
+#[derive(Clone)]
+struct SwitchableStore {
+    inner: MemoryLimiter,
+    down: Arc<std::sync::atomic::AtomicBool>,
+    checks: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Limiter for SwitchableStore {
+    type Error = MemoryError;
+
+    async fn check(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<Verdict, MemoryError> {
+        self.checks
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(MemoryError::InvalidCheck("the store is down".into()));
+        }
+        self.inner.check(checks, opts).await
+    }
+
+    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
+        self.inner.release(checks, lease).await
+    }
+
+    async fn renew(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<bool, MemoryError> {
+        self.inner.renew(checks, lease).await
+    }
+
+    async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
+        self.inner.refund(checks, verdict).await
+    }
+
+    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
+        self.inner.reset(key, policy).await
+    }
+}
+
+/// The layer's probe of a failing store is answered by the store: a denial the deny cache
+/// holds (an attacker's key, say) does not tell the layer the store is back, which would send
+/// every request to the down store until it failed again.
+#[tokio::test]
+async fn a_cached_denial_does_not_pass_for_the_store_answering_again() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let store = SwitchableStore {
+        inner: MemoryLimiter::new(),
+        down: Arc::default(),
+        checks: Arc::default(),
+    };
+    let layer = RateLimitLayer::builder(store.clone())
+        .rule(Rule::new(policy(1, 600, "per-user")).key(HeaderKey::named("x-user").expect("name")))
+        .on_store_error(OnStoreError::FailOpen)
+        .store_retry_interval(Duration::from_millis(100))
+        .build()
+        .expect("layer");
+    let client = HttpClient::new(serve(Router::new().route("/", get(ok)).layer(layer)).await);
+    let user = |name: &'static [u8]| [("x-user", name)];
+    assert_eq!(
+        client.get_with("/", &user(b"attacker")).await.status,
+        StatusCode::OK
+    );
+    // Denied by the store, and cached.
+    let denied = client.get_with("/", &user(b"attacker")).await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+
+    store.down.store(true, SeqCst);
+    // Another key reaches the store, which fails: the layer stops asking it for a while.
+    assert_eq!(
+        client.get_with("/", &user(b"first")).await.status,
+        StatusCode::OK
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The probe, on the key whose denial is cached: the store is asked, and still fails.
+    let before = store.checks.load(SeqCst);
+    let probe = client.get_with("/", &user(b"attacker")).await;
+    assert_eq!(probe.status, StatusCode::OK, "failing open");
+    assert_eq!(
+        store.checks.load(SeqCst),
+        before + 1,
+        "the probe asked the store"
+    );
+    // So the layer still skips it.
+    let before = store.checks.load(SeqCst);
+    for name in [&b"a"[..], b"b", b"c", b"d", b"e"] {
+        let res = client.get_with("/", &[("x-user", name)]).await;
+        assert_eq!(res.status, StatusCode::OK);
+    }
+    assert_eq!(
+        store.checks.load(SeqCst),
+        before,
+        "the down store was asked again"
+    );
+}
+
 #[tokio::test]
 async fn store_failures_follow_the_failure_policy() {
     for hang in [true, false] {

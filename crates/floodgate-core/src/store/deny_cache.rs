@@ -408,6 +408,15 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
         result
     }
 
+    /// The store's own answer, past the cache (which it does not change).
+    async fn check_store(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<Verdict, L::Error> {
+        self.inner.check_store(checks, opts).await
+    }
+
     async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), L::Error> {
         self.inner.release(checks, lease).await
     }

@@ -448,6 +448,15 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
         self.inner.check(checks, opts).await
     }
 
+    /// The store's own answer, spending no leased unit.
+    async fn check_store(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> Result<Verdict, L::Error> {
+        self.inner.check_store(checks, opts).await
+    }
+
     async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), L::Error> {
         self.inner.release(checks, lease).await
     }

@@ -158,6 +158,19 @@ pub trait Limiter: Send + Sync {
         policy: &Policy,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
 
+    /// [`Limiter::check`], answered by the store itself. A limiter that answers some checks
+    /// without it ([`DenyCache`]'s cached denials, [`Leasing`]'s leased units) asks the store
+    /// here: what a layer needs to learn whether a failing store answers again, which a local
+    /// answer would claim it does. Defaults to [`Limiter::check`]; a limiter that wraps
+    /// another and answers locally should pass this on to its inner limiter's.
+    fn check_store(
+        &self,
+        checks: &[Check<'_>],
+        opts: CheckOptions,
+    ) -> impl Future<Output = Result<Verdict, Self::Error>> + Send {
+        self.check(checks, opts)
+    }
+
     /// Whether `error` means the store itself is unavailable (down, unreachable, too slow), as
     /// opposed to a problem with one key or one check (a corrupted value, a bad request). Layers
     /// use it to decide whether to stop asking the store for a while. Defaults to `true`.
