@@ -333,3 +333,49 @@ async fn a_local_answer_is_refunded_as_of_its_lease() {
     leasing.refund(&check, &spent).await.expect("refund");
     assert_eq!(units(&memory), before - 1, "the refund gave nothing back");
 }
+
+/// A hot global limit checked with a per-client one for clients that are each new (cold): a
+/// lease of the global limit would not let such a call be answered locally, so none is taken
+/// (before, one was taken every lease period and ran out unspent, a thousand units each).
+#[tokio::test]
+async fn a_hot_limit_beside_cold_ones_takes_no_lease_it_cannot_spend() {
+    let store = store();
+    let clock = floodgate_core::ManualClock::new(floodgate_core::Timestamp::from_micros(1_000_000));
+    let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
+    let global = Policy::per(100_000, Duration::from_secs(3_600))
+        .and_then(|p| p.named("global"))
+        .expect("valid");
+    let per_ip = Policy::per_minute(1_000)
+        .and_then(|p| p.named("per-ip"))
+        .expect("valid");
+    let mut admitted = 0;
+    for i in 0..400u32 {
+        let ip = format!("10.0.{}.{}", i / 256, i % 256);
+        let checks = [
+            Check::new(b"all", &global),
+            Check::new(ip.as_bytes(), &per_ip),
+        ];
+        if leasing
+            .check(&checks, CheckOptions::default())
+            .await
+            .expect("check")
+            .allowed()
+        {
+            admitted += 1;
+        }
+        if i % 20 == 19 {
+            clock.advance(Duration::from_millis(300));
+        }
+    }
+    assert_eq!(admitted, 400);
+    let stats = leasing.stats();
+    assert_eq!((stats.leases, stats.wasted), (0, 0), "{stats:?}");
+    // The store spent on the global limit what was admitted, and no more.
+    let left = store
+        .check_one(b"all", &global, 0)
+        .await
+        .expect("peek")
+        .remaining;
+    // (Refilled since by as much as the store's own clock has run, a moment.)
+    assert!(left >= 100_000 - 400, "{left} left");
+}

@@ -228,12 +228,16 @@ impl<L, C: Clock> Leasing<L, C> {
     }
 
     /// Spends `cost` units of every check locally, all or nothing; counts the checks towards
-    /// hotness either way. Returns the local verdict, or which checks are hot without units.
+    /// hotness either way. Returns the local verdict, or which checks are hot without units:
+    /// none when a check without units is not hot, as then leases for the others would not
+    /// let the call be answered locally (a hot global limit beside a per-client one of a new
+    /// client), and would run out unspent, lease after lease.
     fn spend(&self, checks: &[Check<'_>], now: u64) -> Result<Verdict, SmallVec<[usize; 2]>> {
         let map = &self.shared.map;
         let cfg = &self.shared.cfg;
         let period = duration_micros(cfg.lease_for);
         let mut hot_without_units: SmallVec<[usize; 2]> = SmallVec::new();
+        let mut cold_without_units = false;
         let mut enough = true;
         let located: SmallVec<[u64; 2]> = checks
             .iter()
@@ -256,6 +260,7 @@ impl<L, C: Clock> Leasing<L, C> {
                         now,
                     );
                     enough = false;
+                    cold_without_units = true;
                     continue;
                 }
             };
@@ -272,10 +277,15 @@ impl<L, C: Clock> Leasing<L, C> {
                 enough = false;
                 if local.seen >= cfg.hot_after {
                     hot_without_units.push(i);
+                } else {
+                    cold_without_units = true;
                 }
             }
         }
         if !enough {
+            if cold_without_units {
+                hot_without_units.clear();
+            }
             return Err(hot_without_units);
         }
         // Every check has units: take them. Another thread may have spent them in between, so
