@@ -403,6 +403,19 @@ fn prepare(sh: &Shared, req: &RequestView<'_>, job: &mut Job) -> Option<Response
 }
 
 impl Shared {
+    /// The info of a request no rule applied to, when handlers get one: so that a handler
+    /// taking [`RateLimitInfo`] behind the layer always finds one.
+    fn not_limited(&self) -> Option<RateLimitInfo> {
+        self.request_info.then(|| RateLimitInfo {
+            table: Arc::clone(&self.table),
+            rules: SmallVec::new(),
+            decisions: SmallVec::new(),
+            strictest: None,
+            source: DecisionSource::NotLimited,
+            waited: Duration::ZERO,
+        })
+    }
+
     fn is_concurrency(&self, rule: usize) -> bool {
         matches!(self.table[rule].rule.policy().kind(), Kind::Concurrency(_))
     }
@@ -602,9 +615,12 @@ where
         for &pos in skipped.iter().rev() {
             job.items.remove(pos);
         }
-        job.items
-            .is_empty()
-            .then(|| Decided::Allow(Allowed::default()))
+        job.items.is_empty().then(|| {
+            Decided::Allow(Allowed {
+                info: self.shared.not_limited(),
+                ..Allowed::default()
+            })
+        })
     }
 
     /// The `floodgate.check` span of `job`, when something listens at debug level: otherwise
@@ -1040,6 +1056,7 @@ where
             return Called::Reject(response);
         }
         if job.checks.items.is_empty() {
+            allowed.info = sh.not_limited();
             return Called::Allow;
         }
         if job.pending.is_empty() && sh.mode == Mode::Reject {

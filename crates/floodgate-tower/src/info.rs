@@ -22,6 +22,9 @@ pub enum DecisionSource {
     Fallback,
     /// Nobody: the store failed and the layer fails open. There are no decisions.
     FailOpen,
+    /// Nobody: no rule applied to the request (none matched its path or method, or each one
+    /// that did found no key and lets such requests through). There are no policies.
+    NotLimited,
 }
 
 /// The rate-limit decision of a request: inserted into the request's extensions before the

@@ -303,6 +303,40 @@ async fn rules_apply_per_route_and_method() {
     );
 }
 
+/// A handler behind the layer that takes `RateLimitInfo` finds one on every request, those no
+/// rule applies to included (there it has no policies), not the extractor's 500.
+#[tokio::test]
+async fn requests_no_rule_applies_to_have_their_info_too() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(5, 60, "only-a")).path_prefix("/a"))
+        .rule(
+            Rule::new(policy(5, 60, "by-tenant"))
+                .path_prefix("/b")
+                .key(HeaderKey::named("x-tenant").expect("name"))
+                .on_missing_key(OnMissingKey::Allow),
+        )
+        .build()
+        .expect("layer");
+    let handler = |info: RateLimitInfo| async move {
+        match info.strictest() {
+            Some((policy, _)) => format!("limited by {}", policy.name()),
+            None => format!("not limited {:?} {}", info.source(), info.policies().len()),
+        }
+    };
+    let app = Router::new()
+        .route("/a", get(handler))
+        .route("/b", get(handler))
+        .route("/c", get(handler))
+        .layer(layer);
+    let client = HttpClient::new(serve(app).await);
+    assert_eq!(client.get("/a").await.body, "limited by only-a");
+    for path in ["/b", "/c"] {
+        let res = client.get(path).await;
+        assert_eq!(res.status, StatusCode::OK, "{path}");
+        assert_eq!(res.body, "not limited NotLimited 0", "{path}");
+    }
+}
+
 /// HEAD is answered by the GET handler, and a percent-escaped or dotted path by the handler
 /// of its decoded form: both count under the rule of what the handler does.
 #[tokio::test]
