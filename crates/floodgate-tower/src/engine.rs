@@ -167,6 +167,27 @@ impl Refund {
     }
 }
 
+/// Gives back what a request that waits its turn took, should it be dropped before its turn
+/// comes; disarmed when it does.
+struct Unwait {
+    engine: Arc<dyn DynEngine>,
+    job: Option<RefundJob>,
+}
+
+impl Unwait {
+    fn disarm(mut self) {
+        self.job = None;
+    }
+}
+
+impl Drop for Unwait {
+    fn drop(&mut self) {
+        if let Some(job) = self.job.take() {
+            Arc::clone(&self.engine).refund(job);
+        }
+    }
+}
+
 impl fmt::Debug for Refund {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Refund")
@@ -403,6 +424,33 @@ fn prepare(sh: &Shared, req: &RequestView<'_>, job: &mut Job) -> Option<Response
 }
 
 impl Shared {
+    /// What giving back the rate policies of `job` (allowed with `verdict`) takes: their rules,
+    /// keys, costs and decisions (a concurrency policy's lease is its guard's). `None` without
+    /// any.
+    fn refund_job(&self, job: &Checks, verdict: &Verdict, fallback: bool) -> Option<RefundJob> {
+        let mut refund = RefundJob {
+            rules: SmallVec::new(),
+            keys: SmallVec::new(),
+            costs: SmallVec::new(),
+            verdict: Verdict {
+                decisions: SmallVec::new(),
+                wait: verdict.wait,
+                lease: None,
+                at: verdict.at,
+            },
+            fallback,
+        };
+        for (i, d) in job.items.iter().zip(&verdict.decisions) {
+            if !self.is_concurrency(i.rule) {
+                refund.rules.push(i.rule);
+                refund.keys.push(i.key.clone());
+                refund.costs.push(i.cost);
+                refund.verdict.decisions.push(*d);
+            }
+        }
+        (!refund.rules.is_empty()).then_some(refund)
+    }
+
     /// The info of a request no rule applied to, when handlers get one: so that a handler
     /// taking [`RateLimitInfo`] behind the layer always finds one.
     fn not_limited(&self) -> Option<RateLimitInfo> {
@@ -717,32 +765,12 @@ where
         if sh.refund_when.is_some() && source != DecisionSource::FailOpen {
             // Leases are released by their guard, at the end of the body: the refund gives back
             // the rate policies' units, with their decisions.
-            let mut refund = RefundJob {
-                rules: SmallVec::new(),
-                keys: SmallVec::new(),
-                costs: SmallVec::new(),
-                verdict: Verdict {
-                    decisions: SmallVec::new(),
-                    wait: verdict.wait,
-                    lease: None,
-                    at: verdict.at,
-                },
-                fallback: source == DecisionSource::Fallback,
-            };
-            for (i, d) in job.items.iter().zip(&verdict.decisions) {
-                if !sh.is_concurrency(i.rule) {
-                    refund.rules.push(i.rule);
-                    refund.keys.push(i.key.clone());
-                    refund.costs.push(i.cost);
-                    refund.verdict.decisions.push(*d);
-                }
-            }
-            if !refund.rules.is_empty() {
-                out.refund = Some(Refund {
+            out.refund = sh
+                .refund_job(job, verdict, source == DecisionSource::Fallback)
+                .map(|refund| Refund {
                     engine: Arc::clone(this),
                     job: Box::new(refund),
                 });
-            }
         }
         // A lease held through a shaper's wait has its guard already.
         if let Some(lease) = verdict.lease.filter(|_| out.lease.is_none()) {
@@ -851,7 +879,19 @@ where
                             on_tokio_clock(asked),
                         )
                     });
+                    // Dropped while it waits its turn (the client went away, a timeout in
+                    // front), the request takes nothing: its turn and the other rate
+                    // policies' units are given back (its lease, by the guard above).
+                    let unwait = Unwait {
+                        engine: Arc::clone(self) as Arc<dyn DynEngine>,
+                        job: self.shared.refund_job(
+                            job,
+                            &verdict,
+                            source == DecisionSource::Fallback,
+                        ),
+                    };
                     tokio::time::sleep(verdict.wait).await;
+                    unwait.disarm();
                     return Some(Verdicted {
                         verdict,
                         source,

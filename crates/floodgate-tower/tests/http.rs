@@ -864,6 +864,60 @@ async fn a_request_dropped_while_it_waits_its_turn_gives_its_concurrency_lease_b
     assert_eq!(other.status(), StatusCode::OK);
 }
 
+/// A request dropped while it waits its turn takes nothing: its turn goes back to the shaper
+/// and the units it took of another rate policy (2 a day) come back, so the next request is
+/// not pushed back by the one that left, nor is the daily quota spent on it.
+#[tokio::test]
+async fn a_request_dropped_while_it_waits_its_turn_gives_its_turn_and_units_back() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy_named(
+                Policy::shaper(1, Duration::from_secs(1)),
+                "turns",
+            ))
+            .key(GlobalKey),
+        )
+        .rule(Rule::new(policy(2, 86_400, "two-a-day")).key(GlobalKey))
+        .delay(Duration::from_secs(5))
+        .build()
+        .expect("layer");
+    let app = Router::new().route("/", get(ok)).layer(layer);
+    let get = || {
+        http::Request::get("/")
+            .body(axum::body::Body::empty())
+            .expect("request")
+    };
+    let first = tower::ServiceExt::oneshot(app.clone(), get())
+        .await
+        .expect("infallible");
+    assert_eq!(first.status(), StatusCode::OK);
+    // The next turn is a second away: the client gives up after 100 ms.
+    let waiting = tokio::time::timeout(
+        Duration::from_millis(100),
+        tower::ServiceExt::oneshot(app.clone(), get()),
+    )
+    .await;
+    assert!(waiting.is_err(), "it should still be waiting for its turn");
+    // The second of the day, in the turn the dropped request had: about a second after the
+    // first, not two.
+    let started = Instant::now();
+    let second = tower::ServiceExt::oneshot(app.clone(), get())
+        .await
+        .expect("infallible");
+    assert_eq!(
+        second.status(),
+        StatusCode::OK,
+        "the day's second unit came back"
+    );
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_millis(1_500), "waited {waited:?}");
+    // And the day's units are spent now.
+    let third = tower::ServiceExt::oneshot(app, get())
+        .await
+        .expect("infallible");
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
 fn policy_named(p: Result<Policy, floodgate_core::PolicyError>, name: &str) -> Policy {
     p.and_then(|p| p.named(name)).expect("policy")
 }
