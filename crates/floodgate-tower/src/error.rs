@@ -39,4 +39,10 @@ pub enum ConfigError {
         /// The setting.
         field: &'static str,
     },
+    /// Invalid leasing settings ([`LeasingConfig::validate`](floodgate_core::LeasingConfig::validate)).
+    #[error("invalid leasing settings: {message}")]
+    Leasing {
+        /// What was wrong, naming the setting.
+        message: String,
+    },
 }

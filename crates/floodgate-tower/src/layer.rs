@@ -437,6 +437,11 @@ where
         if self.timeout.is_zero() {
             return Err(ConfigError::Zero { field: "timeout" });
         }
+        if let Some(Err(e)) = self.leasing.as_ref().map(LeasingConfig::validate) {
+            return Err(ConfigError::Leasing {
+                message: e.to_string(),
+            });
+        }
         let mut names = HashSet::new();
         for rule in &self.rules {
             if !names.insert(rule.policy().name()) {
@@ -559,6 +564,61 @@ mod tests {
             build(rules, Mode::Reject).err(),
             Some(ConfigError::DuplicatePolicy { name: "a".into() })
         );
+    }
+
+    #[test]
+    fn invalid_leasing_settings_are_refused_naming_the_setting() {
+        let layer = |cfg: LeasingConfig| {
+            RateLimitLayer::builder(MemoryLimiter::new())
+                .rule(Rule::new(policy(Policy::per_second(5), "five")))
+                .leasing(cfg)
+                .build()
+        };
+        assert!(layer(LeasingConfig::default()).is_ok());
+        for (cfg, field) in [
+            (
+                LeasingConfig {
+                    fraction: f64::NAN,
+                    ..LeasingConfig::default()
+                },
+                "leasing fraction",
+            ),
+            (
+                LeasingConfig {
+                    fraction: 1.5,
+                    ..LeasingConfig::default()
+                },
+                "leasing fraction",
+            ),
+            (
+                LeasingConfig {
+                    lease_for: Duration::ZERO,
+                    ..LeasingConfig::default()
+                },
+                "leasing lease_for",
+            ),
+            (
+                LeasingConfig {
+                    hot_after: 0,
+                    ..LeasingConfig::default()
+                },
+                "leasing hot_after",
+            ),
+            (
+                LeasingConfig {
+                    min_units: 20_000,
+                    ..LeasingConfig::default()
+                },
+                "leasing min_units",
+            ),
+        ] {
+            match layer(cfg) {
+                Err(ConfigError::Leasing { message }) => {
+                    assert!(message.contains(field), "{message}");
+                }
+                other => panic!("{field}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@ use smallvec::SmallVec;
 use super::sharded::{NewSlot, OnFull, ShardedMap};
 use super::{CacheStats, Check, CheckOptions, Limiter};
 use crate::clock::{Clock, SystemClock, duration_micros};
+use crate::error::PolicyError;
 use crate::policy::Kind;
 use crate::{Decision, LeaseId, Policy, Timestamp, Verdict};
 
@@ -31,6 +32,55 @@ pub struct LeasingConfig {
     /// unique keys), new keys go to the store untracked until older ones expire: a key holding
     /// a lease is never evicted to make room, which would strand its units.
     pub max_keys: usize,
+}
+
+impl LeasingConfig {
+    /// Checks the settings: a fraction in (0, 1], a lease period, a hotness threshold and
+    /// room for keys above zero, and `min_units` no more than `max_units`. A lease that could
+    /// never be spent (a zero period) would cost each hot check a lease of units for nothing.
+    ///
+    /// # Errors
+    /// [`PolicyError`] naming the bad field.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        if !self.fraction.is_finite() || self.fraction <= 0.0 {
+            return Err(PolicyError::NotPositive {
+                field: "leasing fraction",
+                value: self.fraction,
+            });
+        }
+        if self.fraction > 1.0 {
+            return Err(PolicyError::TooLarge {
+                field: "leasing fraction",
+                value: self.fraction.to_string(),
+                max: "1".into(),
+            });
+        }
+        if self.lease_for.is_zero() {
+            return Err(PolicyError::Zero {
+                field: "leasing lease_for",
+            });
+        }
+        if self.hot_after == 0 {
+            return Err(PolicyError::Zero {
+                field: "leasing hot_after",
+            });
+        }
+        if self.max_keys == 0 {
+            return Err(PolicyError::Zero {
+                field: "leasing max_keys",
+            });
+        }
+        if self.min_units > self.max_units {
+            return Err(PolicyError::Invalid {
+                field: "leasing min_units",
+                reason: format!(
+                    "{} is more than max_units ({}): no key would ever be leased",
+                    self.min_units, self.max_units
+                ),
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Default for LeasingConfig {
@@ -175,7 +225,8 @@ impl<L> Leasing<L, SystemClock> {
 }
 
 impl<L, C: Clock> Leasing<L, C> {
-    /// Leasing with explicit settings and clock.
+    /// Leasing with explicit settings and clock (check them with [`LeasingConfig::validate`];
+    /// the tower layer's builder does).
     pub fn with_config(inner: L, cfg: LeasingConfig, clock: C) -> Self {
         Leasing {
             inner,
