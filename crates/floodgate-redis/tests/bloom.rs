@@ -354,6 +354,11 @@ async fn damaged_keys_are_typed_errors() -> TestResult {
     let err = filter.contains(b"x").await.expect_err("bitmap missing");
     assert!(err.is_corrupted(), "{err}");
     assert!(err.to_string().contains("bitmap is 0 bytes"), "{err}");
+    // try_init does not call such a filter one that exists (so a caller that rebuilds damaged
+    // filters does), nor makes it again holding nothing.
+    let err = filter.try_init().await.expect_err("bitmap missing");
+    assert!(err.is_corrupted(), "{err}");
+    assert!(err.to_string().contains("bitmap is 0 bytes"), "{err}");
     // Another type under the bitmap's key.
     server.cmd(&[&b"LPUSH"[..], &bits, b"x"])?;
     let err = filter.add(b"x").await.expect_err("wrong type");

@@ -1,5 +1,5 @@
--- Creates one part: {0, 1} if created, {0, 0} if it exists with the same parameters,
--- {1, stored...} if with others. The bitmap is allocated at once, zeroed, at its final size.
+-- Creates one part: {0, 1} if created, {0, 0} if it exists with the same parameters (its
+-- bitmap at its size, else an error), {1, stored...} if with others. The bitmap is allocated at once, zeroed, at its final size.
 
 -- Up to this many bytes the bitmap is one SET of exactly its size (Redis allocates no more);
 -- larger ones are grown by one SETBIT, which adds at most 1 MiB of slack (< 1.6%).
@@ -7,6 +7,13 @@ local EXACT_ALLOC_MAX = 64 * 1024 * 1024
 
 local bad = mismatch(stored_config())
 if bad == nil then
+  -- Its config is there: so must its bitmap be, at its size (one evicted, or deleted by
+  -- hand, would read as a filter holding nothing). Else the part is corrupt, as every other
+  -- script finds it, and a caller that rebuilds damaged filters rebuilds this one.
+  local len = read(0, 'STRLEN', KEYS[1])
+  if len ~= tonumber(ARGV[8]) then
+    fail('FLOODGATE_CORRUPT', 0, 'bitmap is ' .. len .. ' bytes, expected ' .. ARGV[8])
+  end
   return { 0, 0 }
 end
 if bad[1] == 1 then
