@@ -559,12 +559,21 @@ impl RedisLimiter {
         let mut first_time = None;
         for (n, part) in parts.iter().enumerate() {
             let sub: Vec<Check<'_>> = part.iter().map(|&i| checks[i]).collect();
-            // Every part is decided as of the first part's time: one time for the whole check,
-            // which a refund gives back as of (a sliding log finds its entry by that time, a
-            // window that the check opened starts at it). Later nodes decide as of a moment in
-            // their past: the time between the calls, usually well under a millisecond.
+            // A later part with a window or a log is decided as of the first part's time, which
+            // a refund gives back as of: a sliding log finds its entry by that time, a window
+            // that the check opened starts at it. Its node decides as of a moment in its past
+            // (the time between the calls; more if the nodes' clocks differ), and keeps those
+            // keys a minute longer (the slack of injected times). Other parts are decided on
+            // their node's time, with the batches of other checks: their reset times are moved
+            // to count from the first part's time below, which is all their refund needs.
+            let by_time = sub.iter().any(|c| {
+                matches!(
+                    c.policy.kind(),
+                    Kind::SlidingLog(_) | Kind::FixedWindow(_) | Kind::SlidingWindow(_)
+                )
+            });
             let opts = match (opts.now, first_time) {
-                (None, Some(first)) => CheckOptions {
+                (None, Some(first)) if by_time => CheckOptions {
                     now: Some(Timestamp::from_micros(first)),
                     ..opts
                 },
@@ -607,9 +616,25 @@ impl RedisLimiter {
             }
             wait = Duration::ZERO;
         } else {
-            // Stays counted. Every part was decided as of the first part's time, so each
-            // `at + reset_after` is the instant its key is full again, as a refund needs.
-            drop(counted.keep());
+            let kept = counted.keep();
+            if let Some(first) = first_time.filter(|_| !kept.is_empty()) {
+                // Each later part's reset times are moved to count from the first part's time
+                // (still whole milliseconds, rounded up), so that `at + reset_after` stays the
+                // instant each key is full again (what a refund gives back depends on it).
+                for (part, now) in &kept[1..] {
+                    for &i in part.iter() {
+                        if let Some(d) = &mut decisions[i] {
+                            let us = u64::try_from(d.reset_after.as_micros()).unwrap_or(u64::MAX);
+                            let us = if *now >= first {
+                                us.saturating_add(now - first)
+                            } else {
+                                us.saturating_sub(first - now)
+                            };
+                            d.reset_after = Duration::from_millis(us.div_ceil(1_000));
+                        }
+                    }
+                }
+            }
         }
         let decisions = decisions
             .into_iter()

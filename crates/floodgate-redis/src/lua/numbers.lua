@@ -8,9 +8,10 @@
 
 local MAX_SPAN = 2251799813685248 -- 2^51, floodgate_core::algorithm::MAX_SPAN_US
 local MAX_EXACT = 9007199254740991 -- 2^53 - 1: up to it, a double holds every integer
--- Milliseconds added to every TTL. Zero in production; when a caller injects `now` (tests and
--- simulations), Redis still expires keys on its own clock, so keys are kept a minute longer than
--- their state matters. A state past its expiry decides exactly like no state, so this changes
+-- Milliseconds added to every TTL. Zero on the server's time; when a caller injects `now`
+-- (tests, simulations, and a later part of a check across cluster slots with a log or a
+-- window, decided as of its first part's time), Redis still expires keys on its own clock, so
+-- keys are kept a minute longer than their state matters. A state past its expiry decides exactly like no state, so this changes
 -- no decision, only memory.
 local TTL_SLACK = 0
 
