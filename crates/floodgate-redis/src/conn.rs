@@ -651,6 +651,9 @@ impl RedisConn {
         let Some(backend) = self.inner.backend.get() else {
             return;
         };
+        if matches!(backend, Backend::Cluster(_)) {
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -732,7 +735,7 @@ impl RedisConn {
             Backend::Pool(pool) => {
                 let mut conn = pool.get().await.map_err(pool_error)?;
                 let result = conn.begin().send_packed_command(cmd).await;
-                conn.finish(result)
+                conn.finish_reply(result)
             }
             Backend::Cluster(cluster) => {
                 let mut cluster = cluster.clone();
@@ -1051,6 +1054,16 @@ impl PooledConn {
     /// Records whether the request left the connection usable.
     fn finish<T>(&mut self, result: RedisResult<T>) -> RedisResult<T> {
         self.broken = matches!(&result, Err(e) if e.is_io_error() || e.is_unrecoverable_error());
+        result
+    }
+
+    /// [`PooledConn::finish`] for a reply: a server that answers `READONLY` (a failover demoted
+    /// it) is not used again through this connection (see `RedisConn::leave_demoted`).
+    fn finish_reply(&mut self, result: RedisResult<Value>) -> RedisResult<Value> {
+        let result = self.finish(result);
+        if matches!(&result, Ok(Value::ServerError(e)) if e.code() == "READONLY") {
+            self.broken = true;
+        }
         result
     }
 }

@@ -155,7 +155,7 @@ where
                             refund,
                         }) => {
                             if let Some(info) = info {
-                                request.extensions_mut().insert(info);
+                                info.insert_into(request.extensions_mut());
                             }
                             let lease = lease::hand_over(&mut request, lease);
                             self.set(State::Calling {

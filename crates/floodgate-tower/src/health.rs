@@ -16,6 +16,14 @@ pub(crate) struct StoreHealth {
     policy: &'static str,
 }
 
+/// What a request does with the store (see [`StoreHealth::admit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Admit {
+    Skip,
+    Probe,
+    Ask,
+}
+
 /// Errors while failing are logged at warn level at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
@@ -38,18 +46,29 @@ impl StoreHealth {
     /// Whether to skip the store for this request: it is failing and it is not yet time to
     /// probe it again. One request per interval gets to probe.
     pub(crate) fn skip_store(&self) -> bool {
+        self.admit() == Admit::Skip
+    }
+
+    /// What this request does with the store: skip it (failing, and not yet time to probe),
+    /// probe it (the one request of the interval while failing), or ask it as usual (not
+    /// failing, or no retry interval: every request asks).
+    pub(crate) fn admit(&self) -> Admit {
         if self.retry_interval.is_zero() || !self.failing.load(Ordering::Relaxed) {
-            return false;
+            return Admit::Ask;
         }
         let now = self.now_ms();
         let next = self.next_probe_ms.load(Ordering::Relaxed);
         if now < next {
-            return true;
+            return Admit::Skip;
         }
         let until = now.saturating_add(millis(self.retry_interval));
-        self.next_probe_ms
+        match self
+            .next_probe_ms
             .compare_exchange(next, until, Ordering::AcqRel, Ordering::Relaxed)
-            .is_err()
+        {
+            Ok(_) => Admit::Probe,
+            Err(_) => Admit::Skip,
+        }
     }
 
     pub(crate) fn is_failing(&self) -> bool {

@@ -51,12 +51,23 @@ pub struct RateLimitInfo {
 }
 
 impl RateLimitInfo {
+    /// Puts this info into a request's extensions; one of a layer that limited nothing
+    /// ([`DecisionSource::NotLimited`]) does not replace the info of another layer in front.
+    pub(crate) fn insert_into(self, extensions: &mut http::Extensions) {
+        if self.source == DecisionSource::NotLimited && extensions.get::<RateLimitInfo>().is_some()
+        {
+            return;
+        }
+        extensions.insert(self);
+    }
+
     /// The policies that applied to the request, in the layer's rule order.
     pub fn policies(&self) -> impl ExactSizeIterator<Item = &Policy> + '_ {
         self.rules.iter().map(|&i| self.table[i].rule.policy())
     }
 
-    /// Each applied policy with its decision (empty when the layer failed open).
+    /// Each applied policy with its decision (empty when the layer failed open or no rule
+    /// applied).
     pub fn iter(&self) -> impl Iterator<Item = (&Policy, &Decision)> + '_ {
         self.policies().zip(self.decisions.iter())
     }

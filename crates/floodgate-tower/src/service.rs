@@ -86,7 +86,7 @@ impl<S, K> RateLimit<S, K> {
         {
             Called::Allow => {
                 if let Some(info) = allowed.info {
-                    req.extensions_mut().insert(info);
+                    info.insert_into(req.extensions_mut());
                 }
                 let lease = lease::hand_over(&mut req, allowed.lease);
                 ResponseFuture::call(&mut self.inner, req, allowed.headers, lease, allowed.refund)

@@ -335,6 +335,23 @@ async fn requests_no_rule_applies_to_have_their_info_too() {
         assert_eq!(res.status, StatusCode::OK, "{path}");
         assert_eq!(res.body, "not limited NotLimited 0", "{path}");
     }
+
+    // Behind another layer that did limit the request, the inner one's "not limited" does not
+    // replace that layer's info.
+    let inner = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(5, 60, "only-a")).path_prefix("/a"))
+        .build()
+        .expect("layer");
+    let outer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(5, 60, "everything")))
+        .build()
+        .expect("layer");
+    let app = Router::new()
+        .route("/c", get(handler))
+        .layer(inner)
+        .layer(outer);
+    let client = HttpClient::new(serve(app).await);
+    assert_eq!(client.get("/c").await.body, "limited by everything");
 }
 
 /// HEAD is answered by the GET handler, and a percent-escaped or dotted path by the handler
@@ -910,7 +927,7 @@ async fn a_request_dropped_while_it_waits_its_turn_gives_its_turn_and_units_back
         "the day's second unit came back"
     );
     let waited = started.elapsed();
-    assert!(waited < Duration::from_millis(1_500), "waited {waited:?}");
+    assert!(waited < Duration::from_millis(1_800), "waited {waited:?}");
     // And the day's units are spent now.
     let third = tower::ServiceExt::oneshot(app, get())
         .await
@@ -1071,7 +1088,7 @@ async fn a_cached_denial_does_not_pass_for_the_store_answering_again() {
     let layer = RateLimitLayer::builder(store.clone())
         .rule(Rule::new(policy(1, 600, "per-user")).key(HeaderKey::named("x-user").expect("name")))
         .on_store_error(OnStoreError::FailOpen)
-        .store_retry_interval(Duration::from_millis(100))
+        .store_retry_interval(Duration::from_secs(1))
         .build()
         .expect("layer");
     let client = HttpClient::new(serve(Router::new().route("/", get(ok)).layer(layer)).await);
@@ -1090,7 +1107,7 @@ async fn a_cached_denial_does_not_pass_for_the_store_answering_again() {
         client.get_with("/", &user(b"first")).await.status,
         StatusCode::OK
     );
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
     // The probe, on the key whose denial is cached: the store is asked, and still fails.
     let before = store.checks.load(SeqCst);
     let probe = client.get_with("/", &user(b"attacker")).await;

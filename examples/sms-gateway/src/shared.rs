@@ -527,16 +527,14 @@ impl OptOutFilter {
     /// Whether `phone` certainly never opted out: the filter is complete and says no. `false`
     /// asks the set; a filter found missing or damaged is repaired in the background.
     async fn certainly_not(&self, phone: &str) -> Result<bool, StoreError> {
-        let (listed, complete) =
-            tokio::join!(self.bloom.contains(phone.as_bytes()), self.is_complete());
-        match listed {
-            Ok(listed) => {
-                let complete = complete.map_err(err)?;
-                if !complete {
-                    self.repair_soon();
-                }
-                Ok(complete && !listed)
-            }
+        // The mark first: read after the filter, it could be set by a fill that ended in
+        // between, after the number was found missing from it.
+        if !self.is_complete().await.map_err(err)? {
+            self.repair_soon();
+            return Ok(false);
+        }
+        match self.bloom.contains(phone.as_bytes()).await {
+            Ok(listed) => Ok(!listed),
             Err(e) if !damaged(&e) => Err(err(e)),
             Err(e) => {
                 tracing::warn!(error = %e, "the opt-out filter is missing or damaged: rebuilding");
@@ -623,8 +621,13 @@ impl OptOutFilter {
     }
 
     async fn fill(&self) -> Result<(), floodgate::redis::Error> {
-        self.bloom.try_init().await?;
-        if self.is_complete().await? {
+        if self.bloom.try_init().await? {
+            // A part made just now holds nothing, whatever another part's mark says.
+            let (key, field) = self.complete_field();
+            let mut unmark = redis::cmd("HDEL");
+            unmark.arg(key).arg(field);
+            let _: i64 = self.conn.query(unmark).await?;
+        } else if self.is_complete().await? {
             return Ok(());
         }
         let mut cursor = 0u64;

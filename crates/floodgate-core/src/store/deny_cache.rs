@@ -179,7 +179,8 @@ impl<L, C: Clock> DenyCache<L, C> {
         let shard = map.lock(map.shard_of(hash));
         let resets = self.shared.resets.load(Ordering::Acquire);
         match shard.find(hash, 0, &key) {
-            // Cached before a reset: as if absent.
+            // Cached before a reset: as if absent (the store is asked until the check is
+            // cached again; resets are rare).
             Some(slot) if slot.value.resets != resets => Lookup::Miss,
             Some(slot) if slot.value.until > now => {
                 Lookup::Denied(Box::new(aged(&slot.value, now)))
