@@ -1058,10 +1058,16 @@ impl PooledConn {
     }
 
     /// [`PooledConn::finish`] for a reply: a server that answers `READONLY` (a failover demoted
-    /// it) is not used again through this connection (see `RedisConn::leave_demoted`).
+    /// it), to the call or inside a check script's reply, is not used again through this
+    /// connection (see `RedisConn::leave_demoted`).
     fn finish_reply(&mut self, result: RedisResult<Value>) -> RedisResult<Value> {
         let result = self.finish(result);
-        if matches!(&result, Ok(Value::ServerError(e)) if e.code() == "READONLY") {
+        let demoted = match &result {
+            Ok(Value::ServerError(e)) => e.code() == "READONLY",
+            Ok(reply) => crate::batch::refused_reply(reply) == Some("READONLY"),
+            Err(_) => false,
+        };
+        if demoted {
             self.broken = true;
         }
         result

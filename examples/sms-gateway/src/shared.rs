@@ -534,7 +534,10 @@ impl OptOutFilter {
             return Ok(false);
         }
         match self.bloom.contains(phone.as_bytes()).await {
-            Ok(listed) => Ok(!listed),
+            // Still complete after: a repair that began meanwhile clears the mark before it
+            // makes a part again, which the number may have been looked up in.
+            Ok(false) => self.is_complete().await.map_err(err),
+            Ok(true) => Ok(false),
             Err(e) if !damaged(&e) => Err(err(e)),
             Err(e) => {
                 tracing::warn!(error = %e, "the opt-out filter is missing or damaged: rebuilding");
@@ -621,14 +624,17 @@ impl OptOutFilter {
     }
 
     async fn fill(&self) -> Result<(), floodgate::redis::Error> {
-        if self.bloom.try_init().await? {
-            // A part made just now holds nothing, whatever another part's mark says.
-            let (key, field) = self.complete_field();
-            let mut unmark = redis::cmd("HDEL");
-            unmark.arg(key).arg(field);
-            let _: i64 = self.conn.query(unmark).await?;
-        } else if self.is_complete().await? {
-            return Ok(());
+        // The mark is cleared before any part can be made again (a part made just now holds
+        // nothing, whatever the mark says; a call that fails may have made one), and set back
+        // at once only when the filter was complete and nothing was made.
+        let was_complete = self.is_complete().await?;
+        let (key, field) = self.complete_field();
+        let mut unmark = redis::cmd("HDEL");
+        unmark.arg(key).arg(field);
+        let _: i64 = self.conn.query(unmark).await?;
+        let created = self.bloom.try_init().await?;
+        if was_complete && !created {
+            return self.mark_complete().await;
         }
         let mut cursor = 0u64;
         loop {
@@ -644,9 +650,14 @@ impl OptOutFilter {
             }
             cursor = next;
         }
-        // Marked on the filter as it is now: had it been dropped and made again meanwhile (not
-        // by a replica, which holds the repair lock to do it), its config hash would be new,
-        // and a check that finds this field on a filter missing a part fails as damaged.
+        self.mark_complete().await
+    }
+
+    /// Marks the filter complete. On the filter as it is now: had it been dropped and made
+    /// again meanwhile (not by a replica, which holds the repair lock to do it), its config
+    /// hash would be new, and a check that finds this field on a filter missing a part fails
+    /// as damaged.
+    async fn mark_complete(&self) -> Result<(), floodgate::redis::Error> {
         let (key, field) = self.complete_field();
         let mut mark = redis::cmd("HSET");
         mark.arg(key).arg(field).arg(1);

@@ -129,7 +129,7 @@ impl<C: Clock> MemoryLimiterBuilder<C> {
     pub fn build(self) -> MemoryLimiter<C> {
         MemoryLimiter {
             inner: Arc::new(Inner {
-                map: ShardedMap::new(self.max_keys, self.shards, self.on_full),
+                map: ShardedMap::new(self.max_keys, self.shards, self.on_full).deferring_sweeps(),
                 clock: self.clock,
             }),
         }

@@ -374,6 +374,8 @@ pub(crate) struct ShardedMap<V> {
     expired: AtomicU64,
     evicted: AtomicU64,
     refused: AtomicU64,
+    /// Whether a refusing map puts sweeps off (see [`ShardedMap::deferring_sweeps`]).
+    defer_sweeps: bool,
     /// Sweeps made to find room (tests count them).
     #[cfg(test)]
     sweeps: AtomicU64,
@@ -408,9 +410,18 @@ impl<V> ShardedMap<V> {
             expired: AtomicU64::new(0),
             evicted: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            defer_sweeps: false,
             #[cfg(test)]
             sweeps: AtomicU64::new(0),
         }
+    }
+
+    /// A refusing map whose sweeps that free less than a batch put the next one off until a
+    /// batch more has expired: bounded work under a steady flood, for refusing new keys while
+    /// up to a batch of old ones have expired (a rate-limit store's trade, not a lock table's).
+    pub(crate) fn deferring_sweeps(mut self) -> Self {
+        self.defer_sweeps = true;
+        self
     }
 
     #[inline]
@@ -570,7 +581,7 @@ impl<V> ShardedMap<V> {
             // expired. Evicting is left as it was: deferred, the eviction that follows would
             // drop live keys with the expired ones.
             let batch = (self.cap / 8).max(n);
-            if freed < batch && self.on_full == OnFull::Reject {
+            if freed < batch && self.defer_sweeps && self.on_full == OnFull::Reject {
                 shard.defer_sweep(batch - freed);
             }
             if shard.len() + n <= self.cap {
@@ -773,7 +784,7 @@ mod tests {
     #[test]
     fn a_full_store_under_a_steady_flood_does_not_sweep_for_every_key() {
         for on_full in [OnFull::EvictSoonest, OnFull::Reject] {
-            let map: ShardedMap<u32> = ShardedMap::new(1_024, 1, on_full);
+            let map: ShardedMap<u32> = ShardedMap::new(1_024, 1, on_full).deferring_sweeps();
             // Each key lives 1,024 s; one comes every second (slots keep whole seconds).
             let mut refused = 0;
             for i in 0..20_000u64 {

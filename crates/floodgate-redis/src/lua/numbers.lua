@@ -11,8 +11,8 @@ local MAX_EXACT = 9007199254740991 -- 2^53 - 1: up to it, a double holds every i
 -- Milliseconds added to every TTL. Zero on the server's time; when a caller injects `now`
 -- (tests, simulations, and a later part of a check across cluster slots with a log or a
 -- window, decided as of its first part's time), Redis still expires keys on its own clock, so
--- keys are kept a minute longer than their state matters. A state past its expiry decides exactly like no state, so this changes
--- no decision, only memory.
+-- keys are kept a minute longer than their state matters. A state past its expiry decides
+-- exactly like no state, so this changes no decision, only memory.
 local TTL_SLACK = 0
 
 -- The time of the call: `arg` in microseconds when given (tests and simulations; keys are then
