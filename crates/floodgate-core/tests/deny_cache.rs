@@ -10,6 +10,18 @@ use std::time::{Duration, Instant};
 use common::Store;
 use floodgate_core::{Check, CheckOptions, DenyCache, Limiter, ManualClock, Policy, Timestamp};
 
+/// Whether `limiter` allows `checks` now.
+async fn allowed<L: Limiter>(limiter: &L, checks: &[Check<'_>]) -> bool
+where
+    L::Error: std::fmt::Debug,
+{
+    limiter
+        .check(checks, CheckOptions::default())
+        .await
+        .expect("ok")
+        .allowed()
+}
+
 /// A store round trip: concurrent callers pile up as they would.
 const ROUND_TRIP: Duration = Duration::from_micros(300);
 
@@ -294,49 +306,21 @@ async fn a_reset_through_the_cache_forgets_its_denials() {
     let checks = [Check::new(b"+15551234", &p)];
     let elsewhere = [Check::new(b"203.0.113.9", &other)];
     for c in [&checks[..], &elsewhere[..]] {
-        assert!(
-            cache
-                .check(c, CheckOptions::default())
-                .await
-                .expect("ok")
-                .allowed()
-        );
-        assert!(
-            !cache
-                .check(c, CheckOptions::default())
-                .await
-                .expect("ok")
-                .allowed()
-        );
+        assert!(allowed(&cache, c).await);
+        assert!(!allowed(&cache, c).await);
     }
     let hits = cache.stats().hits;
-    assert!(
-        !cache
-            .check(&checks, CheckOptions::default())
-            .await
-            .expect("ok")
-            .allowed()
-    );
+    assert!(!allowed(&cache, &checks).await);
     assert_eq!(cache.stats().hits, hits + 1, "held locally");
 
     cache.reset(b"+15551234", &p).await.expect("reset");
     let calls = store.calls.load(Ordering::Relaxed);
     assert!(
-        cache
-            .check(&checks, CheckOptions::default())
-            .await
-            .expect("ok")
-            .allowed(),
+        allowed(&cache, &checks).await,
         "the reset key is admitted at once"
     );
     // Another key's denial is asked again too (still denied by the store).
-    assert!(
-        !cache
-            .check(&elsewhere, CheckOptions::default())
-            .await
-            .expect("ok")
-            .allowed()
-    );
+    assert!(!allowed(&cache, &elsewhere).await);
     assert_eq!(store.calls.load(Ordering::Relaxed) - calls, 2);
 }
 
@@ -348,20 +332,8 @@ async fn check_store_asks_the_store_past_a_cached_denial() {
     let clock = ManualClock::new(Timestamp::from_micros(1_000_000));
     let cache = DenyCache::with_clock(store.clone(), clock, 1_000);
     let checks = [Check::new(b"+15551234", &p)];
-    assert!(
-        cache
-            .check(&checks, CheckOptions::default())
-            .await
-            .expect("ok")
-            .allowed()
-    );
-    assert!(
-        !cache
-            .check(&checks, CheckOptions::default())
-            .await
-            .expect("ok")
-            .allowed()
-    );
+    assert!(allowed(&cache, &checks).await);
+    assert!(!allowed(&cache, &checks).await);
     let calls = store.calls.load(Ordering::Relaxed);
     let fresh = cache
         .check_store(&checks, CheckOptions::default())
@@ -374,13 +346,7 @@ async fn check_store_asks_the_store_past_a_cached_denial() {
         "asked the store"
     );
     let hits = cache.stats().hits;
-    assert!(
-        !cache
-            .check(&checks, CheckOptions::default())
-            .await
-            .expect("ok")
-            .allowed()
-    );
+    assert!(!allowed(&cache, &checks).await);
     assert_eq!(
         cache.stats().hits,
         hits + 1,

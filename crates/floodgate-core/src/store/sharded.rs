@@ -687,38 +687,34 @@ impl<V> Shard<V> {
         before - self.len()
     }
 
-    /// Puts the next sweep off until `n` more values have expired (all that are left, if
-    /// fewer).
-    fn defer_sweep(&mut self, n: usize) {
-        let mut expiries: Vec<u64> = self
-            .table
+    /// Every held value's expiry.
+    fn expiries(&self) -> impl Iterator<Item = u64> + '_ {
+        self.table
             .iter()
             .map(Slot::expires_at)
             .chain(self.compact.iter().map(Compact::tat))
-            .collect();
-        let next = match n.min(expiries.len()) {
-            0 => u64::MAX,
-            n => *expiries.select_nth_unstable(n - 1).1,
-        };
-        *self.next_expiry.get_mut() = next;
+    }
+
+    /// The `n`-th soonest expiry (`n` from 1, at most the values held); `None` without values.
+    fn nth_expiry(&self, n: usize) -> Option<u64> {
+        let mut expiries: Vec<u64> = self.expiries().collect();
+        let n = n.min(expiries.len()).checked_sub(1)?;
+        Some(*expiries.select_nth_unstable(n).1)
+    }
+
+    /// Puts the next sweep off until `n` more values have expired (all that are left, if
+    /// fewer).
+    fn defer_sweep(&mut self, n: usize) {
+        *self.next_expiry.get_mut() = self.nth_expiry(n).unwrap_or(u64::MAX);
     }
 
     /// Evicts about `n` live slots and entries, those that expire soonest; returns how many.
     fn evict_soonest(&mut self, n: usize) -> usize {
-        let mut expiries: Vec<u64> = self
-            .table
-            .iter()
-            .map(Slot::expires_at)
-            .chain(self.compact.iter().map(Compact::tat))
-            .collect();
-        if expiries.is_empty() {
+        let Some(threshold) = self.nth_expiry(n) else {
             return 0;
-        }
-        let n = n.min(expiries.len());
-        let (_, threshold, _) = expiries.select_nth_unstable(n - 1);
-        let threshold = *threshold;
+        };
         let before = self.len();
-        let mut budget = n;
+        let mut budget = n.min(before);
         let mut evict = |expires_at: u64| {
             let gone = budget > 0 && expires_at <= threshold;
             budget -= usize::from(gone);
@@ -726,13 +722,7 @@ impl<V> Shard<V> {
         };
         self.table.retain(|s| evict(s.expires_at()));
         self.compact.retain(|c| evict(c.tat()));
-        *self.next_expiry.get_mut() = self
-            .table
-            .iter()
-            .map(Slot::expires_at)
-            .chain(self.compact.iter().map(Compact::tat))
-            .min()
-            .unwrap_or(u64::MAX);
+        *self.next_expiry.get_mut() = self.expiries().min().unwrap_or(u64::MAX);
         before - self.len()
     }
 }
