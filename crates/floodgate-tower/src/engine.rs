@@ -505,7 +505,7 @@ impl Shared {
     fn reject_missing(&self, entry: &RuleEntry, e: &KeyError, grpc: bool) -> Response<Bytes> {
         entry
             .metrics
-            .count(entry.rule.policy().name(), Outcome::Denied);
+            .count(entry.rule.policy().name(), Outcome::MissingKey);
         self.handler.rejection(&Rejection {
             kind: RejectionKind::MissingKey,
             grpc,
@@ -741,7 +741,8 @@ where
         let allowed = strictest.is_none_or(|(_, d)| d.allowed);
         let strictest = strictest.map(|(i, _)| i);
         let outcome = match (source, allowed) {
-            (DecisionSource::Fallback, _) => Outcome::Fallback,
+            (DecisionSource::Fallback, true) => Outcome::FallbackAllowed,
+            (DecisionSource::Fallback, false) => Outcome::FallbackDenied,
             (_, true) => Outcome::Allowed,
             (_, false) => Outcome::Denied,
         };

@@ -8,8 +8,17 @@ use std::time::Instant;
 use floodgate_core::{CacheStats, DenyCacheStats, LeasingStats};
 use metrics::{Counter, Gauge, Histogram};
 
-/// Requests decided, by `outcome` (`allowed`, `denied`, `error`, `fallback`) and `policy`
-/// (the strictest policy of the decision).
+/// Requests decided, by `outcome`, `source` and `policy` (the strictest policy of the
+/// decision; the first rule's when there is none):
+///
+/// | `outcome` | `source` | |
+/// |---|---|---|
+/// | `allowed`, `denied` | `store` | decided by the layer's limiter |
+/// | `allowed`, `denied` | `fallback` | decided by the local fallback, the store failing |
+/// | `error` | `none` | no decision: the store failed, and the layer failed open or closed |
+/// | `missing_key` | `none` | no key: rejected as the rule's `OnMissingKey` says |
+///
+/// Every pair is registered with the policy's first request, so a dashboard sees zeros.
 pub const REQUESTS_TOTAL: &str = "floodgate_requests_total";
 /// Time taken by the store to decide, each check (not the local fallback's, nor delay-mode sleeps).
 pub const CHECK_DURATION_SECONDS: &str = "floodgate_check_duration_seconds";
@@ -48,18 +57,28 @@ pub const LEASING_WASTED_UNITS_TOTAL: &str = "floodgate_leasing_wasted_units_tot
 pub(crate) enum Outcome {
     Allowed = 0,
     Denied = 1,
-    Error = 2,
-    Fallback = 3,
+    FallbackAllowed = 2,
+    FallbackDenied = 3,
+    Error = 4,
+    MissingKey = 5,
 }
 
-const OUTCOMES: [&str; 4] = ["allowed", "denied", "error", "fallback"];
+/// The `outcome` and `source` labels of each [`Outcome`], in its order.
+const OUTCOMES: [(&str, &str); 6] = [
+    ("allowed", "store"),
+    ("denied", "store"),
+    ("allowed", "fallback"),
+    ("denied", "fallback"),
+    ("error", "none"),
+    ("missing_key", "none"),
+];
 
 fn describe() {
     static DESCRIBED: Once = Once::new();
     DESCRIBED.call_once(|| {
         metrics::describe_counter!(
             REQUESTS_TOTAL,
-            "Requests decided by floodgate, by outcome and strictest policy"
+            "Requests decided by floodgate, by outcome, source and strictest policy"
         );
         metrics::describe_histogram!(
             CHECK_DURATION_SECONDS,
@@ -104,7 +123,7 @@ fn describe() {
 /// One policy's counters, registered on first use (install the recorder before serving).
 #[derive(Debug, Default)]
 pub(crate) struct PolicyMetrics {
-    counters: OnceLock<[Counter; 4]>,
+    counters: OnceLock<[Counter; 6]>,
     leases: OnceLock<Gauge>,
 }
 
@@ -122,8 +141,13 @@ impl PolicyMetrics {
     pub(crate) fn count(&self, policy: &str, outcome: Outcome) {
         let counters = self.counters.get_or_init(|| {
             describe();
-            OUTCOMES.map(|o| {
-                metrics::counter!(REQUESTS_TOTAL, "outcome" => o, "policy" => policy.to_owned())
+            OUTCOMES.map(|(outcome, source)| {
+                metrics::counter!(
+                    REQUESTS_TOTAL,
+                    "outcome" => outcome,
+                    "source" => source,
+                    "policy" => policy.to_owned()
+                )
             })
         });
         counters[outcome as usize].increment(1);

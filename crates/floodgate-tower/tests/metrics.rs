@@ -9,8 +9,8 @@ use std::time::Duration;
 use floodgate_core::{DenyCacheStats, MemoryLimiter, Policy};
 use floodgate_redis::{RedisConfig, RedisLimiter};
 use floodgate_testkit::RedisServer;
-use floodgate_tower::key::GlobalKey;
-use floodgate_tower::{RateLimitLayer, Rule};
+use floodgate_tower::key::{GlobalKey, HeaderKey};
+use floodgate_tower::{OnStoreError, RateLimitLayer, Rule};
 use http::{Request, Response, StatusCode};
 use metrics::{
     Counter, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder, SharedString, Unit,
@@ -133,18 +133,21 @@ async fn decisions_are_counted() {
             StatusCode::TOO_MANY_REQUESTS
         ]
     );
-    assert_eq!(
-        recorder.counter("floodgate_requests_total{outcome=allowed,policy=counted}"),
-        2
-    );
-    assert_eq!(
-        recorder.counter("floodgate_requests_total{outcome=denied,policy=counted}"),
-        1
-    );
-    assert_eq!(
-        recorder.counter("floodgate_requests_total{outcome=error,policy=counted}"),
-        0
-    );
+    assert_eq!(requests(&recorder, "allowed", "store", "counted"), 2);
+    assert_eq!(requests(&recorder, "denied", "store", "counted"), 1);
+    // Every pair is registered, at zero.
+    for (outcome, source) in [
+        ("allowed", "fallback"),
+        ("denied", "fallback"),
+        ("error", "none"),
+        ("missing_key", "none"),
+    ] {
+        assert_eq!(
+            registered(&recorder, outcome, source, "counted"),
+            Some(0),
+            "{outcome}, {source}"
+        );
+    }
     let histograms = recorder.histograms.lock().expect("lock");
     let samples = histograms
         .get("floodgate_check_duration_seconds{}")
@@ -160,6 +163,98 @@ async fn decisions_are_counted() {
 
 /// The held-leases gauge follows concurrency leases: up when a response takes one, down when
 /// its body is gone.
+/// `floodgate_requests_total` of `outcome`, `source` and `policy`.
+fn requests(recorder: &Recorded, outcome: &str, source: &str, policy: &str) -> u64 {
+    registered(recorder, outcome, source, policy).unwrap_or(0)
+}
+
+/// `floodgate_requests_total` of `outcome`, `source` and `policy`, if it was registered.
+fn registered(recorder: &Recorded, outcome: &str, source: &str, policy: &str) -> Option<u64> {
+    let name =
+        format!("floodgate_requests_total{{outcome={outcome},policy={policy},source={source}}}");
+    recorder
+        .counters
+        .lock()
+        .expect("lock")
+        .get(&name)
+        .map(|c| c.load(Ordering::Relaxed))
+}
+
+/// Awaits `fut` with `recorder` as the metrics recorder while it is polled: a Redis-backed
+/// layer counts its decision when its future is polled, not inside `call`.
+async fn recorded<F: std::future::Future>(recorder: &Recorded, fut: F) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    std::future::poll_fn(|cx| metrics::with_local_recorder(recorder, || fut.as_mut().poll(cx)))
+        .await
+}
+
+/// A fallback decision is counted as allowed or denied with `source=fallback`, a missing key
+/// as `missing_key`, and no decision at all (failing open) as `error`: each outcome can be
+/// told from the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_missing_key_and_errors_are_counted_apart() {
+    let redis = RedisServer::start().expect("redis-server (run scripts/install-redis)");
+    let phone = HeaderKey::named("x-phone").expect("header");
+    let build = |on_error: OnStoreError, name: &str| {
+        let policy = Policy::per_minute(2)
+            .and_then(|p| p.named(name))
+            .expect("policy");
+        let redis = &redis;
+        let phone = phone.clone();
+        async move {
+            let config = RedisConfig::new(&redis.url())
+                .expect("url")
+                .timeout(Duration::from_millis(250))
+                .connect_timeout(Duration::from_millis(250));
+            RateLimitLayer::builder(RedisLimiter::connect(&config).await.expect("connect"))
+                .rule(Rule::new(policy).key(phone))
+                .on_store_error(on_error)
+                .timeout(Duration::from_millis(300))
+                .store_retry_interval(Duration::from_secs(60))
+                .build()
+                .expect("layer")
+        }
+    };
+    let fallback = build(OnStoreError::local_fallback(), "fallback").await;
+    let open = build(OnStoreError::FailOpen, "open").await;
+    tokio::task::block_in_place(|| redis.kill()).expect("kill");
+
+    let recorder = Recorded::default();
+    for (layer, n) in [(fallback, 3), (open, 2)] {
+        let mut svc = layer.layer(tower::service_fn(|_: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }));
+        for i in 0..=n {
+            // The last request has no phone.
+            let mut req = Request::new(());
+            if i < n {
+                req.headers_mut()
+                    .insert("x-phone", http::HeaderValue::from_static("+15551234"));
+            }
+            svc.ready().await.expect("ready");
+            let res = recorded(&recorder, svc.call(req)).await;
+            res.expect("response");
+        }
+    }
+    assert_eq!(requests(&recorder, "allowed", "fallback", "fallback"), 2);
+    assert_eq!(requests(&recorder, "denied", "fallback", "fallback"), 1);
+    assert_eq!(requests(&recorder, "missing_key", "none", "fallback"), 1);
+    assert_eq!(requests(&recorder, "error", "none", "open"), 2);
+    assert_eq!(requests(&recorder, "missing_key", "none", "open"), 1);
+    for (outcome, source, policy) in [
+        ("allowed", "store", "fallback"),
+        ("denied", "store", "fallback"),
+        ("denied", "store", "open"),
+        ("allowed", "fallback", "open"),
+    ] {
+        assert_eq!(
+            requests(&recorder, outcome, source, policy),
+            0,
+            "{outcome}, {source}, {policy}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn held_leases_are_a_gauge() {
     let recorder = Recorded::default();
