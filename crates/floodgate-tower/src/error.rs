@@ -39,6 +39,21 @@ pub enum ConfigError {
         /// The setting.
         field: &'static str,
     },
+    /// In delay mode, a concurrency policy's lease would lapse while its request waits its
+    /// shaper turn: its TTL is not longer than `max_wait` and leases are not renewed. The lease
+    /// is taken with the turn; lapsed before the handler runs, it no longer counts, and more
+    /// requests than the limit would run at once.
+    #[error(
+        "concurrency policy {policy:?} leases for {ttl:?}, not longer than the delay's max_wait of {max_wait:?}: its lease could lapse while a request waits its turn; lengthen the TTL, shorten max_wait, or renew leases (renew_leases_up_to)"
+    )]
+    LeaseShorterThanWait {
+        /// The concurrency policy's name.
+        policy: String,
+        /// Its lease TTL.
+        ttl: std::time::Duration,
+        /// The layer's `max_wait`.
+        max_wait: std::time::Duration,
+    },
     /// Invalid leasing settings ([`LeasingConfig::validate`](floodgate_core::LeasingConfig::validate)).
     #[error("invalid leasing settings: {message}")]
     Leasing {

@@ -458,6 +458,9 @@ where
                 });
             }
         }
+        if let Some(e) = lease_lapses_in_wait(&self.rules, self.mode, self.renew_leases) {
+            return Err(e);
+        }
         let on_store_error = self.on_store_error.unwrap_or_default();
         let table: Arc<[RuleEntry]> = self
             .rules
@@ -521,6 +524,36 @@ where
     }
 }
 
+/// In delay mode with a shaper, a request holds the concurrency lease taken with its turn
+/// while it waits: a lease TTL not longer than `max_wait` could lapse before the handler runs,
+/// unless leases are renewed.
+fn lease_lapses_in_wait(
+    rules: &[Rule],
+    mode: Mode,
+    renew_leases: Option<Duration>,
+) -> Option<ConfigError> {
+    let Mode::Delay { max_wait } = mode else {
+        return None;
+    };
+    let shaper = rules
+        .iter()
+        .any(|r| matches!(r.policy().kind(), Kind::Shaper(_)));
+    if !shaper || renew_leases.is_some() {
+        return None;
+    }
+    rules.iter().find_map(|r| match r.policy().kind() {
+        Kind::Concurrency(c) => {
+            let ttl = Duration::from_micros(c.lease_ttl_us());
+            (ttl <= max_wait).then(|| ConfigError::LeaseShorterThanWait {
+                policy: r.policy().name().to_owned(),
+                ttl,
+                max_wait,
+            })
+        }
+        _ => None,
+    })
+}
+
 /// The most units `policy` admits to one request in `mode`: its limit, and for a shaper in
 /// delay mode, what its burst and the longest wait can reserve.
 fn most_at_once(policy: &Policy, mode: Mode) -> u64 {
@@ -563,6 +596,61 @@ mod tests {
         assert_eq!(
             build(rules, Mode::Reject).err(),
             Some(ConfigError::DuplicatePolicy { name: "a".into() })
+        );
+    }
+
+    #[test]
+    fn a_lease_that_could_lapse_in_a_delay_is_refused() {
+        let layer = |ttl_s: u64, max_wait_s: u64, renew: bool| {
+            let rules = vec![
+                Rule::new(policy(Policy::shaper(1, Duration::from_secs(1)), "turns")),
+                Rule::new(policy(
+                    Policy::concurrency(2, Duration::from_secs(ttl_s)),
+                    "slots",
+                )),
+            ];
+            let builder = rules
+                .into_iter()
+                .fold(RateLimitLayer::builder(MemoryLimiter::new()), |b, r| {
+                    b.rule(r)
+                })
+                .delay(Duration::from_secs(max_wait_s));
+            if renew {
+                builder
+                    .renew_leases_up_to(Duration::from_secs(3600))
+                    .build()
+            } else {
+                builder.build()
+            }
+        };
+        assert_eq!(
+            layer(30, 30, false).err(),
+            Some(ConfigError::LeaseShorterThanWait {
+                policy: "slots".into(),
+                ttl: Duration::from_secs(30),
+                max_wait: Duration::from_secs(30),
+            })
+        );
+        let message = layer(10, 30, false).err().expect("refused").to_string();
+        assert!(
+            message.contains("\"slots\"") && message.contains("30s"),
+            "{message}"
+        );
+        assert!(layer(31, 30, false).is_ok());
+        assert!(layer(10, 30, true).is_ok(), "renewed leases do not lapse");
+        // Without a shaper no request waits holding a lease.
+        let rules = vec![Rule::new(policy(
+            Policy::concurrency(2, Duration::from_secs(1)),
+            "slots",
+        ))];
+        assert!(
+            build(
+                rules,
+                Mode::Delay {
+                    max_wait: Duration::from_secs(30)
+                }
+            )
+            .is_ok()
         );
     }
 
