@@ -8,6 +8,14 @@
 //! - 100k keys across 2 threads: amortised wall time per check (total checks / wall time),
 //!   floodgate's sharded store against governor's keyed (DashMap) store.
 //!
+//! - a full store under a steady flood: a bounded store (65,536 keys) taking one new key per
+//!   check (a manual clock), as under a flood of unique client addresses, with as many live
+//!   keys as its bound (old keys expire about as fast as new ones come), or 110% (live ones
+//!   are evicted or new ones refused); 8-byte
+//!   keys (the compact table) and 24-byte keys (the slot table), evicting (the default) and
+//!   refusing; beside governor's keyed store, which has no bound but `retain_recent`, called
+//!   after each bound's worth of new keys.
+//!
 //! Quotas are high so that both take the "allowed" path.
 
 mod common;
@@ -18,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use common::{KEYS, policy, quota};
 use criterion::{Criterion, criterion_group, criterion_main};
-use floodgate_core::MemoryLimiter;
+use floodgate_core::{ManualClock, MemoryLimiter, OnFull, Policy, Timestamp};
 use governor::RateLimiter;
 
 const THREADS: u64 = 2;
@@ -121,11 +129,87 @@ fn many_keys(c: &mut Criterion) {
     g.finish();
 }
 
+fn full_store_flood(c: &mut Criterion) {
+    const MAX_KEYS: u64 = 65_536;
+    let mut g = c.benchmark_group("full_store_flood");
+    // Each key's state lasts a minute (slots keep whole seconds: about a second more).
+    let p = Policy::per_minute(1).expect("valid policy");
+    for (name, on_full, long, per_minute) in [
+        // As many live keys as the bound: old keys expire about as fast as new ones come.
+        ("evict_8_byte_keys", OnFull::EvictSoonest, false, MAX_KEYS),
+        ("evict_24_byte_keys", OnFull::EvictSoonest, true, MAX_KEYS),
+        ("reject_8_byte_keys", OnFull::Reject, false, MAX_KEYS),
+        ("reject_24_byte_keys", OnFull::Reject, true, MAX_KEYS),
+        // 110%: live keys are evicted.
+        (
+            "evict_8_byte_keys_over",
+            OnFull::EvictSoonest,
+            false,
+            MAX_KEYS * 11 / 10,
+        ),
+        (
+            "evict_24_byte_keys_over",
+            OnFull::EvictSoonest,
+            true,
+            MAX_KEYS * 11 / 10,
+        ),
+    ] {
+        let step = Duration::from_nanos(60_000_000_000 / per_minute);
+        let clock = ManualClock::new(Timestamp::from_micros(1_000_000));
+        let limiter = MemoryLimiter::builder()
+            .max_keys(MAX_KEYS as usize)
+            .on_full(on_full)
+            .clock(clock.clone())
+            .build();
+        let len = if long { 24 } else { 8 };
+        let mut n = 0u64;
+        let mut key = [0u8; 24];
+        let mut check = || {
+            n += 1;
+            clock.advance(step);
+            key[..8].copy_from_slice(&n.to_le_bytes());
+            limiter.check_key(&key[..len], &p, 1)
+        };
+        // Fill the store, then keep it full.
+        for _ in 0..2 * MAX_KEYS {
+            let _ = check();
+        }
+        g.bench_function(name, |b| b.iter(|| black_box(check())));
+    }
+    // The peer, bounded the way its docs say: `retain_recent` after each bound's worth of new
+    // keys drops those whose state is full again (8-byte keys, as many live as the bound).
+    let clock = governor::clock::FakeRelativeClock::default();
+    type Instant = <governor::clock::FakeRelativeClock as governor::clock::Clock>::Instant;
+    let keyed: RateLimiter<_, _, _, governor::middleware::NoOpMiddleware<Instant>> =
+        RateLimiter::new(
+            governor::Quota::per_minute(std::num::NonZeroU32::MIN),
+            governor::state::keyed::DefaultKeyedStateStore::<u64>::default(),
+            clock.clone(),
+        );
+    let step = Duration::from_nanos(60_000_000_000 / MAX_KEYS);
+    let mut n = 0u64;
+    let mut check = || {
+        n += 1;
+        clock.advance(step);
+        if n % MAX_KEYS == 0 {
+            keyed.retain_recent();
+        }
+        keyed.check_key(&n).is_ok()
+    };
+    for _ in 0..2 * MAX_KEYS {
+        let _ = check();
+    }
+    g.bench_function("governor_keyed_retain_recent", |b| {
+        b.iter(|| black_box(check()))
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    targets = one_key, many_keys
+    targets = one_key, many_keys, full_store_flood
 }
 criterion_main!(benches);

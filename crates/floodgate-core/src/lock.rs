@@ -195,6 +195,8 @@ impl<C: Clock> MemoryLocks<C> {
                 expires_at,
             };
             slot.set_expires_at(expires_at);
+            let at = slot.expires_at();
+            shard.note_expiry(at);
         } else {
             map.insert(
                 &mut shard,
@@ -348,6 +350,38 @@ mod tests {
     fn locks() -> (ManualClock, MemoryLocks<ManualClock>) {
         let clock = ManualClock::new(Timestamp::from_millis(1_000_000));
         (clock.clone(), MemoryLocks::with_clock(clock, 1_000))
+    }
+
+    /// A full table makes room from a lock whose holder took it again for less time and let
+    /// it lapse: a lock is never refused while an expired one holds its room.
+    #[test]
+    fn a_lock_taken_again_for_less_makes_room_when_it_lapses() {
+        let clock = ManualClock::new(Timestamp::from_millis(1_000_000));
+        let locks = MemoryLocks::with_clock(clock.clone(), 16);
+        let long = Duration::from_secs(100);
+        for i in 0..16 {
+            let name = format!("lock-{i}");
+            let taken = locks.try_lock_sync(name.as_bytes(), b"alice", long);
+            assert!(
+                matches!(taken, Ok(LockAttempt::Acquired { .. })),
+                "{taken:?}"
+            );
+        }
+        assert!(matches!(
+            locks.try_lock_sync(b"one-more", b"bob", long),
+            Err(MemoryError::Full { .. })
+        ));
+        let again = locks.try_lock_sync(b"lock-3", b"alice", Duration::from_secs(1));
+        assert!(
+            matches!(again, Ok(LockAttempt::Acquired { .. })),
+            "{again:?}"
+        );
+        clock.advance(Duration::from_secs(2));
+        let taken = locks.try_lock_sync(b"one-more", b"bob", long);
+        assert!(
+            matches!(taken, Ok(LockAttempt::Acquired { .. })),
+            "{taken:?}"
+        );
     }
 
     #[test]

@@ -643,3 +643,44 @@ fn a_gcra_state_ahead_of_what_its_policy_allows_reads_as_none() {
         }
     }
 }
+
+/// A refund that brings a key's expiry sooner than every other key's is noted: once it
+/// expires, a full refusing store makes room from it.
+#[test]
+fn a_refunded_key_makes_room_in_a_full_store_once_it_expires() {
+    // Slot keys and compact keys.
+    for key in [
+        |i: u32| format!("a-slot-key-{i}").into_bytes(),
+        |i: u32| format!("k{i}").into_bytes(),
+    ] {
+        let clock = clock();
+        let limiter = refusing(&clock, 16, 1);
+        // 20 an hour: three minutes a unit.
+        let p = Policy::per_hour(20).expect("valid");
+        let check = |k: &[u8], cost: u64| {
+            let verdict = limiter
+                .check_sync(&[Check::new(k, &p).cost(cost)], CheckOptions::default())
+                .expect("room");
+            assert!(verdict.allowed());
+            verdict
+        };
+        check(b"soon", 1);
+        for i in 0..14 {
+            check(&key(i), 10);
+        }
+        // Key 99 goes last, after a second check that is given back.
+        check(&key(99), 5);
+        let second = check(&key(99), 6);
+        // Three minutes on, `soon` expired: a sweep drops it and learns the next expiry.
+        clock.advance(Duration::from_secs(181));
+        check(b"new-1", 10);
+        limiter
+            .refund_sync(&[Check::new(&key(99), &p).cost(6)], &second)
+            .expect("refund");
+        // Key 99 now expires at 15 minutes, before every other key (30 minutes).
+        clock.advance(Duration::from_secs(720));
+        check(b"new-2", 1);
+        assert!(limiter.state(&key(99), &p).is_none(), "key 99 made room");
+        assert_eq!(limiter.stats().refused, 0);
+    }
+}

@@ -570,6 +570,8 @@ impl<C: Clock> MemoryLimiter<C> {
             let mut shard = map.lock(map.shard_of(loc.hash()));
             match loc {
                 Loc::Slot { hash } => {
+                    // Sooner than it was: a full shard must know when it expires.
+                    let mut moved = None;
                     let empty = shard
                         .find_mut(hash, c.policy.ident(), c.key)
                         .is_some_and(|slot| {
@@ -579,19 +581,28 @@ impl<C: Clock> MemoryLimiter<C> {
                             // Exact, not the slot's whole seconds (see `each_lease`).
                             let expires_at = kind.expires_at(&slot.value);
                             slot.set_expires_at(expires_at);
+                            moved = Some(slot.expires_at());
                             expires_at <= now
                         });
+                    if let Some(at) = moved {
+                        shard.note_expiry(at);
+                    }
                     if empty {
                         shard.remove(hash, c.policy.ident(), c.key);
                     }
                 }
                 Loc::Compact { hash, key, gcra } => {
+                    let mut moved = None;
                     let empty = shard.find_compact_mut(hash, key).is_some_and(|entry| {
                         let mut state = gcra::State { tat: entry.tat() };
                         gcra.undo(&mut state, &undo);
                         entry.set_tat(state.tat);
+                        moved = Some(entry.tat());
                         state.tat <= now
                     });
+                    if let Some(at) = moved {
+                        shard.note_expiry(at);
+                    }
                     if empty {
                         shard.remove_compact(hash, key);
                     }

@@ -740,7 +740,10 @@ mod tests {
         let hash = map.hash(1, key);
         let mut shard = map.lock(map.shard_of(hash));
         if let Some(slot) = shard.find_mut(hash, 1, key) {
+            // As every store does: a value's new expiry is noted.
             slot.set_expires_at(expires_at);
+            let at = slot.expires_at();
+            shard.note_expiry(at);
             return Ok(());
         }
         map.insert(
@@ -1009,6 +1012,20 @@ mod tests {
         assert!(!c.is(pack(14, b"12345678").expect("packs")));
         assert!(!c.is(pack(15, b"1234567").expect("packs")));
         assert_eq!(std::mem::size_of::<Compact>(), 16);
+    }
+
+    /// A check of more new keys than an eviction's batch makes room for all of them.
+    #[test]
+    fn room_for_more_new_keys_than_a_batch() {
+        let map: ShardedMap<u32> = ShardedMap::new(16, 1, OnFull::EvictSoonest);
+        for i in 0..16u64 {
+            put(&map, &i.to_le_bytes(), 1_000 + i, 0).expect("room");
+        }
+        let mut shard = map.lock(0);
+        map.ensure_room(&mut shard, 7, 1).expect("evicts");
+        assert!(shard.len() <= 9, "{}", shard.len());
+        drop(shard);
+        assert_eq!(map.stats().evicted, 7);
     }
 
     #[test]
