@@ -631,7 +631,7 @@ mod tests {
                 max_wait: Duration::from_secs(30),
             })
         );
-        let message = layer(10, 30, false).err().expect("refused").to_string();
+        let message = layer(10, 30, false).expect_err("refused").to_string();
         assert!(
             message.contains("\"slots\"") && message.contains("30s"),
             "{message}"
