@@ -10,13 +10,15 @@
 //!
 //! - a full store under a steady flood: a bounded store (65,536 keys) taking one new key per
 //!   check (a manual clock), as under a flood of unique client addresses, with as many live
-//!   keys as its bound (old keys expire about as fast as new ones come), or 110% (live ones
-//!   are evicted or new ones refused); 8-byte
+//!   keys as its bound (old keys expire about as fast as new ones come; slot keys, whose
+//!   expiries are rounded up to whole seconds, a little more), or 110% (evicting live ones);
+//!   8-byte
 //!   keys (the compact table) and 24-byte keys (the slot table), evicting (the default) and
 //!   refusing; beside governor's keyed store, which has no bound but `retain_recent`, called
 //!   after each bound's worth of new keys.
 //!
-//! Quotas are high so that both take the "allowed" path.
+//! Quotas are high so that both take the "allowed" path (but in `full_store_flood`, where
+//! each key is checked once).
 
 mod common;
 

@@ -39,20 +39,21 @@ pub enum ConfigError {
         /// The setting.
         field: &'static str,
     },
-    /// In delay mode, a concurrency policy's lease would lapse while its request waits its
-    /// shaper turn: its TTL is not longer than `max_wait` and leases are not renewed. The lease
-    /// is taken with the turn; lapsed before the handler runs, it no longer counts, and more
-    /// requests than the limit would run at once.
+    /// In delay mode, a concurrency policy checked beside a shaper could see its lease lapse
+    /// while the request waits its turn: the lease is sure to last (its TTL, or with renewal
+    /// `renew_leases_up_to`'s `max` and two thirds of a TTL) no longer than `max_wait` and the
+    /// layer's timeout. Lapsed before the handler runs, it no longer counts, and more requests
+    /// than the limit would run at once.
     #[error(
-        "concurrency policy {policy:?} leases for {ttl:?}, not longer than the delay's max_wait of {max_wait:?}: its lease could lapse while a request waits its turn; lengthen the TTL, shorten max_wait, or renew leases (renew_leases_up_to)"
+        "concurrency policy {policy:?}'s lease is sure to last only {lasts:?}, while a request checked with a shaper may wait {needed:?} for its turn after asking for it (max_wait and the layer's timeout): lengthen the TTL, shorten max_wait, renew leases for longer (renew_leases_up_to), or keep the two rules on different paths or methods"
     )]
     LeaseShorterThanWait {
         /// The concurrency policy's name.
         policy: String,
-        /// Its lease TTL.
-        ttl: std::time::Duration,
-        /// The layer's `max_wait`.
-        max_wait: std::time::Duration,
+        /// How long its lease is sure to last.
+        lasts: std::time::Duration,
+        /// How long after asking for it a request may wait: `max_wait` and the timeout.
+        needed: std::time::Duration,
     },
     /// Invalid leasing settings ([`LeasingConfig::validate`](floodgate_core::LeasingConfig::validate)).
     #[error("invalid leasing settings: {message}")]

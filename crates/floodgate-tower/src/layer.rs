@@ -47,6 +47,10 @@ pub enum Mode {
     /// Make it wait its turn, up to `max_wait`, then turn it away: shaper policies reserve a
     /// slot and the request sleeps until it; other policies are checked again after their
     /// `retry_after`, if that fits in what is left of `max_wait`.
+    ///
+    /// A request waiting its shaper turn holds the concurrency lease taken with it: the
+    /// builder refuses ([`ConfigError::LeaseShorterThanWait`]) a concurrency rule checked
+    /// beside a shaper rule whose lease could lapse meanwhile.
     Delay {
         /// The longest a request waits.
         max_wait: Duration,
@@ -429,7 +433,7 @@ where
         self
     }
 
-    /// Builds the layer.
+    /// Builds the layer, or says which setting cannot work ([`ConfigError`]).
     pub fn build(self) -> Result<RateLimitLayer, ConfigError> {
         if self.rules.is_empty() {
             return Err(ConfigError::NoRules);
@@ -458,7 +462,9 @@ where
                 });
             }
         }
-        if let Some(e) = lease_lapses_in_wait(&self.rules, self.mode, self.renew_leases) {
+        if let Some(e) =
+            lease_lapses_in_wait(&self.rules, self.mode, self.renew_leases, self.timeout)
+        {
             return Err(e);
         }
         let on_store_error = self.on_store_error.unwrap_or_default();
@@ -524,33 +530,36 @@ where
     }
 }
 
-/// In delay mode with a shaper, a request holds the concurrency lease taken with its turn
-/// while it waits: a lease TTL not longer than `max_wait` could lapse before the handler runs,
-/// unless leases are renewed.
+/// In delay mode, a request whose check holds a shaper and a concurrency policy keeps the
+/// lease taken with its turn while it waits. The lease's time runs from when the check was
+/// sent, and the wait starts when the store answers (within `timeout`): a lease sure to last
+/// no longer than `max_wait` and `timeout` together could lapse before the handler runs.
+/// Renewed, it lasts at least `max` and two thirds of a TTL (the last renewal comes up to a
+/// third of a TTL before `max`).
 fn lease_lapses_in_wait(
     rules: &[Rule],
     mode: Mode,
     renew_leases: Option<Duration>,
+    timeout: Duration,
 ) -> Option<ConfigError> {
     let Mode::Delay { max_wait } = mode else {
         return None;
     };
-    let shaper = rules
-        .iter()
-        .any(|r| matches!(r.policy().kind(), Kind::Shaper(_)));
-    if !shaper || renew_leases.is_some() {
-        return None;
-    }
-    rules.iter().find_map(|r| match r.policy().kind() {
-        Kind::Concurrency(c) => {
-            let ttl = Duration::from_micros(c.lease_ttl_us());
-            (ttl <= max_wait).then(|| ConfigError::LeaseShorterThanWait {
-                policy: r.policy().name().to_owned(),
-                ttl,
-                max_wait,
-            })
-        }
-        _ => None,
+    let needed = max_wait.saturating_add(timeout);
+    rules.iter().find_map(|r| {
+        let Kind::Concurrency(c) = r.policy().kind() else {
+            return None;
+        };
+        let shaped = rules
+            .iter()
+            .any(|s| matches!(s.policy().kind(), Kind::Shaper(_)) && s.may_overlap(r));
+        let ttl = Duration::from_micros(c.lease_ttl_us());
+        let lasts = renew_leases.map_or(ttl, |max| max.saturating_add(ttl * 2 / 3).max(ttl));
+        (shaped && lasts <= needed).then(|| ConfigError::LeaseShorterThanWait {
+            policy: r.policy().name().to_owned(),
+            lasts,
+            needed,
+        })
     })
 }
 
@@ -601,7 +610,7 @@ mod tests {
 
     #[test]
     fn a_lease_that_could_lapse_in_a_delay_is_refused() {
-        let layer = |ttl_s: u64, max_wait_s: u64, renew: bool| {
+        let layer = |ttl_s: u64, max_wait_s: u64, renew_s: Option<u64>| {
             let rules = vec![
                 Rule::new(policy(Policy::shaper(1, Duration::from_secs(1)), "turns")),
                 Rule::new(policy(
@@ -615,43 +624,76 @@ mod tests {
                     b.rule(r)
                 })
                 .delay(Duration::from_secs(max_wait_s));
-            if renew {
-                builder
-                    .renew_leases_up_to(Duration::from_secs(3600))
-                    .build()
-            } else {
-                builder.build()
+            match renew_s {
+                Some(s) => builder.renew_leases_up_to(Duration::from_secs(s)).build(),
+                None => builder.build(),
             }
         };
+        // The wait may start up to the layer's timeout (500 ms) after the lease was asked for.
         assert_eq!(
-            layer(30, 30, false).err(),
+            layer(30, 30, None).err(),
             Some(ConfigError::LeaseShorterThanWait {
                 policy: "slots".into(),
-                ttl: Duration::from_secs(30),
-                max_wait: Duration::from_secs(30),
+                lasts: Duration::from_secs(30),
+                needed: Duration::from_millis(30_500),
             })
         );
-        let message = layer(10, 30, false).expect_err("refused").to_string();
+        let message = layer(10, 30, None).expect_err("refused").to_string();
         assert!(
-            message.contains("\"slots\"") && message.contains("30s"),
+            message.contains("\"slots\"") && message.contains("30.5s"),
             "{message}"
         );
-        assert!(layer(31, 30, false).is_ok());
-        assert!(layer(10, 30, true).is_ok(), "renewed leases do not lapse");
-        // Without a shaper no request waits holding a lease.
-        let rules = vec![Rule::new(policy(
-            Policy::concurrency(2, Duration::from_secs(1)),
-            "slots",
-        ))];
+        assert!(layer(31, 30, None).is_ok());
         assert!(
-            build(
-                rules,
-                Mode::Delay {
-                    max_wait: Duration::from_secs(30)
-                }
-            )
-            .is_ok()
+            layer(10, 30, Some(3600)).is_ok(),
+            "renewed leases do not lapse"
         );
+        // Renewal stops after `max`: 25 s and two thirds of a 3 s TTL fall short of 30.5 s.
+        assert!(layer(3, 30, Some(25)).is_err());
+        assert!(layer(3, 30, Some(29)).is_ok());
+        // Without a shaper checked beside it, no request waits holding a lease.
+        let delay = Mode::Delay {
+            max_wait: Duration::from_secs(30),
+        };
+        let slots = || {
+            Rule::new(policy(
+                Policy::concurrency(2, Duration::from_secs(1)),
+                "slots",
+            ))
+        };
+        let turns = || Rule::new(policy(Policy::shaper(1, Duration::from_secs(1)), "turns"));
+        assert!(build(vec![slots()], delay).is_ok());
+        for (shaped, slotted, apart) in [
+            (
+                turns().path_prefix("/shaped"),
+                slots().path_prefix("/other"),
+                true,
+            ),
+            (
+                turns().path_prefix("/api"),
+                slots().path_prefix("/api/x"),
+                false,
+            ),
+            (
+                turns().path_prefix("/api"),
+                slots().path_prefix("/apix"),
+                true,
+            ),
+            (turns().path_prefix("/api"), slots(), false),
+            (
+                turns().methods([http::Method::POST]),
+                slots().methods([http::Method::GET]),
+                true,
+            ),
+            (
+                turns().methods([http::Method::GET]),
+                slots().methods([http::Method::HEAD]),
+                false,
+            ),
+        ] {
+            let built = build(vec![shaped.clone(), slotted.clone()], delay);
+            assert_eq!(built.is_ok(), apart, "{shaped:?} {slotted:?}");
+        }
     }
 
     #[test]

@@ -53,6 +53,14 @@ pub struct Rule {
 
 type Predicate = Arc<dyn Fn(&RequestView<'_>) -> bool + Send + Sync>;
 
+/// Whether `path` is `prefix` or under it, segment-wise (`/api` holds `/api/x`, not `/apix`).
+fn under(path: &[u8], prefix: &[u8]) -> bool {
+    prefix.is_empty()
+        || path
+            .strip_prefix(prefix)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(b"/"))
+}
+
 #[derive(Clone)]
 enum Cost {
     Fixed(u64),
@@ -201,6 +209,38 @@ impl Rule {
         self.predicate.as_ref().is_none_or(|p| p(req))
     }
 
+    /// Whether some request could have both rules apply. `false` only when both list methods
+    /// and none meets (`GET` covering `HEAD`), or both are scoped to path prefixes alone and
+    /// none is under another (as written or in canonical form), or to routes alone and share
+    /// none; predicates are taken to hold.
+    pub(crate) fn may_overlap(&self, other: &Rule) -> bool {
+        let meets = |m: &Method| {
+            other.applies_to_method(m)
+                || (*m == Method::GET && other.methods.contains(&Method::HEAD))
+        };
+        if !self.methods.is_empty() && !other.methods.is_empty() && !self.methods.iter().any(meets)
+        {
+            return false;
+        }
+        let by_prefix = |r: &Rule| !r.prefixes.is_empty() && r.routes.is_empty();
+        let by_route = |r: &Rule| r.prefixes.is_empty() && !r.routes.is_empty();
+        if by_prefix(self) && by_prefix(other) {
+            let prefixes = |r: &Rule| -> Vec<Vec<u8>> {
+                let raw = r.prefixes.iter().map(|p| p.as_bytes().to_vec());
+                raw.chain(r.canonical_prefixes.iter().map(|p| p.to_vec()))
+                    .collect()
+            };
+            let (mine, theirs) = (prefixes(self), prefixes(other));
+            return mine
+                .iter()
+                .any(|a| theirs.iter().any(|b| under(a, b) || under(b, a)));
+        }
+        if by_route(self) && by_route(other) {
+            return self.routes.iter().any(|r| other.routes.contains(r));
+        }
+        true
+    }
+
     fn applies_to_method(&self, method: &Method) -> bool {
         self.methods.contains(method)
             || (*method == Method::HEAD && self.methods.contains(&Method::GET))
@@ -208,12 +248,6 @@ impl Rule {
 
     /// Whether `path`, as sent or in canonical form, is under one of the prefixes.
     fn matches_prefix(&self, path: &str) -> bool {
-        let under = |path: &[u8], prefix: &[u8]| {
-            prefix.is_empty()
-                || path
-                    .strip_prefix(prefix)
-                    .is_some_and(|rest| rest.is_empty() || rest.starts_with(b"/"))
-        };
         if self.prefixes.is_empty() {
             return false;
         }

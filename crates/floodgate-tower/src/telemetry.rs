@@ -16,9 +16,9 @@ use metrics::{Counter, Gauge, Histogram};
 /// | `allowed`, `denied` | `store` | decided by the layer's limiter |
 /// | `allowed`, `denied` | `fallback` | decided by the local fallback, the store failing |
 /// | `error` | `none` | no decision: the store failed, and the layer failed open or closed |
-/// | `missing_key` | `none` | no key: rejected as the rule's `OnMissingKey` says |
+/// | `missing_key` | `none` | no usable key (missing, too long, invalid or ambiguous): rejected |
 ///
-/// Every pair is registered with the policy's first request, so a dashboard sees zeros.
+/// Every pair is registered when the policy is first counted, so a dashboard sees zeros.
 pub const REQUESTS_TOTAL: &str = "floodgate_requests_total";
 /// Time taken by the store to decide, each check (not the local fallback's, nor delay-mode sleeps).
 pub const CHECK_DURATION_SECONDS: &str = "floodgate_check_duration_seconds";

@@ -161,8 +161,6 @@ async fn decisions_are_counted() {
     );
 }
 
-/// The held-leases gauge follows concurrency leases: up when a response takes one, down when
-/// its body is gone.
 /// `floodgate_requests_total` of `outcome`, `source` and `policy`.
 fn requests(recorder: &Recorded, outcome: &str, source: &str, policy: &str) -> u64 {
     registered(recorder, outcome, source, policy).unwrap_or(0)
@@ -180,9 +178,14 @@ fn registered(recorder: &Recorded, outcome: &str, source: &str, policy: &str) ->
         .map(|c| c.load(Ordering::Relaxed))
 }
 
-/// Awaits `fut` with `recorder` as the metrics recorder while it is polled: a Redis-backed
-/// layer counts its decision when its future is polled, not inside `call`.
-async fn recorded<F: std::future::Future>(recorder: &Recorded, fut: F) -> F::Output {
+/// Calls `svc` and awaits its answer with `recorder` as the metrics recorder throughout: a
+/// request without a key is counted inside `call`, a Redis-backed layer's decision when its
+/// future is polled.
+async fn recorded<S, R>(recorder: &Recorded, svc: &mut S, req: R) -> Result<S::Response, S::Error>
+where
+    S: Service<R>,
+{
+    let fut = metrics::with_local_recorder(recorder, || svc.call(req));
     let mut fut = std::pin::pin!(fut);
     std::future::poll_fn(|cx| metrics::with_local_recorder(recorder, || fut.as_mut().poll(cx)))
         .await
@@ -220,21 +223,32 @@ async fn fallback_missing_key_and_errors_are_counted_apart() {
     tokio::task::block_in_place(|| redis.kill()).expect("kill");
 
     let recorder = Recorded::default();
-    for (layer, n) in [(fallback, 3), (open, 2)] {
+    let (ok, over, bad) = (
+        StatusCode::OK,
+        StatusCode::TOO_MANY_REQUESTS,
+        StatusCode::BAD_REQUEST,
+    );
+    for (layer, expected) in [
+        (fallback, vec![bad, ok, ok, over]),
+        (open, vec![bad, ok, ok]),
+    ] {
         let mut svc = layer.layer(tower::service_fn(|_: Request<()>| async {
             Ok::<_, Infallible>(Response::new(String::new()))
         }));
-        for i in 0..=n {
-            // The last request has no phone.
+        let mut statuses = Vec::new();
+        for i in 0..expected.len() {
+            // The first request has no phone: counted before any other registered the
+            // policy's counters.
             let mut req = Request::new(());
-            if i < n {
+            if i > 0 {
                 req.headers_mut()
                     .insert("x-phone", http::HeaderValue::from_static("+15551234"));
             }
             svc.ready().await.expect("ready");
-            let res = recorded(&recorder, svc.call(req)).await;
-            res.expect("response");
+            let res = recorded(&recorder, &mut svc, req).await;
+            statuses.push(res.expect("response").status());
         }
+        assert_eq!(statuses, expected);
     }
     assert_eq!(requests(&recorder, "allowed", "fallback", "fallback"), 2);
     assert_eq!(requests(&recorder, "denied", "fallback", "fallback"), 1);
@@ -255,6 +269,8 @@ async fn fallback_missing_key_and_errors_are_counted_apart() {
     }
 }
 
+/// The held-leases gauge follows concurrency leases: up when a response takes one, down when
+/// its body is gone.
 #[tokio::test]
 async fn held_leases_are_a_gauge() {
     let recorder = Recorded::default();

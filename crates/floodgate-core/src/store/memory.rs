@@ -584,7 +584,9 @@ impl<C: Clock> MemoryLimiter<C> {
                             moved = Some(slot.expires_at());
                             expires_at <= now
                         });
-                    if let Some(at) = moved {
+                    // Only for a key that stays: one given back to empty is removed below, and
+                    // noting its past expiry would bring a full shard's next sweep forward.
+                    if let Some(at) = moved.filter(|_| !empty) {
                         shard.note_expiry(at);
                     }
                     if empty {
@@ -600,7 +602,9 @@ impl<C: Clock> MemoryLimiter<C> {
                         moved = Some(entry.tat());
                         state.tat <= now
                     });
-                    if let Some(at) = moved {
+                    // Only for a key that stays: one given back to empty is removed below, and
+                    // noting its past expiry would bring a full shard's next sweep forward.
+                    if let Some(at) = moved.filter(|_| !empty) {
                         shard.note_expiry(at);
                     }
                     if empty {
