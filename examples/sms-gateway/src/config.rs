@@ -59,6 +59,10 @@ pub struct Cli {
     /// whose dispatcher died.
     #[arg(long, env = "CAMPAIGN_LEASE")]
     pub campaign_lease: Option<String>,
+    /// How long a completed campaign's report is kept (e.g. 7d); its numbers are dropped when
+    /// it completes.
+    #[arg(long, env = "CAMPAIGN_RETENTION")]
+    pub campaign_retention: Option<String>,
     /// This replica's name, in campaign progress and logs.
     #[arg(long, env = "INSTANCE_ID")]
     pub instance_id: Option<String>,
@@ -83,6 +87,7 @@ struct FileConfig {
     global_per_second: Option<u64>,
     trusted_proxies: Option<Vec<String>>,
     campaign_lease: Option<String>,
+    campaign_retention: Option<String>,
     instance_id: Option<String>,
     redis_prefix: Option<String>,
 }
@@ -102,6 +107,7 @@ pub struct Config {
     pub global_per_second: u64,
     pub trusted_proxies: Vec<IpNet>,
     pub campaign_lease: Duration,
+    pub campaign_retention: Duration,
     pub instance_id: String,
     pub redis_prefix: String,
 }
@@ -121,6 +127,7 @@ impl Default for Config {
             global_per_second: 100,
             trusted_proxies: Vec::new(),
             campaign_lease: Duration::from_secs(10),
+            campaign_retention: Duration::from_secs(7 * 24 * 3600),
             instance_id: format!("sms-gateway-{}", std::process::id()),
             redis_prefix: "sms".into(),
         }
@@ -232,6 +239,11 @@ impl Config {
                 cli.campaign_lease.or(file.campaign_lease),
                 d.campaign_lease,
             )?,
+            campaign_retention: duration(
+                "campaign_retention",
+                cli.campaign_retention.or(file.campaign_retention),
+                d.campaign_retention,
+            )?,
             instance_id: cli
                 .instance_id
                 .or(file.instance_id)
@@ -241,6 +253,10 @@ impl Config {
                 .or(file.redis_prefix)
                 .unwrap_or(d.redis_prefix),
         };
+        // Redis takes a TTL of at most 2^63 - 1 ms; a year is plenty for a report.
+        if config.campaign_retention > Duration::from_secs(366 * 24 * 3600) {
+            return Err(bad("campaign_retention", "must be at most 366d"));
+        }
         if config.campaign_lease < Duration::from_millis(300) {
             return Err(bad("campaign_lease", "must be at least 300ms"));
         }
@@ -284,6 +300,10 @@ mod tests {
         let err = Config::load(cli(&["--utc-offset", "+25:00"])).expect_err("bad");
         assert_eq!(err.name, "utc_offset");
         // Longer than any lock lease: no campaign would ever be dispatched.
+        let err = Config::load(cli(&["--campaign-retention", "400d"])).expect_err("bad");
+        assert_eq!(err.name, "campaign_retention");
+        let config = Config::load(cli(&["--campaign-retention", "1h"])).expect("valid");
+        assert_eq!(config.campaign_retention, Duration::from_secs(3600));
         let err = Config::load(cli(&["--campaign-lease", "60d"])).expect_err("bad");
         assert_eq!(err.name, "campaign_lease");
         assert!(err.reason.contains("at most"), "{}", err.reason);

@@ -167,7 +167,11 @@ async fn dispatch<S: Shared>(
     if guard.is_lost() {
         return;
     }
-    match app.shared.campaign_complete(id).await {
+    match app
+        .shared
+        .campaign_complete(id, app.config.campaign_retention)
+        .await
+    {
         Ok(()) => tracing::info!(campaign = %id, "campaign completed"),
         Err(e) => tracing::warn!(campaign = %id, error = %e, "cannot complete campaign"),
     }

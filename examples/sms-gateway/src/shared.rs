@@ -42,6 +42,50 @@ return 1
 /// Gives back a number a dispatcher claimed and did not send (KEYS[1]: the campaign's `:done`
 /// hash; ARGV: the number, the claim `claimed:<instance>`): only that claim, never an outcome
 /// or another replica's claim. 1 when given back.
+/// Completes a campaign (KEYS: its hash, its `:done` hash, its `:phones` list; ARGV: now and
+/// how long to keep it, in ms): marked completed, its numbers dropped, its report and outcomes
+/// kept that long. Nothing on a campaign that is gone or completed. 1 when completed.
+static COMPLETE: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'completed' then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'status', 'completed', 'completed_ms', ARGV[1])
+redis.call('DEL', KEYS[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
+",
+    )
+});
+/// Claims a number of a campaign (KEYS: its hash, its `:done` hash; ARGV: the number, the
+/// claim `claimed:<instance>`), or records its outcome (ARGV: the number, the outcome, `1`):
+/// only on a campaign that exists, so that a late dispatcher never brings back a campaign
+/// that expired, and with the campaign's own expiry. 1 when claimed or recorded.
+static DECIDE: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+local done
+if ARGV[3] == '1' then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+  redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
+  done = 1
+else
+  done = redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+end
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 and redis.call('PTTL', KEYS[2]) == -1 then
+  redis.call('PEXPIRE', KEYS[2], ttl)
+end
+return done
+",
+    )
+});
 static UNCLAIM: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(
         r"
@@ -130,6 +174,11 @@ pub struct Campaign {
     pub cursor: u64,
 }
 
+/// A duration in whole milliseconds, saturated.
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -207,7 +256,14 @@ pub trait Shared: Send + Sync + 'static {
         cursor: u64,
         dispatcher: &str,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
-    fn campaign_complete(&self, id: &str) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Marks a campaign completed, drops its numbers, and keeps its report (and which numbers
+    /// had what outcome, so that a late dispatcher sends none again) for `keep_for`; then it
+    /// is gone. Nothing on a campaign that is gone or already completed.
+    fn campaign_complete(
+        &self,
+        id: &str,
+        keep_for: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 fn optout_params() -> BloomParams {
@@ -240,6 +296,24 @@ struct MemoryCampaign {
     campaign: Campaign,
     phones: Vec<String>,
     done: HashMap<String, Option<Outcome>>,
+    /// When a completed campaign is gone (ms since the epoch).
+    expires_ms: Option<u64>,
+}
+
+/// Campaign `id`, unless it is gone: one whose retention ran out is dropped.
+fn live_campaign<'a>(
+    campaigns: &'a mut HashMap<String, MemoryCampaign>,
+    id: &str,
+) -> Option<&'a mut MemoryCampaign> {
+    let gone = campaigns
+        .get(id)?
+        .expires_ms
+        .is_some_and(|at| at <= now_ms());
+    if gone {
+        campaigns.remove(id);
+        return None;
+    }
+    campaigns.get_mut(id)
 }
 
 impl MemoryShared {
@@ -356,17 +430,22 @@ impl Shared for MemoryShared {
                 campaign: campaign.clone(),
                 phones: phones.to_vec(),
                 done: HashMap::new(),
+                expires_ms: None,
             },
         );
         Ok(())
     }
 
     async fn campaign_get(&self, id: &str) -> Result<Option<Campaign>, StoreError> {
-        Ok(locked(&self.campaigns).get(id).map(|c| c.campaign.clone()))
+        Ok(live_campaign(&mut locked(&self.campaigns), id).map(|c| c.campaign.clone()))
     }
 
     async fn campaigns_pending(&self) -> Result<Vec<String>, StoreError> {
-        Ok(locked(&self.campaigns)
+        let mut campaigns = locked(&self.campaigns);
+        // Sweeps the campaigns whose retention ran out (the dispatcher asks twice a second).
+        let now = now_ms();
+        campaigns.retain(|_, c| c.expires_ms.is_none_or(|at| at > now));
+        Ok(campaigns
             .values()
             .filter(|c| c.campaign.status != "completed")
             .map(|c| c.campaign.id.clone())
@@ -379,8 +458,7 @@ impl Shared for MemoryShared {
         from: u64,
         count: u64,
     ) -> Result<Vec<String>, StoreError> {
-        Ok(locked(&self.campaigns)
-            .get(id)
+        Ok(live_campaign(&mut locked(&self.campaigns), id)
             .map(|c| {
                 c.phones
                     .iter()
@@ -399,7 +477,7 @@ impl Shared for MemoryShared {
         _instance: &str,
     ) -> Result<bool, StoreError> {
         let mut campaigns = locked(&self.campaigns);
-        let Some(c) = campaigns.get_mut(id) else {
+        let Some(c) = live_campaign(&mut campaigns, id) else {
             return Ok(false);
         };
         if c.done.contains_key(phone) {
@@ -417,7 +495,7 @@ impl Shared for MemoryShared {
         _instance: &str,
     ) -> Result<(), StoreError> {
         let mut campaigns = locked(&self.campaigns);
-        if let Some(c) = campaigns.get_mut(id)
+        if let Some(c) = live_campaign(&mut campaigns, id)
             && c.done.get(phone) == Some(&None)
         {
             c.done.remove(phone);
@@ -433,7 +511,7 @@ impl Shared for MemoryShared {
         outcome: Outcome,
     ) -> Result<(), StoreError> {
         let mut campaigns = locked(&self.campaigns);
-        if let Some(c) = campaigns.get_mut(id) {
+        if let Some(c) = live_campaign(&mut campaigns, id) {
             c.done.insert(phone.to_owned(), Some(outcome));
             *counter(&mut c.campaign, outcome) += 1;
         }
@@ -447,7 +525,7 @@ impl Shared for MemoryShared {
         dispatcher: &str,
     ) -> Result<(), StoreError> {
         // As the Redis store: only forward, never on a completed campaign.
-        if let Some(c) = locked(&self.campaigns).get_mut(id) {
+        if let Some(c) = live_campaign(&mut locked(&self.campaigns), id) {
             if c.campaign.status != "completed" && cursor > c.campaign.cursor {
                 c.campaign.cursor = cursor;
                 c.campaign.status = "running".into();
@@ -457,8 +535,13 @@ impl Shared for MemoryShared {
         Ok(())
     }
 
-    async fn campaign_complete(&self, id: &str) -> Result<(), StoreError> {
-        if let Some(c) = locked(&self.campaigns).get_mut(id) {
+    async fn campaign_complete(&self, id: &str, keep_for: Duration) -> Result<(), StoreError> {
+        let mut campaigns = locked(&self.campaigns);
+        if let Some(c) = live_campaign(&mut campaigns, id)
+            && c.campaign.status != "completed"
+        {
+            c.phones = Vec::new();
+            c.expires_ms = Some(now_ms().saturating_add(duration_ms(keep_for)));
             let k = &mut c.campaign;
             k.status = "completed".into();
             k.completed_ms = Some(now_ms());
@@ -693,7 +776,17 @@ impl RedisShared {
             filling: Arc::new(AtomicBool::new(false)),
             locks: locks.clone(),
         };
-        optouts.ensure().await?;
+        // A busy or just started Redis may miss a call's timeout: startup tries the filter
+        // three times before it gives up.
+        let mut tries = 0;
+        while let Err(e) = optouts.ensure().await {
+            tries += 1;
+            if tries == 3 {
+                return Err(e);
+            }
+            tracing::warn!(error = %e, "cannot prepare the opt-out filter yet; trying again");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         Ok(RedisShared {
             limiter,
             locks,
@@ -714,6 +807,32 @@ impl RedisShared {
 
     fn campaign_key(&self, id: &str, suffix: &str) -> String {
         format!("{}:campaign:{{{id}}}{suffix}", self.prefix)
+    }
+
+    /// Claims a number (`value`: the claim) or records its outcome (`record`) with
+    /// [`DECIDE`]; whether it was claimed (a record: whether the campaign exists).
+    async fn decide(
+        &self,
+        id: &str,
+        phone: &str,
+        value: &str,
+        record: bool,
+    ) -> Result<bool, StoreError> {
+        let keys = [self.campaign_key(id, ""), self.campaign_key(id, ":done")];
+        let decided = self
+            .conn
+            .invoke_script(
+                &DECIDE,
+                &keys.each_ref().map(|k| k.as_bytes()),
+                &[
+                    phone.as_bytes(),
+                    value.as_bytes(),
+                    if record { b"1" } else { b"0" },
+                ],
+            )
+            .await
+            .map_err(err)?;
+        Ok(matches!(decided, redis::Value::Int(1)))
     }
 
     async fn query<T: redis::FromRedisValue>(&self, cmd: redis::Cmd) -> Result<T, StoreError> {
@@ -886,12 +1005,8 @@ impl Shared for RedisShared {
         phone: &str,
         instance: &str,
     ) -> Result<bool, StoreError> {
-        let mut claim = redis::cmd("HSETNX");
-        claim
-            .arg(self.campaign_key(id, ":done"))
-            .arg(phone)
-            .arg(format!("claimed:{instance}"));
-        Ok(self.query::<i64>(claim).await? == 1)
+        let claim = format!("claimed:{instance}");
+        self.decide(id, phone, &claim, false).await
     }
 
     async fn campaign_unclaim(
@@ -919,16 +1034,7 @@ impl Shared for RedisShared {
         phone: &str,
         outcome: Outcome,
     ) -> Result<(), StoreError> {
-        let mut set = redis::cmd("HSET");
-        set.arg(self.campaign_key(id, ":done"))
-            .arg(phone)
-            .arg(outcome.as_str());
-        let _: i64 = self.query(set).await?;
-        let mut incr = redis::cmd("HINCRBY");
-        incr.arg(self.campaign_key(id, ""))
-            .arg(outcome.as_str())
-            .arg(1);
-        let _: i64 = self.query(incr).await?;
+        self.decide(id, phone, outcome.as_str(), true).await?;
         Ok(())
     }
 
@@ -953,13 +1059,24 @@ impl Shared for RedisShared {
         Ok(())
     }
 
-    async fn campaign_complete(&self, id: &str) -> Result<(), StoreError> {
-        let mut set = redis::cmd("HSET");
-        set.arg(self.campaign_key(id, "")).arg(&[
-            ("status", "completed".to_owned()),
-            ("completed_ms", now_ms().to_string()),
-        ]);
-        let _: i64 = self.query(set).await?;
+    async fn campaign_complete(&self, id: &str, keep_for: Duration) -> Result<(), StoreError> {
+        let keys = [
+            self.campaign_key(id, ""),
+            self.campaign_key(id, ":done"),
+            self.campaign_key(id, ":phones"),
+        ];
+        let (now, keep) = (
+            now_ms().to_string(),
+            duration_ms(keep_for).max(1).to_string(),
+        );
+        self.conn
+            .invoke_script(
+                &COMPLETE,
+                &keys.each_ref().map(|k| k.as_bytes()),
+                &[now.as_bytes(), keep.as_bytes()],
+            )
+            .await
+            .map_err(err)?;
         let mut done = redis::cmd("SREM");
         done.arg(self.key(&["campaigns", "pending"])).arg(id);
         let _: i64 = self.query(done).await?;
@@ -1009,7 +1126,10 @@ mod tests {
             .await
             .expect("progress");
         assert!(store.campaign_get("c2").await.expect("get").is_none());
-        store.campaign_complete("c1").await.expect("complete");
+        store
+            .campaign_complete("c1", Duration::from_secs(60))
+            .await
+            .expect("complete");
         store
             .campaign_progress("c1", 3, "a")
             .await
@@ -1154,6 +1274,86 @@ mod tests {
                 .await
                 .expect("answered")
         );
+    }
+
+    /// A completed campaign keeps its report and outcomes for its retention, then is gone; a
+    /// late dispatcher neither sends a number again meanwhile nor brings the campaign back.
+    async fn completed_campaigns_are_kept_for_their_retention<S: Shared>(store: &S) {
+        let campaign = Campaign {
+            id: "r1".into(),
+            status: "pending".into(),
+            total: 2,
+            text: "hi".into(),
+            ..Campaign::default()
+        };
+        let (a, b) = ("+8613800000021", "+8613800000022");
+        let phones = [a, b].map(String::from);
+        store
+            .campaign_create(&campaign, &phones)
+            .await
+            .expect("create");
+        assert!(store.campaign_claim("r1", a, "x").await.expect("claim"));
+        store
+            .campaign_record("r1", a, Outcome::Sent)
+            .await
+            .expect("record");
+        let keep = Duration::from_millis(600);
+        store.campaign_complete("r1", keep).await.expect("complete");
+        let c = store.campaign_get("r1").await.expect("get").expect("kept");
+        assert_eq!((c.status.as_str(), c.sent, c.claimed), ("completed", 1, 1));
+        // Its numbers are dropped; its outcomes kept: a late dispatcher sends `a` no more.
+        assert!(
+            store
+                .campaign_phones("r1", 0, 10)
+                .await
+                .expect("phones")
+                .is_empty()
+        );
+        assert!(!store.campaign_claim("r1", a, "late").await.expect("claim"));
+        // Completing again changes nothing (a second dispatcher does not extend it).
+        store
+            .campaign_complete("r1", Duration::from_secs(3600))
+            .await
+            .expect("complete again");
+        tokio::time::sleep(keep + Duration::from_millis(200)).await;
+        assert!(store.campaign_get("r1").await.expect("get").is_none());
+        // A late dispatcher's writes do not bring it back.
+        assert!(!store.campaign_claim("r1", b, "late").await.expect("claim"));
+        store
+            .campaign_record("r1", b, Outcome::Sent)
+            .await
+            .expect("record");
+        store
+            .campaign_progress("r1", 2, "late")
+            .await
+            .expect("progress");
+        assert!(store.campaign_get("r1").await.expect("get").is_none());
+        assert!(store.campaigns_pending().await.expect("pending").is_empty());
+    }
+
+    #[tokio::test]
+    async fn completed_campaigns_are_kept_for_their_retention_in_memory() {
+        completed_campaigns_are_kept_for_their_retention(&MemoryShared::new().expect("store"))
+            .await;
+    }
+
+    #[tokio::test]
+    async fn completed_campaigns_are_kept_for_their_retention_in_redis() {
+        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
+        let store = RedisShared::connect(&server.url(), "retention")
+            .await
+            .expect("connect");
+        completed_campaigns_are_kept_for_their_retention(&store).await;
+        // Nothing of it is left in Redis.
+        let keys: Vec<String> = store
+            .query({
+                let mut keys = redis::cmd("KEYS");
+                keys.arg("retention:campaign:*");
+                keys
+            })
+            .await
+            .expect("keys");
+        assert!(keys.is_empty(), "{keys:?}");
     }
 
     #[tokio::test]
