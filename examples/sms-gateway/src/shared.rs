@@ -39,9 +39,6 @@ return 1
 ",
     )
 });
-/// Gives back a number a dispatcher claimed and did not send (KEYS[1]: the campaign's `:done`
-/// hash; ARGV: the number, the claim `claimed:<instance>`): only that claim, never an outcome
-/// or another replica's claim. 1 when given back.
 /// Completes a campaign (KEYS: its hash, its `:done` hash, its `:phones` list; ARGV: now and
 /// how long to keep it, in ms): marked completed, its numbers dropped, its report and outcomes
 /// kept that long. Nothing on a campaign that is gone or completed. 1 when completed.
@@ -86,6 +83,9 @@ return done
 ",
     )
 });
+/// Gives back a number a dispatcher claimed and did not send (KEYS[1]: the campaign's `:done`
+/// hash; ARGV: the number, the claim `claimed:<instance>`): only that claim, never an outcome
+/// or another replica's claim. 1 when given back.
 static UNCLAIM: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(
         r"
