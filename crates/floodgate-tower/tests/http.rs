@@ -575,11 +575,25 @@ enum Answer {
     AfterWake,
 }
 
-/// A store that is not the in-memory limiter (so the layer awaits its future), backed by one.
+/// A store that is not the in-memory limiter (so the layer awaits its future), backed by one;
+/// it can be taken down (every check fails), and counts its checks.
 #[derive(Clone)]
 struct RemoteStore {
     memory: MemoryLimiter,
     answer: Answer,
+    down: Arc<std::sync::atomic::AtomicBool>,
+    checks: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl RemoteStore {
+    fn new(answer: Answer) -> Self {
+        RemoteStore {
+            memory: MemoryLimiter::new(),
+            answer,
+            down: Arc::default(),
+            checks: Arc::default(),
+        }
+    }
 }
 
 impl Limiter for RemoteStore {
@@ -590,6 +604,11 @@ impl Limiter for RemoteStore {
         checks: &[Check<'_>],
         opts: CheckOptions,
     ) -> Result<Verdict, MemoryError> {
+        self.checks
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(MemoryError::InvalidCheck("the store is down".into()));
+        }
         match self.answer {
             Answer::AtOnce => {}
             Answer::AfterYield => tokio::task::yield_now().await,
@@ -631,10 +650,7 @@ async fn a_remote_store_answering_at_once_or_later_keeps_the_limit_and_gives_lea
     }
     for answer in [Answer::AtOnce, Answer::AfterYield, Answer::AfterWake] {
         for leasing in [false, true] {
-            let store = RemoteStore {
-                memory: MemoryLimiter::new(),
-                answer,
-            };
+            let store = RemoteStore::new(answer);
             let builder = RateLimitLayer::builder(store)
                 .rule(Rule::new(policy(100, 60, "remote")).key(GlobalKey))
                 .headers_on_allowed(true);
@@ -672,10 +688,7 @@ async fn a_remote_store_answering_at_once_or_later_keeps_the_limit_and_gives_lea
             }
         }
         // One request at a time: each lease is back before the next request.
-        let store = RemoteStore {
-            memory: MemoryLimiter::new(),
-            answer,
-        };
+        let store = RemoteStore::new(answer);
         let one_at_a_time = Policy::concurrency(1, Duration::from_secs(60)).expect("policy");
         let layer = RateLimitLayer::builder(store)
             .rule(Rule::new(one_at_a_time).key(GlobalKey))
@@ -1033,58 +1046,13 @@ impl Limiter for BrokenStore {
     }
 }
 
-/// A store that can be taken down (every check fails as unavailable), counting its checks.
-#[derive(Clone)]
-struct SwitchableStore {
-    inner: MemoryLimiter,
-    down: Arc<std::sync::atomic::AtomicBool>,
-    checks: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl Limiter for SwitchableStore {
-    type Error = MemoryError;
-
-    async fn check(
-        &self,
-        checks: &[Check<'_>],
-        opts: CheckOptions,
-    ) -> Result<Verdict, MemoryError> {
-        self.checks
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(MemoryError::InvalidCheck("the store is down".into()));
-        }
-        self.inner.check(checks, opts).await
-    }
-
-    async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), MemoryError> {
-        self.inner.release(checks, lease).await
-    }
-
-    async fn renew(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<bool, MemoryError> {
-        self.inner.renew(checks, lease).await
-    }
-
-    async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), MemoryError> {
-        self.inner.refund(checks, verdict).await
-    }
-
-    async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), MemoryError> {
-        self.inner.reset(key, policy).await
-    }
-}
-
 /// The layer's probe of a failing store is answered by the store: a denial the deny cache
 /// holds (an attacker's key, say) does not tell the layer the store is back, which would send
 /// every request to the down store until it failed again.
 #[tokio::test]
 async fn a_cached_denial_does_not_pass_for_the_store_answering_again() {
     use std::sync::atomic::Ordering::SeqCst;
-    let store = SwitchableStore {
-        inner: MemoryLimiter::new(),
-        down: Arc::default(),
-        checks: Arc::default(),
-    };
+    let store = RemoteStore::new(Answer::AtOnce);
     let layer = RateLimitLayer::builder(store.clone())
         .rule(Rule::new(policy(1, 600, "per-user")).key(HeaderKey::named("x-user").expect("name")))
         .on_store_error(OnStoreError::FailOpen)
@@ -1383,10 +1351,7 @@ async fn an_upgraded_connection_that_keeps_its_lease_holds_the_slot() {
         .build()
         .expect("layer");
     assert_one_socket_at_a_time(serve(upgrade_app(true).layer(layer)).await, "memory").await;
-    let awaited = RemoteStore {
-        memory: MemoryLimiter::new(),
-        answer: Answer::AfterWake,
-    };
+    let awaited = RemoteStore::new(Answer::AfterWake);
     let layer = RateLimitLayer::builder(awaited)
         .rule(one_in_flight("one-socket"))
         .build()

@@ -1088,21 +1088,31 @@ impl Shared for RedisShared {
 mod tests {
     use super::*;
 
-    /// What a dispatcher that lost its lock (and still runs) may write: nothing that moves a
-    /// campaign's cursor back or reopens it.
-    async fn stale_progress_is_ignored<S: Shared>(store: &S) {
+    /// Creates pending campaign `id` of `phones`.
+    async fn create<S: Shared>(store: &S, id: &str, phones: &[&str]) {
         let campaign = Campaign {
-            id: "c1".into(),
+            id: id.into(),
             status: "pending".into(),
-            total: 3,
+            total: phones.len() as u64,
             text: "hi".into(),
             ..Campaign::default()
         };
-        let phones = ["+8613800000001", "+8613800000002", "+8613800000003"].map(String::from);
+        let phones: Vec<String> = phones.iter().map(|p| String::from(*p)).collect();
         store
             .campaign_create(&campaign, &phones)
             .await
             .expect("create");
+    }
+
+    /// What a dispatcher that lost its lock (and still runs) may write: nothing that moves a
+    /// campaign's cursor back or reopens it.
+    async fn stale_progress_is_ignored<S: Shared>(store: &S) {
+        create(
+            store,
+            "c1",
+            &["+8613800000001", "+8613800000002", "+8613800000003"],
+        )
+        .await;
         store
             .campaign_progress("c1", 2, "b")
             .await
@@ -1151,19 +1161,8 @@ mod tests {
     /// A number given back can be claimed again, and counts as claimed no more; a number with
     /// an outcome, or another replica's claim, is not given back.
     async fn unclaimed_numbers_are_claimed_again<S: Shared>(store: &S) {
-        let campaign = Campaign {
-            id: "u1".into(),
-            status: "pending".into(),
-            total: 2,
-            text: "hi".into(),
-            ..Campaign::default()
-        };
         let (a, b) = ("+8613800000011", "+8613800000012");
-        let phones = [a, b].map(String::from);
-        store
-            .campaign_create(&campaign, &phones)
-            .await
-            .expect("create");
+        create(store, "u1", &[a, b]).await;
         assert!(store.campaign_claim("u1", a, "x").await.expect("claim"));
         store.campaign_unclaim("u1", a, "x").await.expect("unclaim");
         let c = store
@@ -1279,19 +1278,8 @@ mod tests {
     /// A completed campaign keeps its report and outcomes for its retention, then is gone; a
     /// late dispatcher neither sends a number again meanwhile nor brings the campaign back.
     async fn completed_campaigns_are_kept_for_their_retention<S: Shared>(store: &S) {
-        let campaign = Campaign {
-            id: "r1".into(),
-            status: "pending".into(),
-            total: 2,
-            text: "hi".into(),
-            ..Campaign::default()
-        };
         let (a, b) = ("+8613800000021", "+8613800000022");
-        let phones = [a, b].map(String::from);
-        store
-            .campaign_create(&campaign, &phones)
-            .await
-            .expect("create");
+        create(store, "r1", &[a, b]).await;
         assert!(store.campaign_claim("r1", a, "x").await.expect("claim"));
         store
             .campaign_record("r1", a, Outcome::Sent)
