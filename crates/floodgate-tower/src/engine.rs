@@ -683,6 +683,7 @@ where
             key = tracing::field::Empty,
             policy = tracing::field::Empty,
             outcome = tracing::field::Empty,
+            source = tracing::field::Empty,
         );
         if !span.is_disabled() {
             span.record(
@@ -717,9 +718,7 @@ where
             entry
                 .metrics
                 .count(entry.rule.policy().name(), Outcome::Error);
-            if let Some(span) = span {
-                span.record("outcome", "error");
-            }
+            record_outcome(span, Outcome::Error);
             if sh.fail_closed || sh.fails_closed(job) {
                 return Some(sh.reject_unavailable(grpc()));
             }
@@ -748,9 +747,7 @@ where
         };
         let counted = &sh.table[job.items[strictest.unwrap_or(0)].rule];
         counted.metrics.count(counted.rule.policy().name(), outcome);
-        if let Some(span) = span {
-            span.record("outcome", if allowed { "allowed" } else { "denied" });
-        }
+        record_outcome(span, outcome);
 
         if !allowed {
             let info = RateLimitInfo {
@@ -1075,6 +1072,16 @@ impl Shared {
                 None
             }
         }
+    }
+}
+
+/// Records `outcome` in the `floodgate.check` span: the `outcome` and `source` labels of
+/// `floodgate_requests_total`, so that a trace tells a fallback's decision from the store's.
+fn record_outcome(span: Option<&tracing::Span>, outcome: Outcome) {
+    if let Some(span) = span {
+        let (outcome, source) = outcome.labels();
+        span.record("outcome", outcome);
+        span.record("source", source);
     }
 }
 

@@ -65,8 +65,10 @@
 //!   open, fail closed (503), or decide with a local in-memory limiter. A failing store is left
 //!   alone for a retry interval, and each change of state is logged once.
 //! - **Observability**: a [`RateLimitInfo`] in the request extensions (an axum extractor with
-//!   feature `axum`), a `floodgate.check` tracing span (debug level), the metrics named in
-//!   [`telemetry`], and the deny cache's and leasing's counters ([`RateLimitLayer::stats`]).
+//!   feature `axum`), a `floodgate.check` tracing span (debug level, with the request's
+//!   `key`, the first rule's `policy`, and the `outcome` and `source` that
+//!   `floodgate_requests_total` counts), the metrics named in [`telemetry`], and the deny
+//!   cache's and leasing's counters ([`RateLimitLayer::stats`]).
 //!
 //! # Cost
 //!

@@ -63,6 +63,13 @@ pub(crate) enum Outcome {
     MissingKey = 5,
 }
 
+impl Outcome {
+    /// Its `outcome` and `source` labels, which the `floodgate.check` span records too.
+    pub(crate) fn labels(self) -> (&'static str, &'static str) {
+        OUTCOMES[self as usize]
+    }
+}
+
 /// The `outcome` and `source` labels of each [`Outcome`], in its order.
 const OUTCOMES: [(&str, &str); 6] = [
     ("allowed", "store"),

@@ -1,4 +1,4 @@
-//! Decisions are counted through the `metrics` facade.
+//! Decisions are counted through the `metrics` facade, and traced in `floodgate.check` spans.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -178,22 +178,96 @@ fn registered(recorder: &Recorded, outcome: &str, source: &str, policy: &str) ->
         .map(|c| c.load(Ordering::Relaxed))
 }
 
-/// Calls `svc` and awaits its answer with `recorder` as the metrics recorder throughout: a
-/// request without a key is counted inside `call`, a Redis-backed layer's decision when its
-/// future is polled.
-async fn recorded<S, R>(recorder: &Recorded, svc: &mut S, req: R) -> Result<S::Response, S::Error>
+/// Calls `svc` and awaits its answer with `recorder` as the metrics recorder and `spans` as the
+/// tracing subscriber throughout: a request without a key is counted inside `call`, a
+/// Redis-backed layer's decision when its future is polled.
+async fn traced<S, R>(
+    recorder: &Recorded,
+    spans: &tracing::Dispatch,
+    svc: &mut S,
+    req: R,
+) -> Result<S::Response, S::Error>
 where
     S: Service<R>,
 {
-    let fut = metrics::with_local_recorder(recorder, || svc.call(req));
-    let mut fut = std::pin::pin!(fut);
-    std::future::poll_fn(|cx| metrics::with_local_recorder(recorder, || fut.as_mut().poll(cx)))
-        .await
+    let within = |f: &mut dyn FnMut()| {
+        tracing::dispatcher::with_default(spans, || metrics::with_local_recorder(recorder, f))
+    };
+    let (mut req, mut fut) = (Some(req), None);
+    within(&mut || fut = req.take().map(|req| svc.call(req)));
+    let mut fut = std::pin::pin!(fut.expect("called"));
+    std::future::poll_fn(|cx| {
+        let mut polled = std::task::Poll::Pending;
+        within(&mut || polled = fut.as_mut().poll(cx));
+        polled
+    })
+    .await
+}
+
+/// A tracing subscriber that keeps the fields of every span, as text, by span.
+#[derive(Default)]
+struct Spans(Mutex<Vec<(&'static str, HashMap<&'static str, String>)>>);
+
+impl Spans {
+    /// The `outcome` and `source` of each span named `name`, in order.
+    fn outcomes(&self, name: &str) -> Vec<(String, String)> {
+        let field = |f: &HashMap<_, String>, k| f.get(k).cloned().unwrap_or_default();
+        let spans = self.0.lock().expect("lock");
+        spans
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, f)| (field(f, "outcome"), field(f, "source")))
+            .collect()
+    }
+}
+
+struct Fields<'a>(&'a mut HashMap<&'static str, String>);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name(), value.to_owned());
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name(), format!("{value:?}"));
+    }
+}
+
+impl tracing::Subscriber for Spans {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, span: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        let mut fields = HashMap::new();
+        span.record(&mut Fields(&mut fields));
+        let mut spans = self.0.lock().expect("lock");
+        spans.push((span.metadata().name(), fields));
+        tracing::span::Id::from_u64(spans.len() as u64)
+    }
+
+    fn record(&self, span: &tracing::span::Id, values: &tracing::span::Record<'_>) {
+        let mut spans = self.0.lock().expect("lock");
+        if let Some((_, fields)) = usize::try_from(span.into_u64() - 1)
+            .ok()
+            .and_then(|i| spans.get_mut(i))
+        {
+            values.record(&mut Fields(fields));
+        }
+    }
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, _: &tracing::Event<'_>) {}
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
 }
 
 /// A fallback decision is counted as allowed or denied with `source=fallback`, a missing key
 /// as `missing_key`, and no decision at all (failing open) as `error`: each outcome can be
-/// told from the others.
+/// told from the others, in the metric and in the `floodgate.check` span.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fallback_missing_key_and_errors_are_counted_apart() {
     let redis = RedisServer::start().expect("redis-server (run scripts/install-redis)");
@@ -223,6 +297,8 @@ async fn fallback_missing_key_and_errors_are_counted_apart() {
     tokio::task::block_in_place(|| redis.kill()).expect("kill");
 
     let recorder = Recorded::default();
+    let spans = Arc::new(Spans::default());
+    let dispatch = tracing::Dispatch::from(Arc::clone(&spans));
     let (ok, over, bad) = (
         StatusCode::OK,
         StatusCode::TOO_MANY_REQUESTS,
@@ -245,11 +321,23 @@ async fn fallback_missing_key_and_errors_are_counted_apart() {
                     .insert("x-phone", http::HeaderValue::from_static("+15551234"));
             }
             svc.ready().await.expect("ready");
-            let res = recorded(&recorder, &mut svc, req).await;
+            let res = traced(&recorder, &dispatch, &mut svc, req).await;
             statuses.push(res.expect("response").status());
         }
         assert_eq!(statuses, expected);
     }
+    // The spans say the same (a request without a key has none: it is turned away first).
+    let pair = |o: &str, s: &str| (o.to_owned(), s.to_owned());
+    assert_eq!(
+        spans.outcomes("floodgate.check"),
+        [
+            pair("allowed", "fallback"),
+            pair("allowed", "fallback"),
+            pair("denied", "fallback"),
+            pair("error", "none"),
+            pair("error", "none"),
+        ]
+    );
     assert_eq!(requests(&recorder, "allowed", "fallback", "fallback"), 2);
     assert_eq!(requests(&recorder, "denied", "fallback", "fallback"), 1);
     assert_eq!(requests(&recorder, "missing_key", "none", "fallback"), 1);
