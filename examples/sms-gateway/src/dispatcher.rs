@@ -1,6 +1,11 @@
 //! The campaign dispatcher: every replica runs one; a floodgate lock per campaign makes sure
 //! only one replica sends a campaign at a time, and another resumes it when the lease of a
 //! dispatcher that died runs out.
+//!
+//! A dispatcher can outlive its lease without knowing it (a long pause, a partition from
+//! Redis): its watchdog cannot tell it in time. So every claim, progress and completion it
+//! writes carries the lock's fencing token, and the campaign refuses them once a newer
+//! dispatcher (a larger token) has written: the old one stops at its next write.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +17,7 @@ use tokio::sync::watch;
 
 use crate::app::{App, GLOBAL_KEY, message_id};
 use crate::provider::OutboundSms;
-use crate::shared::{Campaign, Outcome, Shared, now_ms};
+use crate::shared::{Campaign, Claim, Outcome, Shared, now_ms};
 
 /// How often a replica looks for campaigns that need a dispatcher.
 const POLL: Duration = Duration::from_millis(500);
@@ -89,6 +94,14 @@ async fn dispatch<S: Shared>(
         }
     };
     let instance = &app.config.instance_id;
+    let fence = guard.fence();
+    let superseded = || {
+        tracing::warn!(
+            campaign = %id,
+            fence,
+            "a newer dispatcher took over the campaign: this one stops"
+        );
+    };
     // The lease is in doubt (another replica may take over) or the replica stops.
     let stopping = || guard.is_lost() || *shutdown.borrow();
     let mut cursor = campaign.cursor;
@@ -107,9 +120,10 @@ async fn dispatch<S: Shared>(
             if stopping() {
                 return;
             }
-            match app.shared.campaign_claim(id, phone, instance).await {
-                Ok(true) => {}
-                Ok(false) => continue,
+            match app.shared.campaign_claim(id, phone, instance, fence).await {
+                Ok(Claim::Claimed) => {}
+                Ok(Claim::Taken) => continue,
+                Ok(Claim::Superseded) => return superseded(),
                 Err(e) => {
                     tracing::warn!(campaign = %id, error = %e, "cannot claim a number");
                     return;
@@ -158,9 +172,18 @@ async fn dispatch<S: Shared>(
         if guard.is_lost() {
             return;
         }
-        if let Err(e) = app.shared.campaign_progress(id, cursor, instance).await {
-            tracing::warn!(campaign = %id, error = %e, "cannot record progress");
-            return;
+        match app
+            .shared
+            .campaign_progress(id, cursor, instance, fence)
+            .await
+        {
+            Ok(true) => {}
+            // Another dispatcher moved it on, or completed it.
+            Ok(false) => return superseded(),
+            Err(e) => {
+                tracing::warn!(campaign = %id, error = %e, "cannot record progress");
+                return;
+            }
         }
     }
     // Completing is for the holder: another replica may have taken over and still be sending.
@@ -169,10 +192,11 @@ async fn dispatch<S: Shared>(
     }
     match app
         .shared
-        .campaign_complete(id, app.config.campaign_retention)
+        .campaign_complete(id, app.config.campaign_retention, fence)
         .await
     {
-        Ok(()) => tracing::info!(campaign = %id, "campaign completed"),
+        Ok(true) => tracing::info!(campaign = %id, "campaign completed"),
+        Ok(false) => superseded(),
         Err(e) => tracing::warn!(campaign = %id, error = %e, "cannot complete campaign"),
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use floodgate::lock::{Lock, RedisLocks};
+use floodgate::lock::{FenceCheck, Lock, RedisLocks};
 use floodgate::redis::{RedisBloom, RedisConn, RedisLimiter};
 use floodgate::{
     BloomFilter, BloomParams, DenyCache, Limiter, LockStore, MemoryBloom, MemoryLimiter,
@@ -22,31 +22,52 @@ pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
 /// mid-send): then the key may be used again.
 pub const IN_PROGRESS_TTL: Duration = Duration::from_secs(60);
 
-/// A campaign's progress (KEYS[1]: its hash; ARGV: cursor, dispatcher), written only when it
-/// moves the cursor forward on a campaign that exists and is not completed. 1 when written.
+/// The fencing rule over a campaign's hash (as `floodgate::lock::FenceCheck`): `fenced(key,
+/// token)` is false when a dispatcher with a larger token has written; otherwise the token is
+/// the campaign's (`fence`) from now on. Written before every script that uses it.
+const FENCED: &str = r"
+local function fenced(key, token)
+  local held = tonumber(redis.call('HGET', key, 'fence') or '0') or 0
+  token = tonumber(token)
+  if token < held then
+    return false
+  end
+  if token > held then
+    redis.call('HSET', key, 'fence', token)
+  end
+  return true
+end
+";
+
+/// A campaign's progress (KEYS[1]: its hash; ARGV: cursor, dispatcher, fencing token), written
+/// only when it moves the cursor forward on a campaign that exists, is not completed, and no
+/// newer dispatcher has written to. 1 when written.
 static PROGRESS: LazyLock<redis::Script> = LazyLock::new(|| {
-    redis::Script::new(
+    redis::Script::new(&format!(
+        "{FENCED}{}",
         r"
 local c = redis.call('HMGET', KEYS[1], 'status', 'cursor')
 if not c[1] or c[1] == 'completed' then
   return 0
 end
-if tonumber(ARGV[1]) <= (tonumber(c[2] or '0') or 0) then
+if tonumber(ARGV[1]) <= (tonumber(c[2] or '0') or 0) or not fenced(KEYS[1], ARGV[3]) then
   return 0
 end
 redis.call('HSET', KEYS[1], 'cursor', ARGV[1], 'status', 'running', 'dispatcher', ARGV[2])
 return 1
-",
-    )
+"
+    ))
 });
-/// Completes a campaign (KEYS: its hash, its `:done` hash, its `:phones` list; ARGV: now and
-/// how long to keep it, in ms): marked completed, its numbers dropped, its report and outcomes
-/// kept that long. Nothing on a campaign that is gone or completed. 1 when completed.
+/// Completes a campaign (KEYS: its hash, its `:done` hash, its `:phones` list; ARGV: now, how
+/// long to keep it in ms, the dispatcher's fencing token): marked completed, its numbers
+/// dropped, its report and outcomes kept that long. Nothing on a campaign that is gone,
+/// completed, or written to by a newer dispatcher. 1 when completed.
 static COMPLETE: LazyLock<redis::Script> = LazyLock::new(|| {
-    redis::Script::new(
+    redis::Script::new(&format!(
+        "{FENCED}{}",
         r"
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'completed' then
+if not status or status == 'completed' or not fenced(KEYS[1], ARGV[3]) then
   return 0
 end
 redis.call('HSET', KEYS[1], 'status', 'completed', 'completed_ms', ARGV[1])
@@ -54,15 +75,19 @@ redis.call('DEL', KEYS[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return 1
-",
-    )
+"
+    ))
 });
 /// Claims a number of a campaign (KEYS: its hash, its `:done` hash; ARGV: the number, the
-/// claim `claimed:<instance>`), or records its outcome (ARGV: the number, the outcome, `1`):
-/// only on a campaign that exists, so that a late dispatcher never brings back a campaign
-/// that expired, and with the campaign's own expiry. 1 when claimed or recorded.
+/// claim `claimed:<instance>`, `0`, the dispatcher's fencing token), or records its outcome
+/// (ARGV: the number, the outcome, `1`): only on a campaign that exists, so that a late
+/// dispatcher never brings back a campaign that expired, and with the campaign's own expiry.
+/// 1 when claimed or recorded; -1 when a newer dispatcher has written (a claim only: an
+/// outcome is what happened to a number this dispatcher claimed, and is kept whoever
+/// dispatches now).
 static DECIDE: LazyLock<redis::Script> = LazyLock::new(|| {
-    redis::Script::new(
+    redis::Script::new(&format!(
+        "{FENCED}{}",
         r"
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
@@ -72,6 +97,8 @@ if ARGV[3] == '1' then
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
   redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
   done = 1
+elseif not fenced(KEYS[1], ARGV[4]) then
+  return -1
 else
   done = redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
 end
@@ -80,8 +107,8 @@ if ttl > 0 and redis.call('PTTL', KEYS[2]) == -1 then
   redis.call('PEXPIRE', KEYS[2], ttl)
 end
 return done
-",
-    )
+"
+    ))
 });
 /// Gives back a number a dispatcher claimed and did not send (KEYS[1]: the campaign's `:done`
 /// hash; ARGV: the number, the claim `claimed:<instance>`): only that claim, never an outcome
@@ -150,6 +177,18 @@ impl Outcome {
     ];
 }
 
+/// What became of a dispatcher's claim on a number of a campaign.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// The number is this dispatcher's to send.
+    Claimed,
+    /// Another dispatcher claimed it, it has an outcome, or the campaign is gone: skip it.
+    Taken,
+    /// A dispatcher with a larger fencing token has written to the campaign: this one's lease
+    /// ran out (a pause, a partition) and another replica took over. Stop.
+    Superseded,
+}
+
 /// A campaign's definition and progress.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Campaign {
@@ -166,6 +205,9 @@ pub struct Campaign {
     /// retried, so never messaged twice). Known once the campaign completes.
     pub unknown: u64,
     pub dispatcher: Option<String>,
+    /// The fencing token of the newest dispatcher that wrote to it (0 before any): the
+    /// campaign refuses the claims, progress and completion of any older one.
+    pub fence: u64,
     pub created_ms: u64,
     pub completed_ms: Option<u64>,
     #[serde(skip)]
@@ -229,13 +271,15 @@ pub trait Shared: Send + Sync + 'static {
         from: u64,
         count: u64,
     ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
-    /// Takes a number of a campaign for sending; false if someone already took it.
+    /// Takes a number of a campaign for sending, for the dispatcher holding the campaign's
+    /// lock with fencing token `fence`.
     fn campaign_claim(
         &self,
         id: &str,
         phone: &str,
         instance: &str,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+        fence: u64,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
     /// Gives back a number this replica claimed and did not send (the store failed before the
     /// send): whoever dispatches the campaign next sends it.
     fn campaign_unclaim(
@@ -244,26 +288,34 @@ pub trait Shared: Send + Sync + 'static {
         phone: &str,
         instance: &str,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Records what happened to a number: whoever dispatches the campaign now (not fenced: a
+    /// message sent is sent, and its outcome is kept).
     fn campaign_record(
         &self,
         id: &str,
         phone: &str,
         outcome: Outcome,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Moves the campaign's cursor forward to `cursor`, for the dispatcher with fencing token
+    /// `fence`. False when nothing was written: the cursor was already there or past it, the
+    /// campaign is completed or gone, or a newer dispatcher has written (this one stops).
     fn campaign_progress(
         &self,
         id: &str,
         cursor: u64,
         dispatcher: &str,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+        fence: u64,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
     /// Marks a campaign completed, drops its numbers, and keeps its report (and which numbers
     /// had what outcome, so that a late dispatcher sends none again) for `keep_for`; then it
-    /// is gone. Nothing on a campaign that is gone or already completed.
+    /// is gone. Nothing (false) on a campaign that is gone, already completed, or written to by
+    /// a dispatcher with a larger fencing token than `fence`.
     fn campaign_complete(
         &self,
         id: &str,
         keep_for: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+        fence: u64,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 }
 
 fn optout_params() -> BloomParams {
@@ -294,6 +346,8 @@ impl std::fmt::Debug for MemoryShared {
 
 struct MemoryCampaign {
     campaign: Campaign,
+    /// The fencing rule of its dispatchers (`campaign.fence` shows its highest token).
+    fence: FenceCheck,
     phones: Vec<String>,
     done: HashMap<String, Option<Outcome>>,
     /// When a completed campaign is gone (ms since the epoch).
@@ -314,6 +368,15 @@ fn live_campaign<'a>(
         return None;
     }
     campaigns.get_mut(id)
+}
+
+impl MemoryCampaign {
+    /// Whether the dispatcher with fencing token `fence` may write (see [`FenceCheck`]).
+    fn admit(&mut self, fence: u64) -> bool {
+        let admitted = self.fence.admit(fence).is_ok();
+        self.campaign.fence = self.fence.highest();
+        admitted
+    }
 }
 
 impl MemoryShared {
@@ -428,6 +491,7 @@ impl Shared for MemoryShared {
             campaign.id.clone(),
             MemoryCampaign {
                 campaign: campaign.clone(),
+                fence: FenceCheck::starting_at(campaign.fence),
                 phones: phones.to_vec(),
                 done: HashMap::new(),
                 expires_ms: None,
@@ -475,17 +539,21 @@ impl Shared for MemoryShared {
         id: &str,
         phone: &str,
         _instance: &str,
-    ) -> Result<bool, StoreError> {
+        fence: u64,
+    ) -> Result<Claim, StoreError> {
         let mut campaigns = locked(&self.campaigns);
         let Some(c) = live_campaign(&mut campaigns, id) else {
-            return Ok(false);
+            return Ok(Claim::Taken);
         };
+        if !c.admit(fence) {
+            return Ok(Claim::Superseded);
+        }
         if c.done.contains_key(phone) {
-            return Ok(false);
+            return Ok(Claim::Taken);
         }
         c.done.insert(phone.to_owned(), None);
         c.campaign.claimed += 1;
-        Ok(true)
+        Ok(Claim::Claimed)
     }
 
     async fn campaign_unclaim(
@@ -523,22 +591,36 @@ impl Shared for MemoryShared {
         id: &str,
         cursor: u64,
         dispatcher: &str,
-    ) -> Result<(), StoreError> {
-        // As the Redis store: only forward, never on a completed campaign.
-        if let Some(c) = live_campaign(&mut locked(&self.campaigns), id) {
-            if c.campaign.status != "completed" && cursor > c.campaign.cursor {
-                c.campaign.cursor = cursor;
-                c.campaign.status = "running".into();
-                c.campaign.dispatcher = Some(dispatcher.to_owned());
-            }
+        fence: u64,
+    ) -> Result<bool, StoreError> {
+        // As the Redis store: only forward, never on a completed campaign, never for a
+        // superseded dispatcher.
+        let mut campaigns = locked(&self.campaigns);
+        let Some(c) = live_campaign(&mut campaigns, id) else {
+            return Ok(false);
+        };
+        if c.campaign.status == "completed" || cursor <= c.campaign.cursor || !c.admit(fence) {
+            return Ok(false);
         }
-        Ok(())
+        c.campaign.cursor = cursor;
+        c.campaign.status = "running".into();
+        c.campaign.dispatcher = Some(dispatcher.to_owned());
+        Ok(true)
     }
 
-    async fn campaign_complete(&self, id: &str, keep_for: Duration) -> Result<(), StoreError> {
+    async fn campaign_complete(
+        &self,
+        id: &str,
+        keep_for: Duration,
+        fence: u64,
+    ) -> Result<bool, StoreError> {
         let mut campaigns = locked(&self.campaigns);
-        if let Some(c) = live_campaign(&mut campaigns, id)
-            && c.campaign.status != "completed"
+        let Some(c) = live_campaign(&mut campaigns, id) else {
+            return Ok(false);
+        };
+        if c.campaign.status == "completed" || !c.admit(fence) {
+            return Ok(false);
+        }
         {
             c.phones = Vec::new();
             c.expires_ms = Some(now_ms().saturating_add(duration_ms(keep_for)));
@@ -547,7 +629,7 @@ impl Shared for MemoryShared {
             k.completed_ms = Some(now_ms());
             k.unknown = k.claimed - (k.sent + k.limited + k.opted_out + k.failed).min(k.claimed);
         }
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -809,16 +891,18 @@ impl RedisShared {
         format!("{}:campaign:{{{id}}}{suffix}", self.prefix)
     }
 
-    /// Claims a number (`value`: the claim) or records its outcome (`record`) with
-    /// [`DECIDE`]; whether it was claimed (a record: whether the campaign exists).
+    /// Claims a number (`value`: the claim, `fence`: the dispatcher's fencing token) or
+    /// records its outcome (`value`: the outcome, no token) with [`DECIDE`]: 1 when claimed
+    /// (a record: when the campaign exists), -1 when superseded, 0 otherwise.
     async fn decide(
         &self,
         id: &str,
         phone: &str,
         value: &str,
-        record: bool,
-    ) -> Result<bool, StoreError> {
+        claim_with: Option<u64>,
+    ) -> Result<i64, StoreError> {
         let keys = [self.campaign_key(id, ""), self.campaign_key(id, ":done")];
+        let fence = claim_with.unwrap_or(0).to_string();
         let decided = self
             .conn
             .invoke_script(
@@ -827,12 +911,18 @@ impl RedisShared {
                 &[
                     phone.as_bytes(),
                     value.as_bytes(),
-                    if record { b"1" } else { b"0" },
+                    if claim_with.is_some() { b"0" } else { b"1" },
+                    fence.as_bytes(),
                 ],
             )
             .await
             .map_err(err)?;
-        Ok(matches!(decided, redis::Value::Int(1)))
+        match decided {
+            redis::Value::Int(n) => Ok(n),
+            other => Err(StoreError(format!(
+                "campaign {id}: unexpected reply to a claim or outcome: {other:?}"
+            ))),
+        }
     }
 
     async fn query<T: redis::FromRedisValue>(&self, cmd: redis::Cmd) -> Result<T, StoreError> {
@@ -968,6 +1058,7 @@ impl Shared for RedisShared {
             failed: num("failed"),
             unknown: 0,
             dispatcher: fields.get("dispatcher").cloned(),
+            fence: num("fence"),
             created_ms: num("created_ms"),
             completed_ms: fields.get("completed_ms").and_then(|v| v.parse().ok()),
             text: fields.get("text").cloned().unwrap_or_default(),
@@ -1004,9 +1095,14 @@ impl Shared for RedisShared {
         id: &str,
         phone: &str,
         instance: &str,
-    ) -> Result<bool, StoreError> {
+        fence: u64,
+    ) -> Result<Claim, StoreError> {
         let claim = format!("claimed:{instance}");
-        self.decide(id, phone, &claim, false).await
+        Ok(match self.decide(id, phone, &claim, Some(fence)).await? {
+            1 => Claim::Claimed,
+            -1 => Claim::Superseded,
+            _ => Claim::Taken,
+        })
     }
 
     async fn campaign_unclaim(
@@ -1034,7 +1130,7 @@ impl Shared for RedisShared {
         phone: &str,
         outcome: Outcome,
     ) -> Result<(), StoreError> {
-        self.decide(id, phone, outcome.as_str(), true).await?;
+        self.decide(id, phone, outcome.as_str(), None).await?;
         Ok(())
     }
 
@@ -1043,50 +1139,79 @@ impl Shared for RedisShared {
         id: &str,
         cursor: u64,
         dispatcher: &str,
-    ) -> Result<(), StoreError> {
+        fence: u64,
+    ) -> Result<bool, StoreError> {
         // A dispatcher that lost its lock may still be running: its progress never moves the
-        // cursor back nor reopens a completed campaign.
+        // cursor back nor reopens a completed campaign, and is refused once a newer
+        // dispatcher has written.
         let key = self.campaign_key(id, "");
-        let cursor = cursor.to_string();
-        self.conn
+        let (cursor, fence) = (cursor.to_string(), fence.to_string());
+        let written = self
+            .conn
             .invoke_script(
                 &PROGRESS,
                 &[key.as_bytes()],
-                &[cursor.as_bytes(), dispatcher.as_bytes()],
+                &[cursor.as_bytes(), dispatcher.as_bytes(), fence.as_bytes()],
             )
             .await
             .map_err(err)?;
-        Ok(())
+        Ok(matches!(written, redis::Value::Int(1)))
     }
 
-    async fn campaign_complete(&self, id: &str, keep_for: Duration) -> Result<(), StoreError> {
+    async fn campaign_complete(
+        &self,
+        id: &str,
+        keep_for: Duration,
+        fence: u64,
+    ) -> Result<bool, StoreError> {
         let keys = [
             self.campaign_key(id, ""),
             self.campaign_key(id, ":done"),
             self.campaign_key(id, ":phones"),
         ];
-        let (now, keep) = (
+        let (now, keep, fence) = (
             now_ms().to_string(),
             duration_ms(keep_for).max(1).to_string(),
+            fence.to_string(),
         );
-        self.conn
+        let completed = self
+            .conn
             .invoke_script(
                 &COMPLETE,
                 &keys.each_ref().map(|k| k.as_bytes()),
-                &[now.as_bytes(), keep.as_bytes()],
+                &[now.as_bytes(), keep.as_bytes(), fence.as_bytes()],
             )
             .await
             .map_err(err)?;
+        if !matches!(completed, redis::Value::Int(1)) {
+            return Ok(false);
+        }
         let mut done = redis::cmd("SREM");
         done.arg(self.key(&["campaigns", "pending"])).arg(id);
         let _: i64 = self.query(done).await?;
-        Ok(())
+        Ok(true)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether the dispatcher with fencing token 1 claims `phone` (`what`: the call, for a
+    /// failure).
+    async fn claimed<S: Shared>(
+        store: &S,
+        id: &str,
+        phone: &str,
+        instance: &str,
+        what: &str,
+    ) -> bool {
+        store
+            .campaign_claim(id, phone, instance, 1)
+            .await
+            .expect(what)
+            == Claim::Claimed
+    }
 
     /// Creates pending campaign `id` of `phones`.
     async fn create<S: Shared>(store: &S, id: &str, phones: &[&str]) {
@@ -1113,14 +1238,18 @@ mod tests {
             &["+8613800000001", "+8613800000002", "+8613800000003"],
         )
         .await;
-        store
-            .campaign_progress("c1", 2, "b")
-            .await
-            .expect("progress");
-        store
-            .campaign_progress("c1", 1, "a")
-            .await
-            .expect("stale progress");
+        assert!(
+            store
+                .campaign_progress("c1", 2, "b", 1)
+                .await
+                .expect("progress")
+        );
+        assert!(
+            !store
+                .campaign_progress("c1", 1, "a", 1)
+                .await
+                .expect("stale progress")
+        );
         let c = store
             .campaign_get("c1")
             .await
@@ -1131,19 +1260,25 @@ mod tests {
             (2, "running", Some("b"))
         );
         // No campaign: nothing is written.
-        store
-            .campaign_progress("c2", 1, "a")
-            .await
-            .expect("progress");
+        assert!(
+            !store
+                .campaign_progress("c2", 1, "a", 1)
+                .await
+                .expect("progress")
+        );
         assert!(store.campaign_get("c2").await.expect("get").is_none());
-        store
-            .campaign_complete("c1", Duration::from_secs(60))
-            .await
-            .expect("complete");
-        store
-            .campaign_progress("c1", 3, "a")
-            .await
-            .expect("late progress");
+        assert!(
+            store
+                .campaign_complete("c1", Duration::from_secs(60), 1)
+                .await
+                .expect("complete")
+        );
+        assert!(
+            !store
+                .campaign_progress("c1", 3, "a", 1)
+                .await
+                .expect("late progress")
+        );
         let c = store
             .campaign_get("c1")
             .await
@@ -1151,6 +1286,98 @@ mod tests {
             .expect("stored");
         assert_eq!(c.status, "completed", "{c:?}");
         assert!(store.campaigns_pending().await.expect("pending").is_empty());
+    }
+
+    /// A dispatcher whose lease ran out while it kept running (a pause) and a newer one: once
+    /// the newer one has written, the older one's claims, progress and completion are refused;
+    /// the outcome of a number it had claimed before is still recorded.
+    async fn a_superseded_dispatcher_writes_nothing<S: Shared>(store: &S) {
+        let (a, b, c) = ("+8613800000031", "+8613800000032", "+8613800000033");
+        create(store, "f1", &[a, b, c]).await;
+        let claim = |phone, instance, fence| store.campaign_claim("f1", phone, instance, fence);
+        assert_eq!(claim(a, "old", 5).await.expect("claim"), Claim::Claimed);
+        assert!(
+            store
+                .campaign_progress("f1", 1, "old", 5)
+                .await
+                .expect("progress")
+        );
+        // The newer dispatcher takes over and writes.
+        assert_eq!(claim(b, "new", 6).await.expect("claim"), Claim::Claimed);
+        // The older one wakes up.
+        assert_eq!(claim(c, "old", 5).await.expect("claim"), Claim::Superseded);
+        assert!(
+            !store
+                .campaign_progress("f1", 2, "old", 5)
+                .await
+                .expect("progress")
+        );
+        assert!(
+            !store
+                .campaign_complete("f1", Duration::from_secs(60), 5)
+                .await
+                .expect("complete")
+        );
+        // What happened to its number is kept.
+        store
+            .campaign_record("f1", a, Outcome::Sent)
+            .await
+            .expect("record");
+        let got = store
+            .campaign_get("f1")
+            .await
+            .expect("get")
+            .expect("stored");
+        assert_eq!(
+            (
+                got.status.as_str(),
+                got.cursor,
+                got.claimed,
+                got.sent,
+                got.fence
+            ),
+            ("running", 1, 2, 1, 6),
+            "{got:?}"
+        );
+        // The newer one goes on: its token is admitted again, as is a later holder's.
+        assert_eq!(claim(c, "new", 6).await.expect("claim"), Claim::Claimed);
+        assert!(
+            store
+                .campaign_progress("f1", 3, "new", 6)
+                .await
+                .expect("progress")
+        );
+        assert!(
+            store
+                .campaign_complete("f1", Duration::from_secs(60), 6)
+                .await
+                .expect("complete")
+        );
+        let got = store
+            .campaign_get("f1")
+            .await
+            .expect("get")
+            .expect("stored");
+        assert_eq!(
+            (got.status.as_str(), got.claimed),
+            ("completed", 3),
+            "{got:?}"
+        );
+        assert!(store.campaigns_pending().await.expect("pending").is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_superseded_dispatcher_writes_nothing_in_memory() {
+        a_superseded_dispatcher_writes_nothing(&MemoryShared::new().expect("store")).await;
+    }
+
+    #[tokio::test]
+    async fn a_superseded_dispatcher_writes_nothing_in_redis() {
+        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
+        let store = RedisShared::connect(&server.url(), "fenced")
+            .await
+            .expect("connect");
+        a_superseded_dispatcher_writes_nothing(&store).await;
     }
 
     #[tokio::test]
@@ -1163,7 +1390,7 @@ mod tests {
     async fn unclaimed_numbers_are_claimed_again<S: Shared>(store: &S) {
         let (a, b) = ("+8613800000011", "+8613800000012");
         create(store, "u1", &[a, b]).await;
-        assert!(store.campaign_claim("u1", a, "x").await.expect("claim"));
+        assert!(claimed(store, "u1", a, "x", "claim").await);
         store.campaign_unclaim("u1", a, "x").await.expect("unclaim");
         let c = store
             .campaign_get("u1")
@@ -1171,19 +1398,14 @@ mod tests {
             .expect("get")
             .expect("stored");
         assert_eq!(c.claimed, 0, "{c:?}");
-        assert!(
-            store
-                .campaign_claim("u1", a, "y")
-                .await
-                .expect("claim again")
-        );
+        assert!(claimed(store, "u1", a, "y", "claim again").await);
         store
             .campaign_record("u1", a, Outcome::Sent)
             .await
             .expect("record");
         store.campaign_unclaim("u1", a, "y").await.expect("unclaim");
-        assert!(!store.campaign_claim("u1", a, "z").await.expect("claim"));
-        assert!(store.campaign_claim("u1", b, "y").await.expect("claim"));
+        assert!(!claimed(store, "u1", a, "z", "claim").await);
+        assert!(claimed(store, "u1", b, "y", "claim").await);
         let c = store
             .campaign_get("u1")
             .await
@@ -1280,13 +1502,16 @@ mod tests {
     async fn completed_campaigns_are_kept_for_their_retention<S: Shared>(store: &S) {
         let (a, b) = ("+8613800000021", "+8613800000022");
         create(store, "r1", &[a, b]).await;
-        assert!(store.campaign_claim("r1", a, "x").await.expect("claim"));
+        assert!(claimed(store, "r1", a, "x", "claim").await);
         store
             .campaign_record("r1", a, Outcome::Sent)
             .await
             .expect("record");
         let keep = Duration::from_millis(600);
-        store.campaign_complete("r1", keep).await.expect("complete");
+        store
+            .campaign_complete("r1", keep, 1)
+            .await
+            .expect("complete");
         let c = store.campaign_get("r1").await.expect("get").expect("kept");
         assert_eq!((c.status.as_str(), c.sent, c.claimed), ("completed", 1, 1));
         // Its numbers are dropped; its outcomes kept: a late dispatcher sends `a` no more.
@@ -1297,22 +1522,24 @@ mod tests {
                 .expect("phones")
                 .is_empty()
         );
-        assert!(!store.campaign_claim("r1", a, "late").await.expect("claim"));
+        assert!(!claimed(store, "r1", a, "late", "claim").await);
         // Completing again changes nothing (a second dispatcher does not extend it).
-        store
-            .campaign_complete("r1", Duration::from_secs(3600))
-            .await
-            .expect("complete again");
+        assert!(
+            !store
+                .campaign_complete("r1", Duration::from_secs(3600), 1)
+                .await
+                .expect("complete again")
+        );
         tokio::time::sleep(keep + Duration::from_millis(200)).await;
         assert!(store.campaign_get("r1").await.expect("get").is_none());
         // A late dispatcher's writes do not bring it back.
-        assert!(!store.campaign_claim("r1", b, "late").await.expect("claim"));
+        assert!(!claimed(store, "r1", b, "late", "claim").await);
         store
             .campaign_record("r1", b, Outcome::Sent)
             .await
             .expect("record");
         store
-            .campaign_progress("r1", 2, "late")
+            .campaign_progress("r1", 2, "late", 1)
             .await
             .expect("progress");
         assert!(store.campaign_get("r1").await.expect("get").is_none());
@@ -1359,7 +1586,7 @@ mod tests {
         // Another replica's claim stays.
         assert!(
             store
-                .campaign_claim("u1", "+8613800000099", "y")
+                .campaign_claim("u1", "+8613800000099", "y", 1)
                 .await
                 .is_ok()
         );
@@ -1376,12 +1603,7 @@ mod tests {
             .campaign_unclaim("u1", "+8613800000013", "y")
             .await
             .expect("unclaim");
-        assert!(
-            !store
-                .campaign_claim("u1", "+8613800000013", "y")
-                .await
-                .expect("claim")
-        );
+        assert!(!claimed(&store, "u1", "+8613800000013", "y", "claim").await);
     }
 
     #[tokio::test]
