@@ -254,11 +254,11 @@ async fn killing_the_dispatching_replica_mid_campaign_still_completes_it_once() 
 
     // Wait until a replica is well into it, then kill that one.
     let deadline = Instant::now() + Duration::from_secs(60);
-    let dispatcher = loop {
+    let (dispatcher, fence) = loop {
         let p = http.get(&a.url(&format!("/v1/campaigns/{id}"))).await.body;
         if p["claimed"].as_u64().unwrap_or(0) >= 200 {
-            if let Some(d) = p["dispatcher"].as_str() {
-                break d.to_owned();
+            if let (Some(d), Some(f)) = (p["dispatcher"].as_str(), p["fence"].as_u64()) {
+                break (d.to_owned(), f);
             }
         }
         assert!(Instant::now() < deadline, "the campaign did not start: {p}");
@@ -278,6 +278,11 @@ async fn killing_the_dispatching_replica_mid_campaign_still_completes_it_once() 
         progress["dispatcher"],
         survivor.instance.as_str(),
         "{progress}"
+    );
+    // The survivor wrote with its own, larger, fencing token: the dead one's are refused.
+    assert!(
+        progress["fence"].as_u64().expect("fence") > fence && fence > 0,
+        "{progress} after {fence}"
     );
     assert_eq!(progress["total"], 2_000);
     // A number the dead replica claimed but did not record is never retried: at most one.
