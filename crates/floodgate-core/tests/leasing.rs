@@ -379,3 +379,56 @@ async fn a_hot_limit_beside_cold_ones_takes_no_lease_it_cannot_spend() {
     // (Refilled since by as much as the store's own clock has run, a moment.)
     assert!(left >= 100_000 - 400, "{left} left");
 }
+
+/// A hot key the store refuses a lease (fewer units left than a lease) is not asked for one
+/// again at each check: for a lease period its checks cost the store one call each, not two,
+/// and then a lease is asked for again.
+#[tokio::test]
+async fn a_refused_lease_is_not_asked_for_again_at_each_check() {
+    use floodgate_core::{ManualClock, Timestamp};
+    // Leases of 20 units; 2,010 in the hour: a hundred leases, then 10 units left.
+    let policy = Policy::fixed_window(2_010, Duration::from_secs(3_600)).expect("valid");
+    let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
+    let store = store();
+    let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
+    let check = [Check::new(b"hot", &policy)];
+    let mut admitted = 0;
+    let mut denied = 0;
+    while denied < 40 {
+        let v = leasing
+            .check(&check, CheckOptions::default())
+            .await
+            .expect("check");
+        if v.allowed() {
+            admitted += 1;
+        } else {
+            denied += 1;
+        }
+        assert!(admitted + denied < 10_000, "never denied");
+    }
+    assert_eq!(admitted, 2_010);
+    // Leased, but for the checks before the key was hot and the units left.
+    assert!(leasing.stats().leases >= 90, "{:?}", leasing.stats());
+    // Refused a lease when fewer than 20 units were left: denied since, each check costing
+    // one store call.
+    let before = store.calls.load(Ordering::Relaxed);
+    for _ in 0..20 {
+        let v = leasing
+            .check(&check, CheckOptions::default())
+            .await
+            .expect("check");
+        assert!(!v.allowed());
+    }
+    assert_eq!(store.calls.load(Ordering::Relaxed) - before, 20);
+    // A lease period later, a lease is asked for once more (and refused again).
+    clock.advance(LeasingConfig::default().lease_for);
+    let before = store.calls.load(Ordering::Relaxed);
+    for _ in 0..20 {
+        let v = leasing
+            .check(&check, CheckOptions::default())
+            .await
+            .expect("check");
+        assert!(!v.allowed());
+    }
+    assert_eq!(store.calls.load(Ordering::Relaxed) - before, 21);
+}

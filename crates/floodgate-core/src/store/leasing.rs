@@ -128,6 +128,10 @@ struct Local {
     /// Checks seen in the current counting period, and when that period started.
     seen: u32,
     period_start: u64,
+    /// Until when (local clock, µs) no lease is asked for: the store refused one (the key is
+    /// near or over its limit), and asking again at each check would cost a second store call
+    /// per check, one at a time behind the lease mutex.
+    no_lease_until: u64,
 }
 
 impl Local {
@@ -142,6 +146,7 @@ impl Local {
             store_at: now,
             seen: 0,
             period_start: now,
+            no_lease_until: 0,
         }
     }
 
@@ -194,6 +199,10 @@ struct Shared<C> {
 /// funnel, token bucket, fixed and sliding windows, sliding log), and only when `n` would be at
 /// least [`LeasingConfig::min_units`]: a limit of 20 per minute is never leased. Concurrency
 /// limits and shapers always go to the store, as do checks with an injected time.
+///
+/// A key the store refuses a lease (it has fewer units left than a lease, or none) is not asked
+/// for one again until the store says a lease's units may be free, and for at most a lease
+/// period: meanwhile its checks go to the store one call each, as without leasing.
 pub struct Leasing<L, C = SystemClock> {
     inner: L,
     shared: Arc<Shared<C>>,
@@ -326,7 +335,7 @@ impl<L, C: Clock> Leasing<L, C> {
             }
             if local.units < c.cost {
                 enough = false;
-                if local.seen >= cfg.hot_after {
+                if local.seen >= cfg.hot_after && now >= local.no_lease_until {
                     hot_without_units.push(i);
                 } else {
                     cold_without_units = true;
@@ -434,6 +443,21 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
                 continue;
             };
             if !verdict.allowed() {
+                // Not asked again before `n` units may be free, nor within a lease period:
+                // meanwhile the key's checks go to the store as they are.
+                let lease_for = self.shared.cfg.lease_for;
+                let back_off = verdict
+                    .decisions
+                    .first()
+                    .and_then(|d| d.retry_after)
+                    .map_or(lease_for, |r| r.min(lease_for));
+                let now = self.shared.clock.now().as_micros();
+                if let Some(slot) =
+                    map.lock(map.shard_of(hash))
+                        .find_mut(hash, c.policy.ident(), c.key)
+                {
+                    slot.value.no_lease_until = now + duration_micros(back_off);
+                }
                 continue;
             }
             let now = self.shared.clock.now().as_micros();
