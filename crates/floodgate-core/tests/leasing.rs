@@ -432,3 +432,51 @@ async fn a_refused_lease_is_not_asked_for_again_at_each_check() {
     }
     assert_eq!(store.calls.load(Ordering::Relaxed) - before, 21);
 }
+
+/// Checks of a hot key that queued for a lease while the store refused one to the first of
+/// them do not ask for one again each: one refused lease, then each check its own store call.
+#[tokio::test]
+async fn checks_queued_behind_a_refused_lease_do_not_ask_again() {
+    use floodgate_core::{ManualClock, Timestamp};
+    // Leases of 20 units; 30 units left, and the key hot after 16 checks.
+    let policy = Policy::fixed_window(2_000, Duration::from_secs(3_600)).expect("valid");
+    let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
+    let store = store();
+    let near = [Check::new(b"hot", &policy).cost(1_970)];
+    assert!(
+        store
+            .check(&near, CheckOptions::default())
+            .await
+            .expect("check")
+            .allowed()
+    );
+    let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
+    let check = [Check::new(b"hot", &policy)];
+    for _ in 0..15 {
+        let v = leasing
+            .check(&check, CheckOptions::default())
+            .await
+            .expect("check");
+        assert!(v.allowed());
+    }
+    // Eight at once, hot, 15 units left: the store takes a while to answer.
+    store.set_delay(Duration::from_millis(5));
+    let before = store.calls.load(Ordering::Relaxed);
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (leasing, policy) = (leasing.clone(), policy.clone());
+            tokio::spawn(async move {
+                leasing
+                    .check(&[Check::new(b"hot", &policy)], CheckOptions::default())
+                    .await
+                    .expect("check")
+                    .allowed()
+            })
+        })
+        .collect();
+    for task in tasks {
+        assert!(task.await.expect("task"));
+    }
+    assert_eq!(store.calls.load(Ordering::Relaxed) - before, 1 + 8);
+    assert_eq!(leasing.stats().leases, 0, "{:?}", leasing.stats());
+}

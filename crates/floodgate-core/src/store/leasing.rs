@@ -159,6 +159,7 @@ impl Local {
         self.decision = verdict.decisions[0];
         self.granted = now;
         self.store_at = verdict.at.as_micros();
+        self.no_lease_until = 0;
         unspent
     }
 }
@@ -427,14 +428,17 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
                 continue;
             };
             let now = self.shared.clock.now().as_micros();
-            // Someone may have leased it while we waited.
+            // Someone may have leased it while we waited, or been refused a lease (the checks
+            // that queued behind that one do not ask again).
             let map = &self.shared.map;
             let hash = map.hash(c.policy.ident(), c.key);
-            let has_units = map
+            let settled = map
                 .lock(map.shard_of(hash))
                 .find(hash, c.policy.ident(), c.key)
-                .is_some_and(|s| s.value.units >= c.cost && s.value.until > now);
-            if has_units {
+                .is_some_and(|s| {
+                    (s.value.units >= c.cost && s.value.until > now) || now < s.value.no_lease_until
+                });
+            if settled {
                 continue;
             }
             self.shared.store.fetch_add(1, Ordering::Relaxed);
@@ -442,6 +446,10 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
             let Ok(verdict) = self.inner.check(&lease, CheckOptions::default()).await else {
                 continue;
             };
+            // A store that answers a check with no decision grants nothing.
+            if verdict.decisions.is_empty() {
+                continue;
+            }
             if !verdict.allowed() {
                 // Not asked again before `n` units may be free, nor within a lease period:
                 // meanwhile the key's checks go to the store as they are.
