@@ -17,7 +17,7 @@ use tokio::sync::watch;
 
 use crate::app::{App, GLOBAL_KEY, message_id};
 use crate::provider::OutboundSms;
-use crate::shared::{Campaign, Claim, Outcome, Shared, now_ms};
+use crate::shared::{Campaign, Claim, Completion, Outcome, Progress, Shared, now_ms};
 
 /// How often a replica looks for campaigns that need a dispatcher.
 const POLL: Duration = Duration::from_millis(500);
@@ -85,16 +85,27 @@ async fn dispatch<S: Shared>(
 ) where
     floodgate::lock::Error: From<<S::Locks as LockStore>::Error>,
 {
+    let fence = guard.fence();
     let campaign = match app.shared.campaign_get(id).await {
         Ok(Some(c)) if c.status != "completed" => c,
-        Ok(_) => return,
+        Ok(_) => {
+            // Completed or gone, yet listed as pending (the completion's last step failed):
+            // completing it again takes it off the list and changes nothing else.
+            if let Err(e) = app
+                .shared
+                .campaign_complete(id, app.config.campaign_retention, fence)
+                .await
+            {
+                tracing::warn!(campaign = %id, error = %e, "cannot complete campaign");
+            }
+            return;
+        }
         Err(e) => {
             tracing::warn!(campaign = %id, error = %e, "cannot load campaign");
             return;
         }
     };
     let instance = &app.config.instance_id;
-    let fence = guard.fence();
     let superseded = || {
         tracing::warn!(
             campaign = %id,
@@ -157,7 +168,10 @@ async fn dispatch<S: Shared>(
                 // lease is lost: the next dispatcher may already have passed it, and a claim
                 // left in place is reported as `unknown`, never dropped.
                 if !guard.is_lost()
-                    && let Err(e) = app.shared.campaign_unclaim(id, phone, instance).await
+                    && let Err(e) = app
+                        .shared
+                        .campaign_unclaim(id, phone, instance, fence)
+                        .await
                 {
                     tracing::warn!(campaign = %id, error = %e, "cannot give a number back");
                 }
@@ -177,9 +191,10 @@ async fn dispatch<S: Shared>(
             .campaign_progress(id, cursor, instance, fence)
             .await
         {
-            Ok(true) => {}
-            // Another dispatcher moved it on, or completed it.
-            Ok(false) => return superseded(),
+            // Behind: a dispatcher still admitted then (an older one, before this one's first
+            // write) moved it as far; what is left shows in the next read of its numbers.
+            Ok(Progress::Moved | Progress::Behind) => {}
+            Ok(Progress::Superseded) => return superseded(),
             Err(e) => {
                 tracing::warn!(campaign = %id, error = %e, "cannot record progress");
                 return;
@@ -195,8 +210,9 @@ async fn dispatch<S: Shared>(
         .campaign_complete(id, app.config.campaign_retention, fence)
         .await
     {
-        Ok(true) => tracing::info!(campaign = %id, "campaign completed"),
-        Ok(false) => superseded(),
+        Ok(Completion::Completed) => tracing::info!(campaign = %id, "campaign completed"),
+        Ok(Completion::AlreadyDone) => {}
+        Ok(Completion::Superseded) => superseded(),
         Err(e) => tracing::warn!(campaign = %id, error = %e, "cannot complete campaign"),
     }
 }

@@ -24,16 +24,24 @@ pub const IN_PROGRESS_TTL: Duration = Duration::from_secs(60);
 
 /// The fencing rule over a campaign's hash (as `floodgate::lock::FenceCheck`): `fenced(key,
 /// token)` is false when a dispatcher with a larger token has written; otherwise the token is
-/// the campaign's (`fence`) from now on. Written before every script that uses it.
+/// the campaign's (`fence`) from now on. A stored or given token that is not a number is a
+/// script error, never a fence let down. Written before every script that uses it.
 const FENCED: &str = r"
-local function fenced(key, token)
-  local held = tonumber(redis.call('HGET', key, 'fence') or '0') or 0
-  token = tonumber(token)
+local function fenced(key, arg)
+  local stored = redis.call('HGET', key, 'fence')
+  local held = 0
+  if stored then
+    held = tonumber(stored)
+  end
+  local token = tonumber(arg)
+  if not held or not token then
+    error('campaign fence: not a number (stored ' .. tostring(stored) .. ', given ' .. tostring(arg) .. ')')
+  end
   if token < held then
     return false
   end
   if token > held then
-    redis.call('HSET', key, 'fence', token)
+    redis.call('HSET', key, 'fence', arg)
   end
   return true
 end
@@ -41,7 +49,7 @@ end
 
 /// A campaign's progress (KEYS[1]: its hash; ARGV: cursor, dispatcher, fencing token), written
 /// only when it moves the cursor forward on a campaign that exists, is not completed, and no
-/// newer dispatcher has written to. 1 when written.
+/// newer dispatcher has written to. 1 when written, -1 when superseded, 0 otherwise.
 static PROGRESS: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(&format!(
         "{FENCED}{}",
@@ -50,7 +58,10 @@ local c = redis.call('HMGET', KEYS[1], 'status', 'cursor')
 if not c[1] or c[1] == 'completed' then
   return 0
 end
-if tonumber(ARGV[1]) <= (tonumber(c[2] or '0') or 0) or not fenced(KEYS[1], ARGV[3]) then
+if not fenced(KEYS[1], ARGV[3]) then
+  return -1
+end
+if tonumber(ARGV[1]) <= (tonumber(c[2] or '0') or 0) then
   return 0
 end
 redis.call('HSET', KEYS[1], 'cursor', ARGV[1], 'status', 'running', 'dispatcher', ARGV[2])
@@ -61,14 +72,18 @@ return 1
 /// Completes a campaign (KEYS: its hash, its `:done` hash, its `:phones` list; ARGV: now, how
 /// long to keep it in ms, the dispatcher's fencing token): marked completed, its numbers
 /// dropped, its report and outcomes kept that long. Nothing on a campaign that is gone,
-/// completed, or written to by a newer dispatcher. 1 when completed.
+/// completed, or written to by a newer dispatcher. 1 when completed, -1 when superseded, 0
+/// when gone or completed already.
 static COMPLETE: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(&format!(
         "{FENCED}{}",
         r"
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'completed' or not fenced(KEYS[1], ARGV[3]) then
+if not status or status == 'completed' then
   return 0
+end
+if not fenced(KEYS[1], ARGV[3]) then
+  return -1
 end
 redis.call('HSET', KEYS[1], 'status', 'completed', 'completed_ms', ARGV[1])
 redis.call('DEL', KEYS[3])
@@ -110,18 +125,24 @@ return done
 "
     ))
 });
-/// Gives back a number a dispatcher claimed and did not send (KEYS[1]: the campaign's `:done`
-/// hash; ARGV: the number, the claim `claimed:<instance>`): only that claim, never an outcome
-/// or another replica's claim. 1 when given back.
+/// Gives back a number a dispatcher claimed and did not send (KEYS: the campaign's hash, its
+/// `:done` hash; ARGV: the number, the claim `claimed:<instance>`, the dispatcher's fencing
+/// token): only that claim, never an outcome or another replica's claim, and not once a newer
+/// dispatcher has written (it may have passed the number already: the claim stays, reported as
+/// unknown, rather than the number being neither sent nor reported). 1 when given back.
 static UNCLAIM: LazyLock<redis::Script> = LazyLock::new(|| {
-    redis::Script::new(
+    redis::Script::new(&format!(
+        "{FENCED}{}",
         r"
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
-  return redis.call('HDEL', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 or not fenced(KEYS[1], ARGV[3]) then
+  return 0
+end
+if redis.call('HGET', KEYS[2], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[2], ARGV[1])
 end
 return 0
-",
-    )
+"
+    ))
 });
 
 /// The most idempotency keys kept in memory (the oldest expire first).
@@ -186,6 +207,29 @@ pub enum Claim {
     Taken,
     /// A dispatcher with a larger fencing token has written to the campaign: this one's lease
     /// ran out (a pause, a partition) and another replica took over. Stop.
+    Superseded,
+}
+
+/// What became of a dispatcher's progress on a campaign.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// The cursor moved forward.
+    Moved,
+    /// Nothing written: the cursor was already there or past it (written by a dispatcher that
+    /// was still admitted), or the campaign is completed or gone. Carry on: the next read of
+    /// its numbers says whether anything is left.
+    Behind,
+    /// A dispatcher with a larger fencing token has written to the campaign. Stop.
+    Superseded,
+}
+
+/// What became of a dispatcher's completion of a campaign.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completion {
+    Completed,
+    /// Completed already, or gone.
+    AlreadyDone,
+    /// A dispatcher with a larger fencing token has written to the campaign: it completes it.
     Superseded,
 }
 
@@ -281,12 +325,15 @@ pub trait Shared: Send + Sync + 'static {
         fence: u64,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
     /// Gives back a number this replica claimed and did not send (the store failed before the
-    /// send): whoever dispatches the campaign next sends it.
+    /// send): whoever dispatches the campaign next sends it. Not once a dispatcher with a
+    /// larger fencing token than `fence` has written: it may have passed the number, which
+    /// then stays claimed (reported as unknown).
     fn campaign_unclaim(
         &self,
         id: &str,
         phone: &str,
         instance: &str,
+        fence: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Records what happened to a number: whoever dispatches the campaign now (not fenced: a
     /// message sent is sent, and its outcome is kept).
@@ -297,25 +344,24 @@ pub trait Shared: Send + Sync + 'static {
         outcome: Outcome,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Moves the campaign's cursor forward to `cursor`, for the dispatcher with fencing token
-    /// `fence`. False when nothing was written: the cursor was already there or past it, the
-    /// campaign is completed or gone, or a newer dispatcher has written (this one stops).
+    /// `fence`.
     fn campaign_progress(
         &self,
         id: &str,
         cursor: u64,
         dispatcher: &str,
         fence: u64,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Progress, StoreError>> + Send;
     /// Marks a campaign completed, drops its numbers, and keeps its report (and which numbers
     /// had what outcome, so that a late dispatcher sends none again) for `keep_for`; then it
-    /// is gone. Nothing (false) on a campaign that is gone, already completed, or written to by
-    /// a dispatcher with a larger fencing token than `fence`.
+    /// is gone. Nothing on a campaign that is gone, already completed, or written to by a
+    /// dispatcher with a larger fencing token than `fence`.
     fn campaign_complete(
         &self,
         id: &str,
         keep_for: Duration,
         fence: u64,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Completion, StoreError>> + Send;
 }
 
 fn optout_params() -> BloomParams {
@@ -561,9 +607,11 @@ impl Shared for MemoryShared {
         id: &str,
         phone: &str,
         _instance: &str,
+        fence: u64,
     ) -> Result<(), StoreError> {
         let mut campaigns = locked(&self.campaigns);
         if let Some(c) = live_campaign(&mut campaigns, id)
+            && c.admit(fence)
             && c.done.get(phone) == Some(&None)
         {
             c.done.remove(phone);
@@ -592,20 +640,26 @@ impl Shared for MemoryShared {
         cursor: u64,
         dispatcher: &str,
         fence: u64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Progress, StoreError> {
         // As the Redis store: only forward, never on a completed campaign, never for a
         // superseded dispatcher.
         let mut campaigns = locked(&self.campaigns);
         let Some(c) = live_campaign(&mut campaigns, id) else {
-            return Ok(false);
+            return Ok(Progress::Behind);
         };
-        if c.campaign.status == "completed" || cursor <= c.campaign.cursor || !c.admit(fence) {
-            return Ok(false);
+        if c.campaign.status == "completed" {
+            return Ok(Progress::Behind);
+        }
+        if !c.admit(fence) {
+            return Ok(Progress::Superseded);
+        }
+        if cursor <= c.campaign.cursor {
+            return Ok(Progress::Behind);
         }
         c.campaign.cursor = cursor;
         c.campaign.status = "running".into();
         c.campaign.dispatcher = Some(dispatcher.to_owned());
-        Ok(true)
+        Ok(Progress::Moved)
     }
 
     async fn campaign_complete(
@@ -613,13 +667,16 @@ impl Shared for MemoryShared {
         id: &str,
         keep_for: Duration,
         fence: u64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Completion, StoreError> {
         let mut campaigns = locked(&self.campaigns);
         let Some(c) = live_campaign(&mut campaigns, id) else {
-            return Ok(false);
+            return Ok(Completion::AlreadyDone);
         };
-        if c.campaign.status == "completed" || !c.admit(fence) {
-            return Ok(false);
+        if c.campaign.status == "completed" {
+            return Ok(Completion::AlreadyDone);
+        }
+        if !c.admit(fence) {
+            return Ok(Completion::Superseded);
         }
         {
             c.phones = Vec::new();
@@ -629,7 +686,7 @@ impl Shared for MemoryShared {
             k.completed_ms = Some(now_ms());
             k.unknown = k.claimed - (k.sent + k.limited + k.opted_out + k.failed).min(k.claimed);
         }
-        Ok(true)
+        Ok(Completion::Completed)
     }
 }
 
@@ -1110,14 +1167,15 @@ impl Shared for RedisShared {
         id: &str,
         phone: &str,
         instance: &str,
+        fence: u64,
     ) -> Result<(), StoreError> {
-        let key = self.campaign_key(id, ":done");
-        let claim = format!("claimed:{instance}");
+        let keys = [self.campaign_key(id, ""), self.campaign_key(id, ":done")];
+        let (claim, fence) = (format!("claimed:{instance}"), fence.to_string());
         self.conn
             .invoke_script(
                 &UNCLAIM,
-                &[key.as_bytes()],
-                &[phone.as_bytes(), claim.as_bytes()],
+                &keys.each_ref().map(|k| k.as_bytes()),
+                &[phone.as_bytes(), claim.as_bytes(), fence.as_bytes()],
             )
             .await
             .map_err(err)?;
@@ -1140,7 +1198,7 @@ impl Shared for RedisShared {
         cursor: u64,
         dispatcher: &str,
         fence: u64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Progress, StoreError> {
         // A dispatcher that lost its lock may still be running: its progress never moves the
         // cursor back nor reopens a completed campaign, and is refused once a newer
         // dispatcher has written.
@@ -1155,7 +1213,11 @@ impl Shared for RedisShared {
             )
             .await
             .map_err(err)?;
-        Ok(matches!(written, redis::Value::Int(1)))
+        Ok(match written {
+            redis::Value::Int(1) => Progress::Moved,
+            redis::Value::Int(-1) => Progress::Superseded,
+            _ => Progress::Behind,
+        })
     }
 
     async fn campaign_complete(
@@ -1163,7 +1225,7 @@ impl Shared for RedisShared {
         id: &str,
         keep_for: Duration,
         fence: u64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Completion, StoreError> {
         let keys = [
             self.campaign_key(id, ""),
             self.campaign_key(id, ":done"),
@@ -1183,13 +1245,16 @@ impl Shared for RedisShared {
             )
             .await
             .map_err(err)?;
-        if !matches!(completed, redis::Value::Int(1)) {
-            return Ok(false);
-        }
+        let completion = match completed {
+            redis::Value::Int(1) => Completion::Completed,
+            redis::Value::Int(-1) => return Ok(Completion::Superseded),
+            _ => Completion::AlreadyDone,
+        };
+        // Also when it was done already: a completion whose SREM failed is retried here.
         let mut done = redis::cmd("SREM");
         done.arg(self.key(&["campaigns", "pending"])).arg(id);
         let _: i64 = self.query(done).await?;
-        Ok(true)
+        Ok(completion)
     }
 }
 
@@ -1238,17 +1303,19 @@ mod tests {
             &["+8613800000001", "+8613800000002", "+8613800000003"],
         )
         .await;
-        assert!(
+        assert_eq!(
             store
                 .campaign_progress("c1", 2, "b", 1)
                 .await
-                .expect("progress")
+                .expect("progress"),
+            Progress::Moved
         );
-        assert!(
-            !store
+        assert_eq!(
+            store
                 .campaign_progress("c1", 1, "a", 1)
                 .await
-                .expect("stale progress")
+                .expect("stale progress"),
+            Progress::Behind
         );
         let c = store
             .campaign_get("c1")
@@ -1260,24 +1327,27 @@ mod tests {
             (2, "running", Some("b"))
         );
         // No campaign: nothing is written.
-        assert!(
-            !store
+        assert_eq!(
+            store
                 .campaign_progress("c2", 1, "a", 1)
                 .await
-                .expect("progress")
+                .expect("progress"),
+            Progress::Behind
         );
         assert!(store.campaign_get("c2").await.expect("get").is_none());
-        assert!(
+        assert_eq!(
             store
                 .campaign_complete("c1", Duration::from_secs(60), 1)
                 .await
-                .expect("complete")
+                .expect("complete"),
+            Completion::Completed
         );
-        assert!(
-            !store
+        assert_eq!(
+            store
                 .campaign_progress("c1", 3, "a", 1)
                 .await
-                .expect("late progress")
+                .expect("late progress"),
+            Progress::Behind
         );
         let c = store
             .campaign_get("c1")
@@ -1289,79 +1359,86 @@ mod tests {
     }
 
     /// A dispatcher whose lease ran out while it kept running (a pause) and a newer one: once
-    /// the newer one has written, the older one's claims, progress and completion are refused;
-    /// the outcome of a number it had claimed before is still recorded.
+    /// the newer one has written, the older one's claims, progress, completion and give-backs
+    /// are refused; the outcome of a number it had claimed before is still recorded. Progress
+    /// the older one wrote before that leaves the newer one behind, not superseded.
     async fn a_superseded_dispatcher_writes_nothing<S: Shared>(store: &S) {
-        let (a, b, c) = ("+8613800000031", "+8613800000032", "+8613800000033");
-        create(store, "f1", &[a, b, c]).await;
+        let phones = [
+            "+8613800000031",
+            "+8613800000032",
+            "+8613800000033",
+            "+8613800000034",
+        ];
+        let [a, b, c, d] = phones;
+        create(store, "f1", &phones).await;
         let claim = |phone, instance, fence| store.campaign_claim("f1", phone, instance, fence);
-        assert_eq!(claim(a, "old", 5).await.expect("claim"), Claim::Claimed);
-        assert!(
+        let progress =
+            |cursor, instance, fence| store.campaign_progress("f1", cursor, instance, fence);
+        let complete = |fence| store.campaign_complete("f1", Duration::from_secs(60), fence);
+        let get = || async {
             store
-                .campaign_progress("f1", 1, "old", 5)
+                .campaign_get("f1")
                 .await
-                .expect("progress")
+                .expect("get")
+                .expect("stored")
+        };
+        // The older dispatcher, before the newer one writes anything.
+        assert_eq!(claim(a, "old", 5).await.expect("claim"), Claim::Claimed);
+        assert_eq!(
+            progress(1, "old", 5).await.expect("progress"),
+            Progress::Moved
         );
-        // The newer dispatcher takes over and writes.
-        assert_eq!(claim(b, "new", 6).await.expect("claim"), Claim::Claimed);
-        // The older one wakes up.
+        assert_eq!(claim(b, "old", 5).await.expect("claim"), Claim::Claimed);
+        assert_eq!(
+            progress(2, "old", 5).await.expect("progress"),
+            Progress::Moved
+        );
+        // The newer one takes over from the cursor it read (1): behind, and it carries on.
+        assert_eq!(claim(b, "new", 6).await.expect("claim"), Claim::Taken);
+        assert_eq!(
+            progress(2, "new", 6).await.expect("progress"),
+            Progress::Behind
+        );
+        // The older one wakes up: refused, and the number it claimed and did not send stays
+        // claimed (the newer one has passed it: given back, it would be neither sent nor
+        // reported).
         assert_eq!(claim(c, "old", 5).await.expect("claim"), Claim::Superseded);
-        assert!(
-            !store
-                .campaign_progress("f1", 2, "old", 5)
-                .await
-                .expect("progress")
+        assert_eq!(
+            progress(3, "old", 5).await.expect("progress"),
+            Progress::Superseded
         );
-        assert!(
-            !store
-                .campaign_complete("f1", Duration::from_secs(60), 5)
-                .await
-                .expect("complete")
-        );
+        assert_eq!(complete(5).await.expect("complete"), Completion::Superseded);
+        store
+            .campaign_unclaim("f1", b, "old", 5)
+            .await
+            .expect("unclaim");
         // What happened to its number is kept.
         store
             .campaign_record("f1", a, Outcome::Sent)
             .await
             .expect("record");
-        let got = store
-            .campaign_get("f1")
-            .await
-            .expect("get")
-            .expect("stored");
-        assert_eq!(
-            (
-                got.status.as_str(),
-                got.cursor,
-                got.claimed,
-                got.sent,
-                got.fence
-            ),
-            ("running", 1, 2, 1, 6),
-            "{got:?}"
-        );
-        // The newer one goes on: its token is admitted again, as is a later holder's.
-        assert_eq!(claim(c, "new", 6).await.expect("claim"), Claim::Claimed);
-        assert!(
+        let got = get().await;
+        let seen = |c: &Campaign| (c.status.clone(), c.cursor, c.claimed, c.sent, c.fence);
+        assert_eq!(seen(&got), ("running".into(), 2, 2, 1, 6), "{got:?}");
+        // The newer one finishes.
+        for phone in [c, d] {
+            assert_eq!(claim(phone, "new", 6).await.expect("claim"), Claim::Claimed);
             store
-                .campaign_progress("f1", 3, "new", 6)
+                .campaign_record("f1", phone, Outcome::Sent)
                 .await
-                .expect("progress")
-        );
-        assert!(
-            store
-                .campaign_complete("f1", Duration::from_secs(60), 6)
-                .await
-                .expect("complete")
-        );
-        let got = store
-            .campaign_get("f1")
-            .await
-            .expect("get")
-            .expect("stored");
+                .expect("record");
+        }
         assert_eq!(
-            (got.status.as_str(), got.claimed),
-            ("completed", 3),
-            "{got:?}"
+            progress(4, "new", 6).await.expect("progress"),
+            Progress::Moved
+        );
+        assert_eq!(complete(6).await.expect("complete"), Completion::Completed);
+        let got = get().await;
+        assert_eq!(seen(&got), ("completed".into(), 4, 4, 3, 6), "{got:?}");
+        assert_eq!(got.unknown, 1, "{got:?}");
+        assert_eq!(
+            complete(6).await.expect("complete"),
+            Completion::AlreadyDone
         );
         assert!(store.campaigns_pending().await.expect("pending").is_empty());
     }
@@ -1378,6 +1455,13 @@ mod tests {
             .await
             .expect("connect");
         a_superseded_dispatcher_writes_nothing(&store).await;
+        // A corrupted token is an error, not a fence let down.
+        create(&store, "f2", &["+8613800000035"]).await;
+        server
+            .cmd_ok(&["HSET", "fenced:campaign:{f2}", "fence", "garbage"])
+            .expect("HSET");
+        let claimed = store.campaign_claim("f2", "+8613800000035", "x", 1).await;
+        assert!(claimed.is_err(), "{claimed:?}");
     }
 
     #[tokio::test]
@@ -1391,7 +1475,10 @@ mod tests {
         let (a, b) = ("+8613800000011", "+8613800000012");
         create(store, "u1", &[a, b]).await;
         assert!(claimed(store, "u1", a, "x", "claim").await);
-        store.campaign_unclaim("u1", a, "x").await.expect("unclaim");
+        store
+            .campaign_unclaim("u1", a, "x", 1)
+            .await
+            .expect("unclaim");
         let c = store
             .campaign_get("u1")
             .await
@@ -1403,7 +1490,10 @@ mod tests {
             .campaign_record("u1", a, Outcome::Sent)
             .await
             .expect("record");
-        store.campaign_unclaim("u1", a, "y").await.expect("unclaim");
+        store
+            .campaign_unclaim("u1", a, "y", 1)
+            .await
+            .expect("unclaim");
         assert!(!claimed(store, "u1", a, "z", "claim").await);
         assert!(claimed(store, "u1", b, "y", "claim").await);
         let c = store
@@ -1524,11 +1614,12 @@ mod tests {
         );
         assert!(!claimed(store, "r1", a, "late", "claim").await);
         // Completing again changes nothing (a second dispatcher does not extend it).
-        assert!(
-            !store
+        assert_eq!(
+            store
                 .campaign_complete("r1", Duration::from_secs(3600), 1)
                 .await
-                .expect("complete again")
+                .expect("complete again"),
+            Completion::AlreadyDone
         );
         tokio::time::sleep(keep + Duration::from_millis(200)).await;
         assert!(store.campaign_get("r1").await.expect("get").is_none());
@@ -1600,7 +1691,7 @@ mod tests {
             .await
             .expect("HSET");
         store
-            .campaign_unclaim("u1", "+8613800000013", "y")
+            .campaign_unclaim("u1", "+8613800000013", "y", 1)
             .await
             .expect("unclaim");
         assert!(!claimed(&store, "u1", "+8613800000013", "y", "claim").await);

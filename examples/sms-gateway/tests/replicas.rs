@@ -279,7 +279,8 @@ async fn killing_the_dispatching_replica_mid_campaign_still_completes_it_once() 
         survivor.instance.as_str(),
         "{progress}"
     );
-    // The survivor wrote with its own, larger, fencing token: the dead one's are refused.
+    // The survivor writes with its own fencing token, larger than the killed one's (whose
+    // late writes the campaign would refuse: `a_superseded_dispatcher_writes_nothing`).
     assert!(
         progress["fence"].as_u64().expect("fence") > fence && fence > 0,
         "{progress} after {fence}"
