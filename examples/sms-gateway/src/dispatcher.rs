@@ -3,9 +3,9 @@
 //! dispatcher that died runs out.
 //!
 //! A dispatcher can outlive its lease without knowing it (a long pause, a partition from
-//! Redis): its watchdog cannot tell it in time. So every claim, progress and completion it
-//! writes carries the lock's fencing token, and the campaign refuses them once a newer
-//! dispatcher (a larger token) has written: the old one stops at its next write.
+//! Redis): its watchdog cannot tell it in time. So every claim, progress, give-back and
+//! completion it writes carries the lock's fencing token, and the campaign refuses them once a
+//! newer dispatcher (a larger token) has written: the old one stops at its next write.
 
 use std::sync::Arc;
 use std::time::Duration;
