@@ -409,28 +409,24 @@ async fn a_refused_lease_is_not_asked_for_again_at_each_check() {
     assert_eq!(admitted, 2_010);
     // Leased, but for the checks before the key was hot and the units left.
     assert!(leasing.stats().leases >= 90, "{:?}", leasing.stats());
+    // The store calls of 20 more checks, each denied.
+    let twenty_denied = || async {
+        let before = store.calls.load(Ordering::Relaxed);
+        for _ in 0..20 {
+            let v = leasing
+                .check(&check, CheckOptions::default())
+                .await
+                .expect("check");
+            assert!(!v.allowed());
+        }
+        store.calls.load(Ordering::Relaxed) - before
+    };
     // Refused a lease when fewer than 20 units were left: denied since, each check costing
     // one store call.
-    let before = store.calls.load(Ordering::Relaxed);
-    for _ in 0..20 {
-        let v = leasing
-            .check(&check, CheckOptions::default())
-            .await
-            .expect("check");
-        assert!(!v.allowed());
-    }
-    assert_eq!(store.calls.load(Ordering::Relaxed) - before, 20);
+    assert_eq!(twenty_denied().await, 20);
     // A lease period later, a lease is asked for once more (and refused again).
     clock.advance(LeasingConfig::default().lease_for);
-    let before = store.calls.load(Ordering::Relaxed);
-    for _ in 0..20 {
-        let v = leasing
-            .check(&check, CheckOptions::default())
-            .await
-            .expect("check");
-        assert!(!v.allowed());
-    }
-    assert_eq!(store.calls.load(Ordering::Relaxed) - before, 21);
+    assert_eq!(twenty_denied().await, 21);
 }
 
 /// Checks of a hot key that queued for a lease while the store refused one to the first of

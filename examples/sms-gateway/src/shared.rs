@@ -416,6 +416,30 @@ fn live_campaign<'a>(
     campaigns.get_mut(id)
 }
 
+/// Why a campaign takes no progress or completion from a dispatcher.
+enum Shut {
+    /// It is completed, or gone.
+    Done,
+    /// A dispatcher with a larger fencing token has written to it.
+    Superseded,
+}
+
+/// Campaign `id`, open to the progress or completion of the dispatcher with token `fence`.
+fn open_campaign<'a>(
+    campaigns: &'a mut HashMap<String, MemoryCampaign>,
+    id: &str,
+    fence: u64,
+) -> Result<&'a mut MemoryCampaign, Shut> {
+    let c = live_campaign(campaigns, id).ok_or(Shut::Done)?;
+    if c.campaign.status == "completed" {
+        return Err(Shut::Done);
+    }
+    if !c.admit(fence) {
+        return Err(Shut::Superseded);
+    }
+    Ok(c)
+}
+
 impl MemoryCampaign {
     /// Whether the dispatcher with fencing token `fence` may write (see [`FenceCheck`]).
     fn admit(&mut self, fence: u64) -> bool {
@@ -644,15 +668,11 @@ impl Shared for MemoryShared {
         // As the Redis store: only forward, never on a completed campaign, never for a
         // superseded dispatcher.
         let mut campaigns = locked(&self.campaigns);
-        let Some(c) = live_campaign(&mut campaigns, id) else {
-            return Ok(Progress::Behind);
+        let c = match open_campaign(&mut campaigns, id, fence) {
+            Ok(c) => c,
+            Err(Shut::Done) => return Ok(Progress::Behind),
+            Err(Shut::Superseded) => return Ok(Progress::Superseded),
         };
-        if c.campaign.status == "completed" {
-            return Ok(Progress::Behind);
-        }
-        if !c.admit(fence) {
-            return Ok(Progress::Superseded);
-        }
         if cursor <= c.campaign.cursor {
             return Ok(Progress::Behind);
         }
@@ -669,23 +689,17 @@ impl Shared for MemoryShared {
         fence: u64,
     ) -> Result<Completion, StoreError> {
         let mut campaigns = locked(&self.campaigns);
-        let Some(c) = live_campaign(&mut campaigns, id) else {
-            return Ok(Completion::AlreadyDone);
+        let c = match open_campaign(&mut campaigns, id, fence) {
+            Ok(c) => c,
+            Err(Shut::Done) => return Ok(Completion::AlreadyDone),
+            Err(Shut::Superseded) => return Ok(Completion::Superseded),
         };
-        if c.campaign.status == "completed" {
-            return Ok(Completion::AlreadyDone);
-        }
-        if !c.admit(fence) {
-            return Ok(Completion::Superseded);
-        }
-        {
-            c.phones = Vec::new();
-            c.expires_ms = Some(now_ms().saturating_add(duration_ms(keep_for)));
-            let k = &mut c.campaign;
-            k.status = "completed".into();
-            k.completed_ms = Some(now_ms());
-            k.unknown = k.claimed - (k.sent + k.limited + k.opted_out + k.failed).min(k.claimed);
-        }
+        c.phones = Vec::new();
+        c.expires_ms = Some(now_ms().saturating_add(duration_ms(keep_for)));
+        let k = &mut c.campaign;
+        k.status = "completed".into();
+        k.completed_ms = Some(now_ms());
+        k.unknown = k.claimed - (k.sent + k.limited + k.opted_out + k.failed).min(k.claimed);
         Ok(Completion::Completed)
     }
 }
@@ -1278,6 +1292,15 @@ mod tests {
             == Claim::Claimed
     }
 
+    /// A Redis server of its own, and a store on it whose keys start with `prefix`.
+    async fn redis_store(prefix: &str) -> (floodgate_testkit::RedisServer, RedisShared) {
+        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
+        let store = RedisShared::connect(&server.url(), prefix)
+            .await
+            .expect("connect");
+        (server, store)
+    }
+
     /// Creates pending campaign `id` of `phones`.
     async fn create<S: Shared>(store: &S, id: &str, phones: &[&str]) {
         let campaign = Campaign {
@@ -1297,26 +1320,20 @@ mod tests {
     /// What a dispatcher that lost its lock (and still runs) may write: nothing that moves a
     /// campaign's cursor back or reopens it.
     async fn stale_progress_is_ignored<S: Shared>(store: &S) {
+        let progress = |id, cursor, dispatcher| async move {
+            store
+                .campaign_progress(id, cursor, dispatcher, 1)
+                .await
+                .expect("progress")
+        };
         create(
             store,
             "c1",
             &["+8613800000001", "+8613800000002", "+8613800000003"],
         )
         .await;
-        assert_eq!(
-            store
-                .campaign_progress("c1", 2, "b", 1)
-                .await
-                .expect("progress"),
-            Progress::Moved
-        );
-        assert_eq!(
-            store
-                .campaign_progress("c1", 1, "a", 1)
-                .await
-                .expect("stale progress"),
-            Progress::Behind
-        );
+        assert_eq!(progress("c1", 2, "b").await, Progress::Moved);
+        assert_eq!(progress("c1", 1, "a").await, Progress::Behind);
         let c = store
             .campaign_get("c1")
             .await
@@ -1327,13 +1344,7 @@ mod tests {
             (2, "running", Some("b"))
         );
         // No campaign: nothing is written.
-        assert_eq!(
-            store
-                .campaign_progress("c2", 1, "a", 1)
-                .await
-                .expect("progress"),
-            Progress::Behind
-        );
+        assert_eq!(progress("c2", 1, "a").await, Progress::Behind);
         assert!(store.campaign_get("c2").await.expect("get").is_none());
         assert_eq!(
             store
@@ -1342,13 +1353,7 @@ mod tests {
                 .expect("complete"),
             Completion::Completed
         );
-        assert_eq!(
-            store
-                .campaign_progress("c1", 3, "a", 1)
-                .await
-                .expect("late progress"),
-            Progress::Behind
-        );
+        assert_eq!(progress("c1", 3, "a").await, Progress::Behind);
         let c = store
             .campaign_get("c1")
             .await
@@ -1450,10 +1455,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_superseded_dispatcher_writes_nothing_in_redis() {
-        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
-        let store = RedisShared::connect(&server.url(), "fenced")
-            .await
-            .expect("connect");
+        let (server, store) = redis_store("fenced").await;
         a_superseded_dispatcher_writes_nothing(&store).await;
         // A corrupted token is an error, not a fence let down.
         create(&store, "f2", &["+8613800000035"]).await;
@@ -1508,10 +1510,7 @@ mod tests {
     /// the filter is complete again, rebuilt in the background or by a replica that starts.
     #[tokio::test]
     async fn a_lost_or_incomplete_opt_out_filter_hides_no_opt_out() {
-        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
-        let store = RedisShared::connect(&server.url(), "optouts")
-            .await
-            .expect("connect");
+        let (server, store) = redis_store("optouts").await;
         let (a, b) = ("+8613800000021", "+8613800000022");
         assert!(store.opt_out(a).await.expect("opt out"));
         let bloom = &store.optouts.bloom;
@@ -1645,10 +1644,7 @@ mod tests {
 
     #[tokio::test]
     async fn completed_campaigns_are_kept_for_their_retention_in_redis() {
-        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
-        let store = RedisShared::connect(&server.url(), "retention")
-            .await
-            .expect("connect");
+        let (_server, store) = redis_store("retention").await;
         completed_campaigns_are_kept_for_their_retention(&store).await;
         // Nothing of it is left in Redis.
         let keys: Vec<String> = store
@@ -1669,10 +1665,7 @@ mod tests {
 
     #[tokio::test]
     async fn unclaimed_numbers_are_claimed_again_in_redis() {
-        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
-        let store = RedisShared::connect(&server.url(), "unclaim")
-            .await
-            .expect("connect");
+        let (_server, store) = redis_store("unclaim").await;
         unclaimed_numbers_are_claimed_again(&store).await;
         // Another replica's claim stays.
         assert!(
@@ -1699,10 +1692,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stale_dispatcher_cannot_reopen_a_campaign_in_redis() {
-        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
-        let store = RedisShared::connect(&server.url(), "stale")
-            .await
-            .expect("connect");
+        let (_server, store) = redis_store("stale").await;
         stale_progress_is_ignored(&store).await;
     }
 
