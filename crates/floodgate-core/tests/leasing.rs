@@ -476,3 +476,48 @@ async fn checks_queued_behind_a_refused_lease_do_not_ask_again() {
     assert_eq!(store.calls.load(Ordering::Relaxed) - before, 1 + 8);
     assert_eq!(leasing.stats().leases, 0, "{:?}", leasing.stats());
 }
+
+/// Leases of different keys are taken side by side: a replica with many hot keys does not ask
+/// for one lease per store round trip, every hot key waiting behind the others'.
+#[tokio::test]
+async fn leases_of_different_keys_are_taken_at_once() {
+    let policy = Policy::per(10_000_000, Duration::from_secs(10)).expect("valid");
+    let store = store();
+    let leasing = Leasing::new(store.clone());
+    let keys: Vec<Vec<u8>> = (0..8).map(|k| format!("hot-{k}").into_bytes()).collect();
+    // Each key seen 16 times in a lease period: hot, and the next check asks for a lease.
+    for key in &keys {
+        for _ in 0..LeasingConfig::default().hot_after {
+            let v = leasing
+                .check(&[Check::new(key, &policy)], CheckOptions::default())
+                .await
+                .expect("check");
+            assert!(v.allowed());
+        }
+    }
+    assert_eq!(leasing.stats().leases, 0, "{:?}", leasing.stats());
+    store.set_delay(Duration::from_millis(50));
+    let tasks: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let (leasing, policy, key) = (leasing.clone(), policy.clone(), key.clone());
+            tokio::spawn(async move {
+                leasing
+                    .check(&[Check::new(&key, &policy)], CheckOptions::default())
+                    .await
+                    .expect("check")
+                    .allowed()
+            })
+        })
+        .collect();
+    for task in tasks {
+        assert!(task.await.expect("task"));
+    }
+    let stats = leasing.stats();
+    assert_eq!(stats.leases, 8, "{stats:?}");
+    assert_eq!(stats.local, 8, "{stats:?}");
+    // Eight keys spread over the lease locks: several leases in the store at once (all eight
+    // unless two keys share a lock). One lock for the replica allowed one.
+    let at_once = store.most_at_once.load(Ordering::Relaxed);
+    assert!(at_once >= 2, "at most {at_once} lease at once");
+}

@@ -130,7 +130,7 @@ struct Local {
     period_start: u64,
     /// Until when (local clock, µs) no lease is asked for: the store refused one (the key is
     /// near or over its limit), and asking again at each check would cost a second store call
-    /// per check, one at a time behind the lease mutex.
+    /// per check, one at a time behind the key's lease lock.
     no_lease_until: u64,
 }
 
@@ -164,12 +164,18 @@ impl Local {
     }
 }
 
+/// Locks that serialise lease taking, by key (see `Shared::taking`).
+const TAKING_STRIPES: usize = 64;
+
 struct Shared<C> {
     map: ShardedMap<Local>,
     clock: C,
     cfg: LeasingConfig,
-    /// Serialises lease taking per limiter: simple, and leases are rare.
-    taking: tokio::sync::Mutex<()>,
+    /// Serialises lease taking per key, striped: two tasks never ask for a lease of one key
+    /// at once, while leases of keys on different stripes are taken side by side (one lock
+    /// for all would let at most one lease per store round trip, for every hot key of the
+    /// replica, queue behind each other).
+    taking: Box<[tokio::sync::Mutex<()>]>,
     local: AtomicU64,
     store: AtomicU64,
     leases: AtomicU64,
@@ -246,7 +252,9 @@ impl<L, C: Clock> Leasing<L, C> {
                 map: ShardedMap::new(cfg.max_keys, 64, OnFull::Reject),
                 clock,
                 cfg,
-                taking: tokio::sync::Mutex::new(()),
+                taking: (0..TAKING_STRIPES)
+                    .map(|_| tokio::sync::Mutex::new(()))
+                    .collect(),
                 local: AtomicU64::new(0),
                 store: AtomicU64::new(0),
                 leases: AtomicU64::new(0),
@@ -421,17 +429,20 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
     /// Takes a lease for each hot check that has a lease size. Denied or failed leases are left
     /// alone: the check then goes to the store as it is.
     async fn take_leases(&self, checks: &[Check<'_>], hot: &[usize]) {
-        let _one_at_a_time = self.shared.taking.lock().await;
+        let map = &self.shared.map;
         for &i in hot {
             let c = &checks[i];
             let Some(n) = self.lease_size(c.policy) else {
                 continue;
             };
+            let hash = map.hash(c.policy.ident(), c.key);
+            // One key's lease at a time: held for this key only, never two at once, so no
+            // order of taking can deadlock.
+            let stripe = (hash >> 32) as usize % self.shared.taking.len();
+            let _one_at_a_time = self.shared.taking[stripe].lock().await;
             let now = self.shared.clock.now().as_micros();
             // Someone may have leased it while we waited, or been refused a lease (the checks
             // that queued behind that one do not ask again).
-            let map = &self.shared.map;
-            let hash = map.hash(c.policy.ident(), c.key);
             let settled = map
                 .lock(map.shard_of(hash))
                 .find(hash, c.policy.ident(), c.key)

@@ -17,6 +17,9 @@ pub struct Store {
     pub inner: MemoryLimiter,
     pub calls: Arc<AtomicU64>,
     pub granted: Arc<AtomicU64>,
+    /// The most calls that were in the store at once.
+    pub most_at_once: Arc<AtomicU64>,
+    in_flight: Arc<AtomicU64>,
     delay_us: Arc<AtomicU64>,
 }
 
@@ -27,6 +30,8 @@ impl Store {
             inner: MemoryLimiter::new(),
             calls: Arc::new(AtomicU64::new(0)),
             granted: Arc::new(AtomicU64::new(0)),
+            most_at_once: Arc::new(AtomicU64::new(0)),
+            in_flight: Arc::new(AtomicU64::new(0)),
             delay_us: Arc::new(AtomicU64::new(0)),
         }
     }
@@ -54,10 +59,13 @@ impl Limiter for Store {
         opts: CheckOptions,
     ) -> Result<Verdict, MemoryError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
+        let at_once = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        self.most_at_once.fetch_max(at_once, Ordering::Relaxed);
         let delay = self.delay_us.load(Ordering::Relaxed);
         if delay > 0 {
             tokio::time::sleep(Duration::from_micros(delay)).await;
         }
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
         let verdict = self.inner.check(checks, opts).await?;
         if verdict.allowed() {
             self.granted
