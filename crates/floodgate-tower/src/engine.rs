@@ -496,9 +496,12 @@ impl Shared {
             error = %e,
             "no rate-limit key"
         );
-        match action {
-            OnMissingKey::Allow => None,
-            other => Some(other),
+        match (action, e) {
+            // A key that is there but too long is the client's doing: let through, padding a
+            // key (an API key the application trims, say) would skip the rule.
+            (OnMissingKey::Allow, KeyError::TooLong { .. }) => Some(&REJECT),
+            (OnMissingKey::Allow, _) => None,
+            (other, _) => Some(other),
         }
     }
 

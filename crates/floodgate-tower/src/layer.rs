@@ -61,7 +61,9 @@ pub enum Mode {
 /// than the maximum, ...).
 ///
 /// An ambiguous key ([`KeyError::Ambiguous`](crate::key::KeyError::Ambiguous), such as a key
-/// header sent twice) is always turned away, whatever this says.
+/// header sent twice) is always turned away, whatever this says. So is a key longer than the
+/// maximum under [`OnMissingKey::Allow`]: the client sent one, and letting it through would let
+/// any client skip the rule by padding its key (with blanks an application trims, say).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OnMissingKey {
@@ -70,7 +72,9 @@ pub enum OnMissingKey {
     Reject,
     /// Let it through: the rule does not apply to it.
     Allow,
-    /// Count it under this key, shared by every keyless request.
+    /// Count it under this key, shared by every keyless request. Choose a key no client can
+    /// send (one the rule's extractor never returns): a client whose own key it is would share
+    /// the keyless requests' bucket.
     UseKey(Key),
 }
 

@@ -230,6 +230,14 @@ async fn missing_keys_follow_the_configured_behaviour() {
         assert_eq!(res.status, StatusCode::OK);
         assert!(res.headers.get("ratelimit").is_none());
     }
+    // But a key that is there and too long is turned away: padded with blanks the application
+    // trims, a client's own key would otherwise skip the rule.
+    let mut padded = b"k1".to_vec();
+    padded.resize(2048, b' ');
+    padded.extend_from_slice(b"x");
+    let res = client.get_with("/", &[("x-api-key", &padded[..])]).await;
+    assert_eq!(res.status, StatusCode::BAD_REQUEST);
+    assert_eq!(res.json()["policy"], "api-key");
     // But a key header sent twice is turned away, whatever the setting: the application may
     // read the first instance while a proxy appended the last.
     let twice = [("x-api-key", &b"k1"[..]), ("x-api-key", &b"k2"[..])];
@@ -301,6 +309,40 @@ async fn rules_apply_per_route_and_method() {
         client.get("/users/3").await.status,
         StatusCode::TOO_MANY_REQUESTS
     );
+}
+
+/// Keyed by route, the requests the router's fallback serves (no route matched) share one key:
+/// they get their 404, not a 400 for want of a route, and made-up paths do not get a bucket
+/// each. Outside a router there is no route at all: the key is missing.
+#[tokio::test]
+async fn route_keys_give_the_router_s_fallback_one_key() {
+    let layer = || {
+        RateLimitLayer::builder(MemoryLimiter::new())
+            .rule(Rule::new(policy(2, 60, "per-route")).key(RouteKey))
+            .build()
+            .expect("layer")
+    };
+    let app = Router::new().route("/a", get(ok)).layer(layer());
+    let client = HttpClient::new(serve(app).await);
+    assert_eq!(client.get("/nowhere-1").await.status, StatusCode::NOT_FOUND);
+    assert_eq!(client.get("/nowhere-2").await.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        client.get("/nowhere-3").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // A matched route has a bucket of its own.
+    assert_eq!(client.get("/a").await.status, StatusCode::OK);
+
+    // The layer around the router, not in it: no route, a missing key (400 by default).
+    use tower::ServiceExt as _;
+    let outside = tower::ServiceBuilder::new()
+        .layer(layer().native_body())
+        .service(Router::new().route("/a", get(ok)));
+    let req = http::Request::get("/a")
+        .body(axum::body::Body::empty())
+        .expect("request");
+    let res = outside.oneshot(req).await.expect("infallible");
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
 }
 
 /// A handler behind the layer that takes `RateLimitInfo` finds one on every request, those no

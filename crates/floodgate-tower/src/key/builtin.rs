@@ -64,7 +64,14 @@ impl KeyExtractor for PeerIp {
 /// Any bytes are accepted (binary, non-UTF-8), without the spaces and tabs around them (HTTP/1
 /// drops them, HTTP/2 does not: `K` and `K ` are one key either way). An absent header is a
 /// missing key and an empty one an invalid key: both follow the layer's
-/// [`OnMissingKey`](crate::OnMissingKey), as does a value longer than its maximum key length.
+/// [`OnMissingKey`](crate::OnMissingKey), as does a value longer than its maximum key length
+/// (turned away under `Allow`).
+///
+/// The key is the value byte for byte. Where the application reads the value loosely, key on
+/// what it reads, with a closure: `Authorization: Bearer T` is one credential however the
+/// scheme is spelt (`bearer`, `BEARER`) or spaced, and keyed as sent each spelling would be a
+/// bucket of its own.
+///
 /// A header sent more than once is [`KeyError::Ambiguous`], always turned away: which
 /// instance a proxy added and which one the client wrote cannot be told apart, and the client
 /// must not pick its own key nor skip the rule.
@@ -230,28 +237,58 @@ pub(crate) fn canonical_path(path: &str) -> Cow<'_, [u8]> {
     Cow::Owned(out)
 }
 
-/// The route pattern axum matched (`/users/{id}`), from `MatchedPath`. Missing when the layer
-/// does not run inside an axum `Router` (add it with `Router::layer` or `route_layer`).
+/// The route pattern axum matched (`/users/{id}`), from `MatchedPath`. A request the router's
+/// fallback serves (no route matched: a 404, a `ServeDir`) is keyed [`RouteKey::FALLBACK`], one
+/// key for every unmatched path, so that a client cannot get a fresh bucket per made-up path.
+/// Missing when the layer does not run inside an axum `Router` (add it with `Router::layer` or
+/// `route_layer`).
 #[cfg(feature = "axum")]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RouteKey;
 
 #[cfg(feature = "axum")]
+impl RouteKey {
+    /// The key of requests no route matched. No route pattern has it: patterns start with `/`.
+    pub const FALLBACK: &'static str = "<fallback>";
+}
+
+#[cfg(feature = "axum")]
 impl KeyExtractor for RouteKey {
     fn extract(&self, req: &RequestView<'_>) -> Result<Key, KeyError> {
-        req.matched_path().map(Key::from).ok_or(KeyError::Missing {
+        if let Some(route) = req.matched_path() {
+            return Ok(Key::from(route));
+        }
+        // A router records every request's original URI before it looks for a route: with
+        // that and no matched route, the router's fallback is serving it.
+        if req
+            .extensions()
+            .get::<axum::extract::OriginalUri>()
+            .is_some()
+        {
+            return Ok(Key::from(RouteKey::FALLBACK));
+        }
+        Err(KeyError::Missing {
             what: "matched route",
         })
     }
 }
 
-/// The request method.
+/// The request method: `GET`, `POST`, ... `HEAD` counts as `GET`, as rules match it
+/// ([`crate::Rule::methods`]) and as axum serves it (with the `GET` handler), and every method
+/// outside the nine of RFC 9110 and RFC 5789 (`PATCH`) is `OTHER`: a client cannot make up
+/// methods (`FOO1`, `FOO2`, `get`, ...) for a fresh bucket each. To tell other methods apart
+/// (WebDAV's `PROPFIND`, say), key with a closure.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MethodKey;
 
 impl KeyExtractor for MethodKey {
     fn extract(&self, req: &RequestView<'_>) -> Result<Key, KeyError> {
-        Ok(Key::from(req.method().as_str()))
+        let name = match req.method().as_str() {
+            "GET" | "HEAD" => "GET",
+            m @ ("POST" | "PUT" | "DELETE" | "PATCH" | "OPTIONS" | "CONNECT" | "TRACE") => m,
+            _ => "OTHER",
+        };
+        Ok(Key::from(name))
     }
 }
 
@@ -432,6 +469,32 @@ mod tests {
         // Padding matters only to binary keys.
         let text = |v: &[u8]| header_key("x-token", &[("x-token", v)]);
         assert_ne!(text(b"a=").expect("key"), text(b"a").expect("key"));
+    }
+
+    #[test]
+    fn method_keys_are_the_standard_methods_head_as_get() {
+        let key = |method: &[u8]| {
+            let req = http::Request::builder()
+                .method(http::Method::from_bytes(method).expect("method"))
+                .uri("/")
+                .body(())
+                .expect("request");
+            let key = MethodKey
+                .extract(&RequestView::from_request(&req))
+                .expect("key");
+            String::from_utf8(key.as_bytes().to_vec()).expect("utf-8")
+        };
+        assert_eq!(key(b"GET"), "GET");
+        assert_eq!(key(b"HEAD"), "GET");
+        for m in [
+            "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "CONNECT", "TRACE",
+        ] {
+            assert_eq!(key(m.as_bytes()), m);
+        }
+        // Made-up methods, and the standard ones in another case, share one key.
+        for m in ["FOO1", "FOO2", "get", "Post", "PROPFIND"] {
+            assert_eq!(key(m.as_bytes()), "OTHER", "{m}");
+        }
     }
 
     #[test]

@@ -169,9 +169,19 @@ impl Key {
     }
 
     /// The key of an IP address; IPv6 addresses are grouped by their first `v6_prefix` bits
-    /// (`2001:db8:1:2::/64`), IPv4-mapped IPv6 addresses count as IPv4.
+    /// (`2001:db8:1:2::/64`). IPv4-mapped IPv6 addresses count as IPv4, and so do addresses
+    /// of the IPv4/IPv6 translators' well-known prefix `64:ff9b::/96` (RFC 6052): behind NAT64
+    /// or SIIT, every IPv4 client has one of those, and grouped by /64 they would all share one
+    /// key.
     pub fn from_ip(ip: IpAddr, v6_prefix: u8) -> Self {
         use std::fmt::Write as _;
+        let ip = match ip {
+            IpAddr::V6(v6) if u128::from(v6) >> 32 == NAT64_PREFIX => {
+                // The low 32 bits are the IPv4 address.
+                IpAddr::V4(std::net::Ipv4Addr::from(u128::from(v6) as u32))
+            }
+            ip => ip,
+        };
         let v6 = match canonical_ip(ip) {
             IpAddr::V4(v4) => {
                 // The hot path of per-IP limits: dotted decimal from a table, on the stack.
@@ -281,6 +291,9 @@ static OCTETS: [([u8; 4], usize); 256] = {
     }
     table
 };
+
+/// The top 96 bits of the well-known prefix `64:ff9b::/96` of IPv4/IPv6 translation.
+const NAT64_PREFIX: u128 = 0x0064_ff9b_0000_0000_0000_0000;
 
 /// IPv4-mapped IPv6 addresses (`::ffff:192.0.2.1`) as IPv4.
 pub(crate) fn canonical_ip(ip: IpAddr) -> IpAddr {
@@ -458,5 +471,20 @@ mod tests {
         }
         let mapped: std::net::IpAddr = "::ffff:10.1.2.3".parse().expect("ip");
         assert_eq!(super::Key::from_ip(mapped, 64).as_bytes(), b"10.1.2.3");
+    }
+
+    #[test]
+    fn translated_ipv4_clients_are_keyed_apart() {
+        // Behind NAT64 or SIIT each IPv4 client is one address of 64:ff9b::/96: keyed by its
+        // IPv4 address, not grouped by /64 with every other IPv4 client.
+        let key = |ip: &str| {
+            let addr: std::net::IpAddr = ip.parse().expect("ip");
+            String::from_utf8(super::Key::from_ip(addr, 64).as_bytes().to_vec()).expect("utf-8")
+        };
+        assert_eq!(key("64:ff9b::192.0.2.33"), "192.0.2.33");
+        assert_eq!(key("64:ff9b::c000:222"), "192.0.2.34");
+        // Just outside the prefix: an IPv6 address like any other.
+        assert_eq!(key("64:ff9b:0:0:1::1"), "64:ff9b::/64");
+        assert_eq!(key("64:ff9b:1::1"), "64:ff9b:1::/64");
     }
 }
