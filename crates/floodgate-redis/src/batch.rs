@@ -10,6 +10,7 @@ use redis::Value;
 use smallvec::SmallVec;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use crate::conn::SHORT_BUDGET;
 use crate::error::{is_refusal, refusal, strip_script_suffix};
 use crate::gcra_batch::GcraBatch;
 use crate::limiter::{Group, RELEASE, check_script_for, decode_group};
@@ -67,6 +68,38 @@ impl BatchConfig {
             enabled: false,
             ..BatchConfig::default()
         }
+    }
+
+    /// Checks the settings against the connection's call `timeout`: room in the queue for at
+    /// least one check, no more calls in flight than a semaphore counts, and a window shorter
+    /// than the timeout (checks waiting that long for company would time out). A `max_batch`
+    /// or `max_in_flight` of zero counts as one. Nothing is checked when batching is off.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the setting.
+    pub fn validate(&self, timeout: Duration) -> Result<(), Error> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if self.queue == 0 {
+            return Err(Error::Config(
+                "the batch queue must have room for at least one check".to_owned(),
+            ));
+        }
+        if self.max_in_flight > Semaphore::MAX_PERMITS {
+            return Err(Error::Config(format!(
+                "max_in_flight {} is more than the {} calls in flight a batcher can count",
+                self.max_in_flight,
+                Semaphore::MAX_PERMITS
+            )));
+        }
+        if self.window >= timeout {
+            return Err(Error::Config(format!(
+                "the batch window ({:?}) must be shorter than the call timeout ({timeout:?}): checks waiting that long for company would time out",
+                self.window
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -425,10 +458,12 @@ pub(crate) async fn batcher(conn: RedisConn, cfg: BatchConfig, mut rx: mpsc::Rec
         if busy && batch.len() < max_batch {
             tokio::task::yield_now().await;
             fill(&mut rx, &mut batch, max_batch);
-            let deadline = std::time::Instant::now() + cfg.window;
+            // None: a window longer than an `Instant` holds, which only ends with a full batch
+            // or an empty pipeline.
+            let deadline = std::time::Instant::now().checked_add(cfg.window);
             while !cfg.window.is_zero()
                 && batch.len() < max_batch
-                && std::time::Instant::now() < deadline
+                && deadline.is_none_or(|d| std::time::Instant::now() < d)
             {
                 tokio::task::yield_now().await;
                 let before = batch.len();
@@ -620,9 +655,6 @@ pub(crate) async fn release_keys<K: AsRef<[u8]>>(
     first_error.map_or(Ok(released), Err)
 }
 
-/// A check with less than this fraction of the store timeout left goes in a call of its own.
-const LATE_FRACTION: u32 = 4;
-
 /// Answers the jobs whose deadline has passed (a timeout, nothing sent), and splits the others
 /// into those with less than `margin` left and the rest.
 fn split_late(
@@ -661,7 +693,7 @@ async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
     // short: the server would count them all and each caller would hear of a timeout (and
     // count again in its fallback). Such checks go in a call of their own, at the same time.
     let now = tokio::time::Instant::now();
-    let (late, on_time) = split_late(jobs, now, conn.timeout() / LATE_FRACTION, conn.timeout());
+    let (late, on_time) = split_late(jobs, now, conn.timeout() / SHORT_BUDGET, conn.timeout());
     if late.is_empty() {
         call(conn, on_time, now).await;
     } else {

@@ -599,7 +599,10 @@ impl RedisConn {
 
     /// Runs `fut` within `after`, behind the circuit breaker of `slot` (see `Breakers`). A
     /// timeout, a connection error, a refusal to serve or an answer `refused` says is one
-    /// counts as a failure.
+    /// counts as a failure; but a timeout of a call given less than a [`SHORT_BUDGET`] share of
+    /// the configured timeout (a batched check that waited for the pipeline) counts for
+    /// nothing: a healthy server may well take that long, and such calls, sent one after the
+    /// other, would open the breaker on it.
     async fn bounded_for<T>(
         &self,
         op: &'static str,
@@ -628,6 +631,10 @@ impl RedisConn {
             Ok(answer) => {
                 let code = refused(answer);
                 (code.is_some(), code == Some("READONLY"))
+            }
+            // No outcome: `pending`, dropped, hands a probe back.
+            Err(e) if e.is_timeout() && after < self.inner.timeout / SHORT_BUDGET => {
+                return result;
             }
             Err(e) => (e.is_timeout() || e.is_connection(), e.is_demoted()),
         };
@@ -1189,6 +1196,11 @@ fn parse_time(value: &Value) -> Option<u64> {
         .checked_mul(1_000_000)?
         .checked_add(number(micros)?)
 }
+
+/// A call given less than `1 / SHORT_BUDGET` of the configured timeout is short: its timeout
+/// tells nothing of the server's health. Batched checks with less than that left are sent in a
+/// call of their own (`batch::run_set`).
+pub(crate) const SHORT_BUDGET: u32 = 4;
 
 /// A call let through by a breaker, until its outcome is recorded; dropped without one, it
 /// abandons its probe (see `Breaker::abandon`).

@@ -249,6 +249,7 @@ impl RedisLimiter {
     /// on its own). The prefix is checked as by [`RedisLimiter::new`].
     pub fn with_batching(conn: RedisConn, prefix: &str, batch: BatchConfig) -> Result<Self, Error> {
         validate_key_prefix(prefix)?;
+        batch.validate(conn.timeout())?;
         Ok(RedisLimiter {
             inner: Arc::new(Inner {
                 conn,
@@ -390,7 +391,7 @@ impl RedisLimiter {
             if slots.is_none() {
                 if let Ok(permit) = jobs.try_reserve() {
                     let timeout = self.inner.conn.timeout();
-                    let deadline = tokio::time::Instant::now() + timeout;
+                    let deadline = later(tokio::time::Instant::now(), timeout);
                     let rx = queue(permit, group, deadline);
                     // The batcher answers by the deadline while its runtime runs, which it
                     // does whenever this check is awaited on that runtime. Awaited on another
@@ -398,7 +399,7 @@ impl RedisLimiter {
                     // in case that one is blocked or no longer driven.
                     let here = tokio::runtime::Handle::try_current().map(|h| h.id());
                     let patience = (here.ok() != Some(*batcher_runtime)).then(|| {
-                        let patience = deadline + PATIENCE_MARGIN;
+                        let patience = later(deadline, PATIENCE_MARGIN);
                         (Box::pin(tokio::time::sleep_until(patience)), timeout)
                     });
                     return Ok(CheckFuture::Batched {
@@ -447,7 +448,7 @@ impl RedisLimiter {
         match self.batcher() {
             Some(jobs) => {
                 let timeout = self.inner.conn.timeout();
-                let deadline = tokio::time::Instant::now() + timeout;
+                let deadline = later(tokio::time::Instant::now(), timeout);
                 // A place in the queue first, then the job: the job is built once and moved
                 // once, instead of living in the future of `send` as well. The queue is
                 // almost never full: only then does the check wait for a place, bounded by its
@@ -488,7 +489,7 @@ impl RedisLimiter {
                 let rx = queue(permit, group, deadline);
                 // The batcher answers by the deadline; the margin only guards against a
                 // batcher that stopped answering.
-                let patience = deadline + PATIENCE_MARGIN;
+                let patience = later(deadline, PATIENCE_MARGIN);
                 match tokio::time::timeout_at(patience, rx).await {
                     Ok(Ok(answer)) => claimed(answer),
                     Ok(Err(_)) => Err(batcher_gone()),
@@ -1106,6 +1107,14 @@ impl Drop for Counted<'_, '_> {
     fn drop(&mut self) {
         drop(self.spawn_undo());
     }
+}
+
+/// `d` after `from`; a century after it when that is more than an `Instant` holds (a timeout
+/// of `Duration::MAX`, which means for ever).
+pub(crate) fn later(from: tokio::time::Instant, d: Duration) -> tokio::time::Instant {
+    from.checked_add(d)
+        .or_else(|| from.checked_add(Duration::from_secs(100 * 365 * 24 * 3_600)))
+        .unwrap_or(from)
 }
 
 #[cfg(test)]

@@ -508,3 +508,69 @@ fn a_check_off_the_batcher_s_runtime_times_out_when_that_runtime_stalls() {
     );
     drop(first);
 }
+
+/// Batch settings that cannot work are refused with an error naming them, not a panic at the
+/// first check: no room in the queue, more calls in flight than a batcher can count, a window
+/// as long as the timeout (every check waiting for company would time out).
+#[test]
+fn batch_settings_that_cannot_work_are_refused() {
+    let server = server();
+    run(Duration::from_secs(30), async {
+        let config = RedisConfig::new(&server.url())
+            .expect("valid URL")
+            .timeout(Duration::from_millis(500));
+        let conn = floodgate_redis::RedisConn::connect(&config)
+            .await
+            .expect("connect");
+        let refused =
+            |batching: BatchConfig| match RedisLimiter::with_batching(conn.clone(), "fg", batching)
+            {
+                Ok(_) => panic!("accepted"),
+                Err(e) => e.to_string(),
+            };
+        let e = refused(BatchConfig {
+            queue: 0,
+            ..BatchConfig::default()
+        });
+        assert!(e.contains("queue"), "{e}");
+        let e = refused(BatchConfig {
+            max_in_flight: usize::MAX,
+            ..BatchConfig::default()
+        });
+        assert!(e.contains("max_in_flight"), "{e}");
+        let e = refused(BatchConfig {
+            window: Duration::from_millis(500),
+            ..BatchConfig::default()
+        });
+        assert!(e.contains("window"), "{e}");
+        // Batching off: its settings do not matter.
+        let off = BatchConfig {
+            queue: 0,
+            ..BatchConfig::disabled()
+        };
+        assert!(RedisLimiter::with_batching(conn.clone(), "fg", off).is_ok());
+    });
+}
+
+/// A call timeout of `Duration::MAX` (for ever) decides checks, batched and concurrent,
+/// instead of panicking on a deadline past what an `Instant` holds.
+#[test]
+fn a_timeout_of_for_ever_decides_checks() {
+    let server = server();
+    run(Duration::from_secs(30), async {
+        let config = RedisConfig::new(&server.url())
+            .expect("valid URL")
+            .timeout(Duration::MAX);
+        let limiter = RedisLimiter::connect(&config).await.expect("connect");
+        let policy = Policy::per(10, HOUR).expect("valid");
+        let checks = [Check::new(b"k", &policy)];
+        let verdicts =
+            join_all((0..20).map(|_| limiter.check(&checks, CheckOptions::default()))).await;
+        let allowed = verdicts
+            .into_iter()
+            .map(|v| v.expect("decided"))
+            .filter(|v| v.allowed())
+            .count();
+        assert_eq!(allowed, 10);
+    });
+}

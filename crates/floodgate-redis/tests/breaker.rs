@@ -431,3 +431,41 @@ fn fault_a_demoted_primary_is_left_for_the_one_the_endpoint_leads_to() {
         }
     });
 }
+
+/// Calls given a small share of the timeout (batched checks that waited for the pipeline) time
+/// out on a server that is merely slow: those timeouts do not open the breaker, while as many
+/// with the whole timeout do.
+#[test]
+fn timeouts_of_calls_with_little_time_do_not_open_the_breaker() {
+    let server = server();
+    run(Duration::from_secs(60), async {
+        let config = RedisConfig::new(&server.url())
+            .expect("url")
+            .timeout(Duration::from_millis(400));
+        let conn = floodgate_redis::RedisConn::connect(&config)
+            .await
+            .expect("connect");
+        let script = redis::Script::new("return 1");
+        conn.invoke_script(&script, &[b"k"], &[]).await.expect("up");
+        server.pause().expect("pause");
+        // A tenth of the timeout each: timeouts, and the breaker stays closed.
+        for _ in 0..6 {
+            let err = conn
+                .invoke_script_within(&script, &[b"k"], &[], Duration::from_millis(40))
+                .await
+                .expect_err("paused");
+            assert!(err.is_timeout(), "{err:?}");
+        }
+        assert!(!conn.is_circuit_open());
+        // The whole timeout: three in a row open it.
+        for _ in 0..3 {
+            let err = conn
+                .invoke_script(&script, &[b"k"], &[])
+                .await
+                .expect_err("paused");
+            assert!(err.is_timeout(), "{err:?}");
+        }
+        assert!(conn.is_circuit_open());
+        server.resume().expect("resume");
+    });
+}
