@@ -829,6 +829,14 @@ impl RedisConn {
     ) -> RedisResult<Vec<(usize, Result<Value, Error>)>> {
         let mut done = Vec::with_capacity(indices.len());
         let mut missing = self.run_pipeline(calls, target, indices, &mut done).await?;
+        // From here on some calls have run: a failure is the failure of the calls left, and
+        // the results of those that ran are kept (a caller trying them all again would run
+        // those twice).
+        let fail = |done: &mut Vec<_>, left: &[usize], e: RedisError| {
+            for &i in left {
+                done.push((i, Err(Error::from_redis(e.clone(), &self.inner.addr))));
+            }
+        };
         for round in 0..NOSCRIPT_ROUNDS {
             if missing.is_empty() {
                 break;
@@ -838,12 +846,21 @@ impl RedisConn {
                 let script = calls[i].script;
                 if !loaded.contains(&script.get_hash()) {
                     tracing::debug!(sha = script.get_hash(), "NOSCRIPT: loading the script");
-                    self.load_script(script, target.for_load(round)).await?;
+                    if let Err(e) = self.load_script(script, target.for_load(round)).await {
+                        fail(&mut done, &missing, e);
+                        return Ok(done);
+                    }
                     loaded.push(script.get_hash());
                 }
             }
             let retry = std::mem::take(&mut missing);
-            missing = self.run_pipeline(calls, target, &retry, &mut done).await?;
+            match self.run_pipeline(calls, target, &retry, &mut done).await {
+                Ok(left) => missing = left,
+                Err(e) => {
+                    fail(&mut done, &retry, e);
+                    return Ok(done);
+                }
+            }
         }
         for i in missing {
             let e = RedisError::from((

@@ -568,6 +568,55 @@ fn pipelined_scripts_get_one_result_each() {
     });
 }
 
+/// A pipeline whose first calls ran and whose others met `NOSCRIPT` and then failed (here: a
+/// user not allowed `SCRIPT LOAD`) keeps the results of the calls that ran: failing them all
+/// would have the caller run them again.
+#[test]
+fn pipelined_scripts_that_ran_keep_their_results_when_the_others_fail() {
+    let server = RedisServer::start().expect("start redis-server");
+    run(async {
+        server
+            .cmd_ok(&[
+                "ACL",
+                "SETUSER",
+                "noload",
+                "on",
+                ">secret",
+                "~*",
+                "&*",
+                "+@all",
+                "-script|load",
+            ])
+            .expect("ACL SETUSER");
+        let url = format!("redis://noload:secret@127.0.0.1:{}", server.port());
+        let script = incr();
+        let unknown = Script::new("return 'never loaded'");
+        for kind in SINGLE_KINDS {
+            let key = format!("ran:{kind}");
+            server.cmd_ok(&["SCRIPT", "FLUSH"]).expect("SCRIPT FLUSH");
+            server
+                .cmd_ok(&["SCRIPT", "LOAD", "return redis.call('INCR', KEYS[1])"])
+                .expect("SCRIPT LOAD");
+            let conn = connect(&url, kind, Duration::from_millis(500)).await;
+            let calls = vec![
+                ScriptCall::new(&script).key(key.as_bytes()),
+                ScriptCall::new(&unknown).key(key.as_bytes()),
+            ];
+            let results = conn.pipeline_scripts(calls).await.expect("one call ran");
+            assert_eq!(int(results[0].as_ref().expect("ran")), 1, "{kind}");
+            let err = results[1].as_ref().expect_err("cannot be loaded");
+            assert!(err.to_string().contains("script|load"), "{kind}: {err}");
+            // It ran once.
+            let value = server.cmd(&["GET", key.as_str()]).expect("GET");
+            assert_eq!(
+                value,
+                floodgate_testkit::Resp::Bulk(Some(b"1".to_vec())),
+                "{kind}"
+            );
+        }
+    });
+}
+
 #[test]
 fn fault_kill_and_restart_recovers_without_reconnecting_by_hand() {
     let server = RedisServer::start().expect("start redis-server");
