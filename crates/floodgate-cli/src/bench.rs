@@ -441,6 +441,16 @@ async fn bench(args: &BenchArgs, set: PolicySet) -> Result<Report, CliError> {
             ..d
         }
     };
+    // Before connecting, in the flags' own words.
+    batch.validate(args.redis.timeout).map_err(|e| {
+        let why = match e {
+            floodgate_redis::Error::Config(why) => why,
+            other => other.to_string(),
+        };
+        CliError::Usage(format!(
+            "--batch-window, --batch-in-flight or --timeout: {why}"
+        ))
+    })?;
     let limiter = args.redis.connect_with(batch).await?;
     let url = limiter.conn().redacted_url().to_owned();
     let cluster = args.redis.is_cluster()?;

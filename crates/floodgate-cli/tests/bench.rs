@@ -184,6 +184,33 @@ fn bench_fails_when_redis_is_unreachable() {
     assert!(!run.stderr.contains("secret"), "{run:#?}");
 }
 
+/// Batch flags that cannot work together are refused before connecting (nothing listens on
+/// the port), in the flags' own words.
+#[test]
+fn bench_refuses_a_batch_window_as_long_as_the_timeout() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let run = floodgate(
+        &[
+            "bench",
+            "--redis",
+            &url,
+            "--batch-window",
+            "1s",
+            "--timeout",
+            "1s",
+        ],
+        "",
+    );
+    run.failure(2);
+    assert!(run.stderr.contains("--batch-window"), "{run:#?}");
+    assert!(run.stderr.contains("window (1s)"), "{run:#?}");
+}
+
 #[test]
 fn bench_on_a_cluster() {
     let cluster = RedisCluster::builder()

@@ -71,8 +71,9 @@ impl BatchConfig {
     }
 
     /// Checks the settings against the connection's call `timeout`: room in the queue for at
-    /// least one check, no more calls in flight than a semaphore counts, and a window shorter
-    /// than the timeout (checks waiting that long for company would time out). A `max_batch`
+    /// least one check (and no more than a semaphore counts), no more calls in flight than a
+    /// semaphore counts, and a window shorter than three quarters of the timeout (checks
+    /// waiting longer for company would be sent with too little time left). A `max_batch`
     /// or `max_in_flight` of zero counts as one. Nothing is checked when batching is off.
     ///
     /// # Errors
@@ -81,10 +82,12 @@ impl BatchConfig {
         if !self.enabled {
             return Ok(());
         }
-        if self.queue == 0 {
-            return Err(Error::Config(
-                "the batch queue must have room for at least one check".to_owned(),
-            ));
+        if self.queue == 0 || self.queue > Semaphore::MAX_PERMITS {
+            return Err(Error::Config(format!(
+                "the batch queue must have room for 1 to {} checks, not {}",
+                Semaphore::MAX_PERMITS,
+                self.queue
+            )));
         }
         if self.max_in_flight > Semaphore::MAX_PERMITS {
             return Err(Error::Config(format!(
@@ -93,9 +96,11 @@ impl BatchConfig {
                 Semaphore::MAX_PERMITS
             )));
         }
-        if self.window >= timeout {
+        // A check that waited past this for company would be sent with too little time left.
+        let longest = timeout.saturating_sub(timeout / SHORT_BUDGET);
+        if self.window >= longest {
             return Err(Error::Config(format!(
-                "the batch window ({:?}) must be shorter than the call timeout ({timeout:?}): checks waiting that long for company would time out",
+                "the batch window ({:?}) must be shorter than three quarters of the call timeout ({timeout:?}): checks waiting that long for company would be sent with too little time left",
                 self.window
             )));
         }

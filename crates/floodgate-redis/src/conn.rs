@@ -358,7 +358,9 @@ impl RedisConn {
     }
 
     /// [`RedisConn::invoke_script`] bounded by `timeout` instead of the configured per-call
-    /// timeout (a caller with a deadline of its own, such as a batched check).
+    /// timeout (a caller with a deadline of its own, such as a batched check). The timeout of
+    /// a call given less than a quarter of the configured one does not count towards the
+    /// circuit breaker (unless the call is its probe).
     ///
     /// # Errors
     /// As [`RedisConn::invoke_script`].
@@ -601,8 +603,8 @@ impl RedisConn {
     /// timeout, a connection error, a refusal to serve or an answer `refused` says is one
     /// counts as a failure; but a timeout of a call given less than a [`SHORT_BUDGET`] share of
     /// the configured timeout (a batched check that waited for the pipeline) counts for
-    /// nothing: a healthy server may well take that long, and such calls, sent one after the
-    /// other, would open the breaker on it.
+    /// nothing, unless the call was the breaker's probe: a healthy server may well take that
+    /// long, and such calls, sent one after the other, would open the breaker on it.
     async fn bounded_for<T>(
         &self,
         op: &'static str,
@@ -613,6 +615,7 @@ impl RedisConn {
     ) -> Result<T, Error> {
         let breaker = self.inner.breakers.get(slot);
         let admit = breaker.admit();
+        let probe = admit == Admit::Probe;
         if let Admit::Reject(retry_in) = admit {
             return Err(Error::Unavailable {
                 addr: self.inner.addr.clone(),
@@ -632,8 +635,9 @@ impl RedisConn {
                 let code = refused(answer);
                 (code.is_some(), code == Some("READONLY"))
             }
-            // No outcome: `pending`, dropped, hands a probe back.
-            Err(e) if e.is_timeout() && after < self.inner.timeout / SHORT_BUDGET => {
+            // No outcome (`pending` is dropped). A probe's timeout still counts: the breaker
+            // must back off from a server that does not answer its probe, short or not.
+            Err(e) if e.is_timeout() && !probe && after < self.inner.timeout / SHORT_BUDGET => {
                 return result;
             }
             Err(e) => (e.is_timeout() || e.is_connection(), e.is_demoted()),
@@ -829,13 +833,17 @@ impl RedisConn {
     ) -> RedisResult<Vec<(usize, Result<Value, Error>)>> {
         let mut done = Vec::with_capacity(indices.len());
         let mut missing = self.run_pipeline(calls, target, indices, &mut done).await?;
-        // From here on some calls have run: a failure is the failure of the calls left, and
-        // the results of those that ran are kept (a caller trying them all again would run
-        // those twice).
-        let fail = |done: &mut Vec<_>, left: &[usize], e: RedisError| {
+        // Once some calls have run (their results are in `done`), a failure is the failure of
+        // the calls left, and the results of those that ran are kept: a caller trying them all
+        // again would run those twice. With none run, the group failed as a whole.
+        let fail = |mut done: Vec<_>, left: &[usize], e: RedisError| {
+            if done.is_empty() {
+                return Err(e);
+            }
             for &i in left {
                 done.push((i, Err(Error::from_redis(e.clone(), &self.inner.addr))));
             }
+            Ok(done)
         };
         for round in 0..NOSCRIPT_ROUNDS {
             if missing.is_empty() {
@@ -847,8 +855,7 @@ impl RedisConn {
                 if !loaded.contains(&script.get_hash()) {
                     tracing::debug!(sha = script.get_hash(), "NOSCRIPT: loading the script");
                     if let Err(e) = self.load_script(script, target.for_load(round)).await {
-                        fail(&mut done, &missing, e);
-                        return Ok(done);
+                        return fail(done, &missing, e);
                     }
                     loaded.push(script.get_hash());
                 }
@@ -856,10 +863,7 @@ impl RedisConn {
             let retry = std::mem::take(&mut missing);
             match self.run_pipeline(calls, target, &retry, &mut done).await {
                 Ok(left) => missing = left,
-                Err(e) => {
-                    fail(&mut done, &retry, e);
-                    return Ok(done);
-                }
+                Err(e) => return fail(done, &retry, e),
             }
         }
         for i in missing {
@@ -1014,7 +1018,7 @@ async fn open(config: &RedisConfig, client: Client) -> Result<Backend, Opened> {
                 // Longer than the call timeout, which is what callers see; it
                 // also caps bb8's reconnect backoff at half of it, so a
                 // restarted server is used again quickly.
-                .connection_timeout(config.get_timeout() * 2)
+                .connection_timeout(config.get_timeout().saturating_mul(2))
                 .build_unchecked(manager);
             // One connection now, so that an unreachable server is an error here.
             let mut first = pool.dedicated_connection().await?;

@@ -539,10 +539,22 @@ fn batch_settings_that_cannot_work_are_refused() {
         });
         assert!(e.contains("max_in_flight"), "{e}");
         let e = refused(BatchConfig {
-            window: Duration::from_millis(500),
+            queue: usize::MAX,
+            ..BatchConfig::default()
+        });
+        assert!(e.contains("queue"), "{e}");
+        // Three quarters of the timeout or more: checks that waited so long would be sent
+        // with too little time left.
+        let e = refused(BatchConfig {
+            window: Duration::from_millis(375),
             ..BatchConfig::default()
         });
         assert!(e.contains("window"), "{e}");
+        let shorter = BatchConfig {
+            window: Duration::from_millis(300),
+            ..BatchConfig::default()
+        };
+        assert!(RedisLimiter::with_batching(conn.clone(), "fg", shorter).is_ok());
         // Batching off: its settings do not matter.
         let off = BatchConfig {
             queue: 0,
@@ -558,19 +570,26 @@ fn batch_settings_that_cannot_work_are_refused() {
 fn a_timeout_of_for_ever_decides_checks() {
     let server = server();
     run(Duration::from_secs(30), async {
-        let config = RedisConfig::new(&server.url())
-            .expect("valid URL")
-            .timeout(Duration::MAX);
-        let limiter = RedisLimiter::connect(&config).await.expect("connect");
-        let policy = Policy::per(10, HOUR).expect("valid");
-        let checks = [Check::new(b"k", &policy)];
-        let verdicts =
-            join_all((0..20).map(|_| limiter.check(&checks, CheckOptions::default()))).await;
-        let allowed = verdicts
-            .into_iter()
-            .map(|v| v.expect("decided"))
-            .filter(|v| v.allowed())
-            .count();
-        assert_eq!(allowed, 10);
+        for kind in [
+            ConnectionKind::Multiplexed,
+            ConnectionKind::Pool { size: 2 },
+        ] {
+            let config = RedisConfig::new(&server.url())
+                .expect("valid URL")
+                .connection(kind)
+                .timeout(Duration::MAX);
+            let limiter = RedisLimiter::connect(&config).await.expect("connect");
+            let policy = Policy::per(10, HOUR).expect("valid");
+            let key = format!("k:{kind}");
+            let checks = [Check::new(key.as_bytes(), &policy)];
+            let verdicts =
+                join_all((0..20).map(|_| limiter.check(&checks, CheckOptions::default()))).await;
+            let allowed = verdicts
+                .into_iter()
+                .map(|v| v.expect("decided"))
+                .filter(|v| v.allowed())
+                .count();
+            assert_eq!(allowed, 10, "{kind}");
+        }
     });
 }

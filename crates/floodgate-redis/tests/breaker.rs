@@ -469,3 +469,48 @@ fn timeouts_of_calls_with_little_time_do_not_open_the_breaker() {
         server.resume().expect("resume");
     });
 }
+
+/// A short call that is the breaker's probe, and times out, counts as a failure: the breaker
+/// stays open for its (doubled) period, instead of letting the very next call probe again.
+#[test]
+fn a_short_probe_that_times_out_keeps_the_breaker_open() {
+    let server = server();
+    run(Duration::from_secs(60), async {
+        let config = RedisConfig::new(&server.url())
+            .expect("url")
+            .timeout(Duration::from_millis(400))
+            .circuit_breaker(BreakerConfig {
+                open_for: Duration::from_millis(50),
+                max_open_for: Duration::from_secs(5),
+                ..BreakerConfig::default()
+            });
+        let conn = floodgate_redis::RedisConn::connect(&config)
+            .await
+            .expect("connect");
+        let script = redis::Script::new("return 1");
+        conn.invoke_script(&script, &[b"k"], &[]).await.expect("up");
+        server.pause().expect("pause");
+        for _ in 0..3 {
+            let err = conn
+                .invoke_script(&script, &[b"k"], &[])
+                .await
+                .expect_err("paused");
+            assert!(err.is_timeout(), "{err:?}");
+        }
+        assert!(conn.is_circuit_open());
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        // The probe, with a tenth of the timeout.
+        let err = conn
+            .invoke_script_within(&script, &[b"k"], &[], Duration::from_millis(40))
+            .await
+            .expect_err("paused");
+        assert!(err.is_timeout(), "{err:?}");
+        // Open again, for 100 ms now: the next call fails fast.
+        let err = conn
+            .invoke_script_within(&script, &[b"k"], &[], Duration::from_millis(40))
+            .await
+            .expect_err("paused");
+        assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+        server.resume().expect("resume");
+    });
+}

@@ -497,8 +497,8 @@ impl Shared {
             "no rate-limit key"
         );
         match (action, e) {
-            // A key that is there but too long is the client's doing: let through, padding a
-            // key (an API key the application trims, say) would skip the rule.
+            // A key that is there but too long is the client's doing: letting it through would
+            // let a padded key (an API key the application trims, say) skip the rule.
             (OnMissingKey::Allow, KeyError::TooLong { .. }) => Some(&REJECT),
             (OnMissingKey::Allow, _) => None,
             (other, _) => Some(other),

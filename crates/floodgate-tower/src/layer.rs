@@ -70,7 +70,8 @@ pub enum OnMissingKey {
     /// Turn it away: 400 with a problem+json body (gRPC `INVALID_ARGUMENT`).
     #[default]
     Reject,
-    /// Let it through: the rule does not apply to it.
+    /// Let it through: the rule does not apply to it. A key that is there but too long is
+    /// turned away all the same.
     Allow,
     /// Count it under this key, shared by every keyless request. Choose a key no client can
     /// send (one the rule's extractor never returns): a client whose own key it is would share
@@ -431,7 +432,8 @@ where
         self
     }
 
-    /// Keys longer than this many bytes count as missing (default 1 KiB).
+    /// Keys longer than this many bytes count as missing (default 1 KiB), except under
+    /// [`OnMissingKey::Allow`], which turns them away (see [`OnMissingKey`]).
     pub fn max_key_len(mut self, max: usize) -> Self {
         self.max_key_len = max;
         self

@@ -31,8 +31,8 @@ pub(crate) use builtin::canonical_path;
 pub use builtin::{Composite, GlobalKey, HeaderKey, MetadataKey, MethodKey, PathKey, PeerIp};
 pub use client_ip::{ClientIp, ForwardedHeader, TrustedProxies};
 
-/// The longest key accepted by default; longer keys count as missing (see
-/// [`crate::RateLimitLayerBuilder::max_key_len`]).
+/// The longest key accepted by default; longer keys count as missing, and are turned away
+/// under `OnMissingKey::Allow` (see [`crate::RateLimitLayerBuilder::max_key_len`]).
 pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
 
 /// A borrowed view of a request's head: what key extractors and route rules look at.
