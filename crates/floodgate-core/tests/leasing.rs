@@ -380,6 +380,31 @@ async fn a_hot_limit_beside_cold_ones_takes_no_lease_it_cannot_spend() {
     assert!(left >= 100_000 - 400, "{left} left");
 }
 
+/// One check of each of `keys` (a key may repeat), each in a task of its own, all at once:
+/// every one is allowed.
+async fn checks_at_once_all_allowed<C: floodgate_core::Clock + 'static>(
+    leasing: &Leasing<Store, C>,
+    policy: &Policy,
+    keys: Vec<Vec<u8>>,
+) {
+    let tasks: Vec<_> = keys
+        .into_iter()
+        .map(|key| {
+            let (leasing, policy) = (leasing.clone(), policy.clone());
+            tokio::spawn(async move {
+                leasing
+                    .check(&[Check::new(&key, &policy)], CheckOptions::default())
+                    .await
+                    .expect("check")
+                    .allowed()
+            })
+        })
+        .collect();
+    for task in tasks {
+        assert!(task.await.expect("task"));
+    }
+}
+
 /// A hot key the store refuses a lease (fewer units left than a lease) is not asked for one
 /// again at each check: for a lease period its checks cost the store one call each, not two,
 /// and then a lease is asked for again.
@@ -458,21 +483,7 @@ async fn checks_queued_behind_a_refused_lease_do_not_ask_again() {
     // Eight at once, hot, 15 units left: the store takes a while to answer.
     store.set_delay(Duration::from_millis(5));
     let before = store.calls.load(Ordering::Relaxed);
-    let tasks: Vec<_> = (0..8)
-        .map(|_| {
-            let (leasing, policy) = (leasing.clone(), policy.clone());
-            tokio::spawn(async move {
-                leasing
-                    .check(&[Check::new(b"hot", &policy)], CheckOptions::default())
-                    .await
-                    .expect("check")
-                    .allowed()
-            })
-        })
-        .collect();
-    for task in tasks {
-        assert!(task.await.expect("task"));
-    }
+    checks_at_once_all_allowed(&leasing, &policy, vec![b"hot".to_vec(); 8]).await;
     assert_eq!(store.calls.load(Ordering::Relaxed) - before, 1 + 8);
     assert_eq!(leasing.stats().leases, 0, "{:?}", leasing.stats());
 }
@@ -497,22 +508,7 @@ async fn leases_of_different_keys_are_taken_at_once() {
     }
     assert_eq!(leasing.stats().leases, 0, "{:?}", leasing.stats());
     store.set_delay(Duration::from_millis(50));
-    let tasks: Vec<_> = keys
-        .iter()
-        .map(|key| {
-            let (leasing, policy, key) = (leasing.clone(), policy.clone(), key.clone());
-            tokio::spawn(async move {
-                leasing
-                    .check(&[Check::new(&key, &policy)], CheckOptions::default())
-                    .await
-                    .expect("check")
-                    .allowed()
-            })
-        })
-        .collect();
-    for task in tasks {
-        assert!(task.await.expect("task"));
-    }
+    checks_at_once_all_allowed(&leasing, &policy, keys).await;
     let stats = leasing.stats();
     assert_eq!(stats.leases, 8, "{stats:?}");
     assert_eq!(stats.local, 8, "{stats:?}");

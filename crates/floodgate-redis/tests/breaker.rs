@@ -432,6 +432,37 @@ fn fault_a_demoted_primary_is_left_for_the_one_the_endpoint_leads_to() {
     });
 }
 
+/// A connection over `config` that has run `return 1` once, to a server then paused; and
+/// that script.
+async fn paused_conn(
+    server: &floodgate_testkit::RedisServer,
+    config: &RedisConfig,
+) -> (floodgate_redis::RedisConn, redis::Script) {
+    let conn = floodgate_redis::RedisConn::connect(config)
+        .await
+        .expect("connect");
+    let script = redis::Script::new("return 1");
+    conn.invoke_script(&script, &[b"k"], &[]).await.expect("up");
+    server.pause().expect("pause");
+    (conn, script)
+}
+
+/// The error of one call of `script` given `within` (the configured timeout when `None`).
+async fn failed_call(
+    conn: &floodgate_redis::RedisConn,
+    script: &redis::Script,
+    within: Option<Duration>,
+) -> Error {
+    match within {
+        Some(within) => {
+            conn.invoke_script_within(script, &[b"k"], &[], within)
+                .await
+        }
+        None => conn.invoke_script(script, &[b"k"], &[]).await,
+    }
+    .expect_err("paused")
+}
+
 /// Calls given a small share of the timeout (batched checks that waited for the pipeline) time
 /// out on a server that is merely slow: those timeouts do not open the breaker, while as many
 /// with the whole timeout do.
@@ -442,27 +473,16 @@ fn timeouts_of_calls_with_little_time_do_not_open_the_breaker() {
         let config = RedisConfig::new(&server.url())
             .expect("url")
             .timeout(Duration::from_millis(400));
-        let conn = floodgate_redis::RedisConn::connect(&config)
-            .await
-            .expect("connect");
-        let script = redis::Script::new("return 1");
-        conn.invoke_script(&script, &[b"k"], &[]).await.expect("up");
-        server.pause().expect("pause");
+        let (conn, script) = paused_conn(&server, &config).await;
         // A tenth of the timeout each: timeouts, and the breaker stays closed.
         for _ in 0..6 {
-            let err = conn
-                .invoke_script_within(&script, &[b"k"], &[], Duration::from_millis(40))
-                .await
-                .expect_err("paused");
+            let err = failed_call(&conn, &script, Some(Duration::from_millis(40))).await;
             assert!(err.is_timeout(), "{err:?}");
         }
         assert!(!conn.is_circuit_open());
         // The whole timeout: three in a row open it.
         for _ in 0..3 {
-            let err = conn
-                .invoke_script(&script, &[b"k"], &[])
-                .await
-                .expect_err("paused");
+            let err = failed_call(&conn, &script, None).await;
             assert!(err.is_timeout(), "{err:?}");
         }
         assert!(conn.is_circuit_open());
@@ -484,32 +504,18 @@ fn a_short_probe_that_times_out_keeps_the_breaker_open() {
                 max_open_for: Duration::from_secs(5),
                 ..BreakerConfig::default()
             });
-        let conn = floodgate_redis::RedisConn::connect(&config)
-            .await
-            .expect("connect");
-        let script = redis::Script::new("return 1");
-        conn.invoke_script(&script, &[b"k"], &[]).await.expect("up");
-        server.pause().expect("pause");
+        let (conn, script) = paused_conn(&server, &config).await;
         for _ in 0..3 {
-            let err = conn
-                .invoke_script(&script, &[b"k"], &[])
-                .await
-                .expect_err("paused");
+            let err = failed_call(&conn, &script, None).await;
             assert!(err.is_timeout(), "{err:?}");
         }
         assert!(conn.is_circuit_open());
         tokio::time::sleep(Duration::from_millis(60)).await;
         // The probe, with a tenth of the timeout.
-        let err = conn
-            .invoke_script_within(&script, &[b"k"], &[], Duration::from_millis(40))
-            .await
-            .expect_err("paused");
+        let err = failed_call(&conn, &script, Some(Duration::from_millis(40))).await;
         assert!(err.is_timeout(), "{err:?}");
         // Open again, for 100 ms now: the next call fails fast.
-        let err = conn
-            .invoke_script_within(&script, &[b"k"], &[], Duration::from_millis(40))
-            .await
-            .expect_err("paused");
+        let err = failed_call(&conn, &script, Some(Duration::from_millis(40))).await;
         assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
         server.resume().expect("resume");
     });
