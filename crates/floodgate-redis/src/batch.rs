@@ -427,6 +427,9 @@ pub(crate) fn duplicate(e: &Error) -> Error {
         Error::CrossSlot { message } => Error::CrossSlot {
             message: message.clone(),
         },
+        Error::Migrating { message } => Error::Migrating {
+            message: message.clone(),
+        },
         Error::Script { message } => Error::Script {
             message: message.clone(),
         },
@@ -553,7 +556,10 @@ async fn dispatch(conn: RedisConn, jobs: Vec<Job>) {
 fn may_have_run(e: &Error) -> bool {
     !matches!(
         e,
-        Error::Unavailable { .. } | Error::Config(_) | Error::CrossSlot { .. }
+        Error::Unavailable { .. }
+            | Error::Config(_)
+            | Error::CrossSlot { .. }
+            | Error::Migrating { .. }
     )
 }
 
@@ -735,12 +741,27 @@ async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
                 let _ = job.reply.send((result, lease));
             }
         }
+        // The batch's keys are split by a slot's migration (the call did not run): each check
+        // on its own has one key, or a few of one user, which one node or the other can serve.
+        // Boxed: this path is rare, and inline it would make every call's future larger.
+        Err(e) if e.is_migrating() && jobs.len() > 1 => {
+            let now = tokio::time::Instant::now();
+            Box::pin(join_all(
+                jobs.into_iter().map(|job| call_alone(conn, job, now)),
+            ))
+            .await;
+        }
         Err(e) => {
             for job in jobs {
                 let _ = job.reply.send((Err(duplicate(&e)), None));
             }
         }
     }
+}
+
+/// [`call`] of one job (which never splits it further).
+async fn call_alone(conn: &RedisConn, job: Job, now: tokio::time::Instant) {
+    Box::pin(call(conn, vec![job], now)).await;
 }
 
 #[cfg(test)]

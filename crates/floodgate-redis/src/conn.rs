@@ -49,6 +49,14 @@ use crate::{ConnectionKind, Error, RedisConfig};
 const RECONNECT_MIN_DELAY: Duration = Duration::from_millis(10);
 const RECONNECT_MAX_DELAY: Duration = Duration::from_millis(500);
 const RECONNECT_RETRIES: usize = 6;
+/// How often the cluster client tries a call again (after a redirect, a lost connection, or
+/// `TRYAGAIN`), at most. Its default of 16, with waits of 1.28 s and more between tries, made
+/// every `TRYAGAIN` (keys of a call split by a slot's migration) outlast any sensible call
+/// timeout. Six tries, with waits of 1 ms up to an eighth of the timeout (see
+/// [`cluster_retry_wait`]), ride out a split of a few milliseconds (the resharding tool moves a
+/// slot's keys some at a time) and still give up in about half the timeout, which leaves time to
+/// send a refused batch check by check (a split that lasts: the tool died half-way).
+const CLUSTER_RETRIES: u32 = 6;
 /// How often a call loads its script and tries again after `NOSCRIPT`. More
 /// than once for a cluster that has just failed over: `SCRIPT LOAD` has no
 /// key, so while the client's slot map is stale it can land on another node
@@ -967,9 +975,13 @@ fn client(config: &RedisConfig) -> Result<Client, Opened> {
     }
     let infos = config.connection_infos().map_err(Opened::Config)?;
     if config.kind() == ConnectionKind::Cluster {
+        let (min_wait, max_wait) = cluster_retry_wait(config.get_timeout());
         let builder = ClusterClientBuilder::new(infos)
             .connection_timeout(config.get_connect_timeout())
-            .response_timeout(config.get_timeout());
+            .response_timeout(config.get_timeout())
+            .retries(CLUSTER_RETRIES)
+            .min_retry_wait(min_wait)
+            .max_retry_wait(max_wait);
         #[cfg(feature = "tls")]
         let builder = match config.tls_certificates() {
             Some(certs) => builder.certs(certs),
@@ -990,6 +1002,14 @@ fn client(config: &RedisConfig) -> Result<Client, Opened> {
     #[cfg(not(feature = "tls"))]
     let client = redis::Client::open(info)?;
     Ok(Client::Single(client))
+}
+
+/// The shortest and the longest wait (ms) of the cluster client between two tries of a call:
+/// 1 ms, and an eighth of the call timeout (at least 2 ms). The client draws each wait at
+/// random between the two, the longest doubling from 20 ms with each try up to its cap.
+fn cluster_retry_wait(timeout: Duration) -> (u64, u64) {
+    let eighth = u64::try_from((timeout / 8).as_millis()).unwrap_or(u64::MAX);
+    (1, eighth.max(2))
 }
 
 async fn open(config: &RedisConfig, client: Client) -> Result<Backend, Opened> {

@@ -81,6 +81,16 @@ pub enum Error {
         detail: String,
     },
 
+    /// The keys of one call are in a cluster slot that is migrating between two nodes, some
+    /// on each (`TRYAGAIN`), so neither node can run the call. The servers are fine and the
+    /// call did not run: a call of fewer keys, or the same call once the migration has moved
+    /// them all, goes through. Batched checks refused so are sent again one by one.
+    #[error("Redis Cluster slot migrating, the call's keys are on two nodes: {message}")]
+    Migrating {
+        /// The server's message.
+        message: String,
+    },
+
     /// The keys of one call hash to different cluster slots.
     #[error("keys in different Redis Cluster slots: {message}")]
     CrossSlot {
@@ -136,6 +146,11 @@ impl Error {
         }
     }
 
+    /// True when the call's keys were split by a cluster slot's migration (`TRYAGAIN`).
+    pub fn is_migrating(&self) -> bool {
+        matches!(self, Self::Migrating { .. })
+    }
+
     /// The Bloom filter error, if it is one.
     pub fn as_bloom(&self) -> Option<&floodgate_core::BloomError> {
         match self {
@@ -169,6 +184,10 @@ impl Error {
             Self::Connect {
                 addr: addr.to_owned(),
                 source: e,
+            }
+        } else if e.kind() == ErrorKind::Server(ServerErrorKind::TryAgain) {
+            Self::Migrating {
+                message: server_message(&e),
             }
         } else if e.kind() == ErrorKind::Server(ServerErrorKind::CrossSlot) {
             Self::CrossSlot {
@@ -248,12 +267,17 @@ impl Error {
 }
 
 /// Errors that mean the transport is gone: I/O, no connection to a cluster
-/// node, authentication failing on (re)connect.
+/// node, authentication failing on (re)connect, a redirect that could not be followed.
 fn is_transport_error(e: &RedisError) -> bool {
     e.is_io_error()
         || matches!(
             e.kind(),
-            ErrorKind::ClusterConnectionNotFound | ErrorKind::AuthenticationFailed
+            ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::AuthenticationFailed
+                // A redirect the cluster client gave up following: the node it points to is
+                // down (a master died and no replica has taken over yet) or the topology keeps
+                // changing under it.
+                | ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::Ask)
         )
 }
 
@@ -269,7 +293,8 @@ pub(crate) fn is_refusal(code: &str) -> bool {
 
 /// `code` if it is one of a refusal to serve ([`is_refusal`]), as a static string.
 pub(crate) fn refusal(code: &str) -> Option<&'static str> {
-    const CODES: [&str; 9] = [
+    // Not `TRYAGAIN`: it is about the call's keys (see [`Error::Migrating`]).
+    const CODES: [&str; 8] = [
         "OOM",
         "MISCONF",
         "BUSY",
@@ -278,7 +303,6 @@ pub(crate) fn refusal(code: &str) -> Option<&'static str> {
         "NOREPLICAS",
         "MASTERDOWN",
         "CLUSTERDOWN",
-        "TRYAGAIN",
     ];
     CODES.into_iter().find(|c| *c == code)
 }

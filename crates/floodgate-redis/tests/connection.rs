@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use floodgate_core::Limiter as _;
 use floodgate_redis::{
     BatchConfig, ConnectionKind, DEFAULT_SINGLE_NODE_KIND, Error, RedisConfig, RedisConn,
     RedisLimiter, ScriptCall, display_key,
@@ -705,20 +706,7 @@ fn cluster_loads_a_script_where_a_migrating_slot_asks() {
             .await
             .expect("EVALSHA");
         assert_eq!(int(&value), 1);
-        let id = |node: usize| -> String {
-            let reply = cluster.node(node).cmd(&["CLUSTER", "MYID"]).expect("MYID");
-            String::from_utf8_lossy(reply.as_bytes().expect("an id")).into_owned()
-        };
-        let (source_id, target_id) = (id(source), id(target));
-        let slot_arg = slot.to_string();
-        cluster
-            .node(target)
-            .cmd_ok(&["CLUSTER", "SETSLOT", &slot_arg, "IMPORTING", &source_id])
-            .expect("IMPORTING");
-        cluster
-            .node(source)
-            .cmd_ok(&["CLUSTER", "SETSLOT", &slot_arg, "MIGRATING", &target_id])
-            .expect("MIGRATING");
+        let migration = Migration::begin(&cluster, slot, source, target);
         cluster
             .node(target)
             .cmd_ok(&["SCRIPT", "FLUSH"])
@@ -733,12 +721,188 @@ fn cluster_loads_a_script_where_a_migrating_slot_asks() {
             .await
             .expect("EVALSHA of a key that moved");
         assert_eq!(int(&value), 1);
-        for node in [source, target] {
+        migration.cancel(&cluster);
+    });
+}
+
+/// A slot moving from node `source` to node `target` of a cluster: `IMPORTING` on the target,
+/// `MIGRATING` on the source, as `redis-cli --cluster reshard` leaves them between its
+/// `MIGRATE`s (or for good, when it dies half-way).
+struct Migration {
+    slot: String,
+    source: usize,
+    target: usize,
+    source_id: String,
+}
+
+impl Migration {
+    fn begin(cluster: &RedisCluster, slot: u16, source: usize, target: usize) -> Self {
+        let id = |node: usize| -> String {
+            let reply = cluster.node(node).cmd(&["CLUSTER", "MYID"]).expect("MYID");
+            String::from_utf8_lossy(reply.as_bytes().expect("an id")).into_owned()
+        };
+        let (source_id, target_id) = (id(source), id(target));
+        let slot = slot.to_string();
+        cluster
+            .node(target)
+            .cmd_ok(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &source_id])
+            .expect("IMPORTING");
+        cluster
+            .node(source)
+            .cmd_ok(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &target_id])
+            .expect("MIGRATING");
+        Migration {
+            slot,
+            source,
+            target,
+            source_id,
+        }
+    }
+
+    /// Moves `key` to the target, as the resharding tool does.
+    fn migrate(&self, cluster: &RedisCluster, key: &[u8]) {
+        let target = cluster.node(self.target);
+        let port = target.port().to_string();
+        let reply = cluster
+            .node(self.source)
+            .cmd(&[
+                b"MIGRATE".as_slice(),
+                b"127.0.0.1",
+                port.as_bytes(),
+                key,
+                b"0",
+                b"5000",
+            ])
+            .expect("MIGRATE");
+        assert_eq!(reply.as_str(), Some("OK"), "MIGRATE: {reply:?}");
+    }
+
+    /// Gives the slot back to the source (keys moved stay where they are).
+    fn cancel(self, cluster: &RedisCluster) {
+        for node in [self.source, self.target] {
             cluster
                 .node(node)
-                .cmd_ok(&["CLUSTER", "SETSLOT", &slot_arg, "NODE", &source_id])
+                .cmd_ok(&["CLUSTER", "SETSLOT", &self.slot, "NODE", &self.source_id])
                 .expect("SETSLOT NODE");
         }
+    }
+}
+
+/// How many times `node` answered `code` (`INFO errorstats`, Redis 6.2 and later).
+fn error_replies(node: &RedisServer, code: &str) -> u64 {
+    let reply = node.cmd(&["INFO", "errorstats"]).expect("INFO");
+    let info = String::from_utf8_lossy(reply.as_bytes().expect("bulk reply")).into_owned();
+    let prefix = format!("errorstat_{code}:count=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Half-way through a slot's migration, a batch of checks whose keys are some on each node is
+/// refused with `TRYAGAIN` for as long as the slot stays split, which a resharding tool that
+/// died half-way makes for good. The client retries a `TRYAGAIN` for a little, within the
+/// call's time (it used to wait over a second, past any sensible timeout), then sends each
+/// check of the batch on its own: each key is where one node or the other can serve it (`ASK`).
+/// The state of the key that moved goes on counting. A check of several keys of one user that
+/// the migration split fails, but the server that answered `TRYAGAIN` is not counted as down: a
+/// later check of another key in its breaker's range gets through.
+#[test]
+fn cluster_batches_split_by_a_migrating_slot_are_sent_check_by_check() {
+    let cluster = RedisCluster::start().expect("start a 6-node cluster");
+    run(async {
+        let config = RedisConfig::from_urls(cluster.urls())
+            .expect("valid seeds")
+            .timeout(Duration::from_secs(1));
+        let conn = RedisConn::connect(&config).await.expect("connect");
+        let limiter =
+            RedisLimiter::with_batching(conn, config.get_key_prefix(), BatchConfig::default())
+                .expect("valid prefix");
+        let policy = floodgate_core::Policy::per_hour(5).expect("valid");
+        let key_of = |user: &str| limiter.state_key(&policy, user.as_bytes());
+        let slot_of = |user: &str| RedisCluster::key_slot(&key_of(user));
+        let first = "user-0";
+        let slot = slot_of(first);
+        let second = (1..100_000)
+            .map(|i| format!("user-{i}"))
+            .find(|u| slot_of(u) == slot)
+            .expect("another user in the slot");
+        for user in [first, second.as_str()] {
+            let d = limiter
+                .check_one(user.as_bytes(), &policy, 1)
+                .await
+                .expect("before the migration");
+            assert_eq!(d.remaining, 4, "{user}");
+        }
+        let source = cluster.node_for_slot(slot).expect("owner");
+        let target = cluster
+            .masters()
+            .expect("masters")
+            .into_iter()
+            .find(|&m| m != source)
+            .expect("another master");
+        let migration = Migration::begin(&cluster, slot, source, target);
+        migration.migrate(&cluster, &key_of(first));
+        let refused = error_replies(cluster.node(source), "TRYAGAIN");
+
+        let started = Instant::now();
+        let (a, b) = futures_util::future::join(
+            limiter.check_one(first.as_bytes(), &policy, 1),
+            limiter.check_one(second.as_bytes(), &policy, 1),
+        )
+        .await;
+        let took = started.elapsed();
+        let (a, b) = (
+            a.expect("the key that moved"),
+            b.expect("the key that stayed"),
+        );
+        assert!(a.allowed && b.allowed, "{a:?} {b:?}");
+        assert_eq!((a.remaining, b.remaining), (3, 3), "{a:?} {b:?}");
+        assert!(
+            error_replies(cluster.node(source), "TRYAGAIN") > refused,
+            "the two checks did not go out as one call"
+        );
+        assert!(took <= config.get_timeout() + MARGIN, "{took:?}");
+        // Each state is where it was: the moved one counted on the target, the other on the
+        // source, and no new key made on either.
+        let slot_arg = slot.to_string();
+        for node in [source, target] {
+            let keys = cluster
+                .node(node)
+                .cmd(&["CLUSTER", "COUNTKEYSINSLOT", &slot_arg])
+                .expect("COUNTKEYSINSLOT");
+            assert_eq!(keys.as_int(), Some(1), "node {node}: {keys:?}");
+        }
+
+        // A check of two policies of one user whose states the migration split (one on the
+        // source, one not there) cannot run on either node, batched or not: it fails as
+        // `Migrating`, in time. The servers are fine: however often that happens, the breaker
+        // stays closed, and a user of another slot in its range of 128 gets through.
+        let daily = floodgate_core::Policy::per_day(50)
+            .and_then(|p| p.named("daily"))
+            .expect("valid");
+        let both = [
+            floodgate_core::Check::new(second.as_bytes(), &policy),
+            floodgate_core::Check::new(second.as_bytes(), &daily),
+        ];
+        for _ in 0..5 {
+            let started = Instant::now();
+            let err = limiter
+                .check(&both, floodgate_core::CheckOptions::default())
+                .await
+                .expect_err("the user's states are split");
+            assert!(err.is_migrating() && !err.is_connection(), "{err:?}");
+            assert!(started.elapsed() <= config.get_timeout() + MARGIN);
+        }
+        let neighbour = (0..100_000)
+            .map(|i| format!("neighbour-{i}"))
+            .find(|u| slot_of(u) != slot && slot_of(u) / 128 == slot / 128)
+            .expect("a user in the same range of slots");
+        limiter
+            .check_one(neighbour.as_bytes(), &policy, 1)
+            .await
+            .expect("a slot in the same breaker range");
+        migration.cancel(&cluster);
     });
 }
 
