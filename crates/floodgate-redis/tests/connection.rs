@@ -693,20 +693,14 @@ fn cluster_loads_a_script_where_a_migrating_slot_asks() {
         let script = incr();
         let seed = b"{seed}:n".as_slice();
         let slot = RedisCluster::key_slot(seed);
-        let source = cluster.node_for_slot(slot).expect("owner");
-        let target = cluster
-            .masters()
-            .expect("masters")
-            .into_iter()
-            .find(|&m| m != source)
-            .expect("another master");
         // Loaded on the owner, by a key it holds.
         let value = conn
             .invoke_script(&script, &[seed], &[])
             .await
             .expect("EVALSHA");
         assert_eq!(int(&value), 1);
-        let migration = Migration::begin(&cluster, slot, source, target);
+        let migration = Migration::begin(&cluster, slot);
+        let target = migration.target;
         cluster
             .node(target)
             .cmd_ok(&["SCRIPT", "FLUSH"])
@@ -736,7 +730,15 @@ struct Migration {
 }
 
 impl Migration {
-    fn begin(cluster: &RedisCluster, slot: u16, source: usize, target: usize) -> Self {
+    /// The slot moving from its owner to another master.
+    fn begin(cluster: &RedisCluster, slot: u16) -> Self {
+        let source = cluster.node_for_slot(slot).expect("owner");
+        let target = cluster
+            .masters()
+            .expect("masters")
+            .into_iter()
+            .find(|&m| m != source)
+            .expect("another master");
         let id = |node: usize| -> String {
             let reply = cluster.node(node).cmd(&["CLUSTER", "MYID"]).expect("MYID");
             String::from_utf8_lossy(reply.as_bytes().expect("an id")).into_owned()
@@ -834,14 +836,8 @@ fn cluster_batches_split_by_a_migrating_slot_are_sent_check_by_check() {
                 .expect("before the migration");
             assert_eq!(d.remaining, 4, "{user}");
         }
-        let source = cluster.node_for_slot(slot).expect("owner");
-        let target = cluster
-            .masters()
-            .expect("masters")
-            .into_iter()
-            .find(|&m| m != source)
-            .expect("another master");
-        let migration = Migration::begin(&cluster, slot, source, target);
+        let migration = Migration::begin(&cluster, slot);
+        let (source, target) = (migration.source, migration.target);
         migration.migrate(&cluster, &key_of(first));
         let refused = error_replies(cluster.node(source), "TRYAGAIN");
 
