@@ -117,11 +117,12 @@ impl Error {
     }
 
     /// True for a failure of the store that may pass by itself: a Redis timeout or connection
-    /// problem, a Redlock without quorum, a node timeout. Acquiring retries these until its
-    /// deadline.
+    /// problem, a lock's keys split by a cluster slot's migration (`TRYAGAIN`, until the
+    /// migration ends), a Redlock without quorum, a node timeout. Acquiring retries these until
+    /// its deadline.
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::Redis(e) => e.is_timeout() || e.is_connection(),
+            Self::Redis(e) => e.is_timeout() || e.is_connection() || e.is_migrating(),
             Self::NoQuorum { .. } | Self::NodeTimeout { .. } | Self::NodeDown { .. } => true,
             _ => false,
         }

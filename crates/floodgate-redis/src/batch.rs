@@ -451,6 +451,7 @@ pub(crate) async fn batcher(conn: RedisConn, cfg: BatchConfig, mut rx: mpsc::Rec
     let max_batch = cfg.max_batch.max(1);
     let max_in_flight = cfg.max_in_flight.max(1);
     let permits = Arc::new(Semaphore::new(max_in_flight));
+    let migrating = Arc::new(MigratingSlots::default());
     while let Some(first) = rx.recv().await {
         // Room for what is queued now: jobs are large, and growing the vector one doubling at
         // a time copied each of them about twice more.
@@ -511,10 +512,11 @@ pub(crate) async fn batcher(conn: RedisConn, cfg: BatchConfig, mut rx: mpsc::Rec
         // Whatever queued while we waited for a slot in the pipeline joins this batch.
         fill(&mut rx, &mut batch, max_batch);
         let conn = conn.clone();
+        let migrating = Arc::clone(&migrating);
         // Boxed: the batch's future takes kilobytes (mostly the Redis client's), and tokio
         // copies a task's future several times on the way in and out of its cell.
         tokio::spawn(Box::pin(async move {
-            dispatch(conn, batch).await;
+            dispatch(conn, batch, migrating).await;
             drop(permit);
         }));
     }
@@ -530,8 +532,10 @@ fn fill(rx: &mut mpsc::Receiver<Job>, batch: &mut Vec<Job>, max_batch: usize) {
 }
 
 /// Sends one batch: one script call per (slot, injected time), concurrently.
-async fn dispatch(conn: RedisConn, jobs: Vec<Job>) {
+async fn dispatch(conn: RedisConn, jobs: Vec<Job>, migrating: Arc<MigratingSlots>) {
     let cluster = conn.kind() == ConnectionKind::Cluster;
+    // Slots are noted only on a cluster: a single node never answers `TRYAGAIN`.
+    let migrating = cluster.then_some(&*migrating);
     let set_of = |job: &Job| {
         let slot = if cluster { job.group.slot() } else { 0 };
         (slot, job.group.now.map(|t| t.as_micros()))
@@ -539,14 +543,14 @@ async fn dispatch(conn: RedisConn, jobs: Vec<Job>) {
     // The usual batch is one set (one server, the server's time): no map, no join.
     let first = jobs.first().map(set_of);
     if jobs.iter().all(|job| Some(set_of(job)) == first) {
-        run_set(&conn, jobs).await;
+        run_set(&conn, jobs, migrating).await;
         return;
     }
     let mut sets: HashMap<(u16, Option<u64>), Vec<Job>> = HashMap::new();
     for job in jobs {
         sets.entry(set_of(&job)).or_default().push(job);
     }
-    join_all(sets.into_values().map(|set| run_set(&conn, set))).await;
+    join_all(sets.into_values().map(|set| run_set(&conn, set, migrating))).await;
 }
 
 /// Whether a call that failed with `e` may have run on the server all the same (a timeout, a
@@ -692,7 +696,7 @@ fn split_late(
     (late, on_time)
 }
 
-async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
+async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>, migrating: Option<&MigratingSlots>) {
     // A check whose caller is gone (a cancelled request) is not sent: nothing would be told of
     // its decision, and an admission, or a concurrency lease, would be counted for nobody.
     jobs.retain(|job| !job.reply.is_closed());
@@ -706,17 +710,27 @@ async fn run_set(conn: &RedisConn, mut jobs: Vec<Job>) {
     let now = tokio::time::Instant::now();
     let (late, on_time) = split_late(jobs, now, conn.timeout() / SHORT_BUDGET, conn.timeout());
     if late.is_empty() {
-        call(conn, on_time, now).await;
+        call(conn, on_time, now, migrating).await;
     } else {
         // (A call of no jobs does nothing.) Boxed: this path is rare, and inline it would
         // double the size of every batch's task.
-        Box::pin(join(call(conn, late, now), call(conn, on_time, now))).await;
+        Box::pin(join(
+            call(conn, late, now, migrating),
+            call(conn, on_time, now, migrating),
+        ))
+        .await;
     }
 }
 
 /// One script call for `jobs`, bounded by the earliest of their deadlines; each job gets its
-/// answer.
-async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
+/// answer. On a cluster (`migrating` given), jobs of a slot that refused a batch with
+/// `TRYAGAIN` lately, or that does now, go one by one.
+async fn call(
+    conn: &RedisConn,
+    mut jobs: Vec<Job>,
+    now: tokio::time::Instant,
+    migrating: Option<&MigratingSlots>,
+) {
     let left = jobs
         .iter()
         .map(|j| j.deadline.saturating_duration_since(now))
@@ -726,6 +740,15 @@ async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
         for job in jobs {
             let _ = job.reply.send((Err(expired(conn.timeout())), None));
         }
+        return;
+    }
+    // A cluster batch is of one slot.
+    let slot = jobs.first().map(|j| j.group.slot());
+    if let (Some(migrating), Some(slot)) = (migrating, slot)
+        && jobs.len() > 1
+        && migrating.contains(slot)
+    {
+        one_by_one(conn, jobs).await;
         return;
     }
     let groups: Vec<&Group> = jobs.iter().map(|j| &j.group).collect();
@@ -741,15 +764,16 @@ async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
                 let _ = job.reply.send((result, lease));
             }
         }
-        // The batch's keys are split by a slot's migration (the call did not run): each check
-        // on its own has one key, or a few of one user, which one node or the other can serve.
-        // Boxed: this path is rare, and inline it would make every call's future larger.
+        // The batch's keys are split by a slot's migration (the call did not run): a check of
+        // one key on its own is served by one node or the other (a check of several keys of
+        // one user may be split too, and fails).
         Err(e) if e.is_migrating() && jobs.len() > 1 => {
-            let now = tokio::time::Instant::now();
-            Box::pin(join_all(
-                jobs.into_iter().map(|job| call_alone(conn, job, now)),
-            ))
-            .await;
+            if let (Some(migrating), Some(slot)) = (migrating, slot) {
+                migrating.note(slot);
+            }
+            // Checks whose callers left while the batch was refused are not sent.
+            jobs.retain(|job| !job.reply.is_closed());
+            one_by_one(conn, jobs).await;
         }
         Err(e) => {
             for job in jobs {
@@ -759,9 +783,52 @@ async fn call(conn: &RedisConn, jobs: Vec<Job>, now: tokio::time::Instant) {
     }
 }
 
-/// [`call`] of one job (which never splits it further).
-async fn call_alone(conn: &RedisConn, job: Job, now: tokio::time::Instant) {
-    Box::pin(call(conn, vec![job], now)).await;
+/// A [`call`] for each of `jobs`, at once. Boxed: this path is rare, and inline it would make
+/// every call's future larger.
+async fn one_by_one(conn: &RedisConn, jobs: Vec<Job>) {
+    let now = tokio::time::Instant::now();
+    Box::pin(join_all(
+        jobs.into_iter()
+            .map(|job| Box::pin(call(conn, vec![job], now, None))),
+    ))
+    .await;
+}
+
+/// How long a slot that refused a batch with `TRYAGAIN` has its batches sent check by check
+/// (see [`MigratingSlots`]).
+const MIGRATING_FOR: Duration = Duration::from_secs(1);
+
+/// Cluster slots that refused a batch with `TRYAGAIN` (their keys split between two nodes by a
+/// migration) in the last [`MIGRATING_FOR`]. For as long as a slot migrates, almost every batch
+/// with a key the source no longer holds is refused, after the client has tried it a few times:
+/// such a slot's batches go check by check at once instead, and do not hold a place in the
+/// pipeline for their retries. A few slots migrate at a time; at most 64 are remembered.
+#[derive(Default)]
+pub(crate) struct MigratingSlots(std::sync::Mutex<SmallVec<[(u16, std::time::Instant); 4]>>);
+
+impl MigratingSlots {
+    fn slots(&self) -> std::sync::MutexGuard<'_, SmallVec<[(u16, std::time::Instant); 4]>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn note(&self, slot: u16) {
+        let now = std::time::Instant::now();
+        let mut slots = self.slots();
+        slots.retain(|(s, at)| *s != slot && now.duration_since(*at) < MIGRATING_FOR);
+        if slots.len() < 64 {
+            slots.push((slot, now));
+        }
+    }
+
+    fn contains(&self, slot: u16) -> bool {
+        let slots = self.slots();
+        !slots.is_empty()
+            && slots
+                .iter()
+                .any(|&(s, at)| s == slot && at.elapsed() < MIGRATING_FOR)
+    }
 }
 
 #[cfg(test)]
@@ -896,7 +963,9 @@ mod tests {
     }
 
     /// The size of a batch's future: the future a batch's task runs, without naming its type.
-    fn dispatch_future_size<F: FnOnce(RedisConn, Vec<Job>) -> Fut, Fut>(_: F) -> usize {
+    fn dispatch_future_size<F: FnOnce(RedisConn, Vec<Job>, Arc<MigratingSlots>) -> Fut, Fut>(
+        _: F,
+    ) -> usize {
         std::mem::size_of::<Fut>()
     }
 

@@ -52,10 +52,12 @@ const RECONNECT_RETRIES: usize = 6;
 /// How often the cluster client tries a call again (after a redirect, a lost connection, or
 /// `TRYAGAIN`), at most. Its default of 16, with waits of 1.28 s and more between tries, made
 /// every `TRYAGAIN` (keys of a call split by a slot's migration) outlast any sensible call
-/// timeout. Six tries, with waits of 1 ms up to an eighth of the timeout (see
+/// timeout. Six tries, with waits of 1 ms up to a 32nd of the timeout each (see
 /// [`cluster_retry_wait`]), ride out a split of a few milliseconds (the resharding tool moves a
-/// slot's keys some at a time) and still give up in about half the timeout, which leaves time to
-/// send a refused batch check by check (a split that lasts: the tool died half-way).
+/// slot's keys some at a time) and give up within 6/32 of the timeout: less than the quarter
+/// under which a call's timeout is not counted by the breaker, so a batch sent with little of
+/// its time left still hears `TRYAGAIN` rather than timing out, and there is time left to send
+/// its checks one by one.
 const CLUSTER_RETRIES: u32 = 6;
 /// How often a call loads its script and tries again after `NOSCRIPT`. More
 /// than once for a cluster that has just failed over: `SCRIPT LOAD` has no
@@ -351,7 +353,8 @@ impl RedisConn {
     ///
     /// # Errors
     /// [`Error::Timeout`]; [`Error::Connect`]; [`Error::CrossSlot`] when the
-    /// keys are in different cluster slots; [`Error::WrongType`] and
+    /// keys are in different cluster slots; [`Error::Migrating`] when a slot's
+    /// migration split them between two nodes; [`Error::WrongType`] and
     /// [`Error::Corrupted`] for `WRONGTYPE`, `FLOODGATE_WRONGTYPE <i>` and
     /// `FLOODGATE_CORRUPT <i> <detail>` replies (`i` 0-based into `keys`);
     /// [`Error::Script`] for any other error the script raised.
@@ -1005,11 +1008,11 @@ fn client(config: &RedisConfig) -> Result<Client, Opened> {
 }
 
 /// The shortest and the longest wait (ms) of the cluster client between two tries of a call:
-/// 1 ms, and an eighth of the call timeout (at least 2 ms). The client draws each wait at
-/// random between the two, the longest doubling from 20 ms with each try up to its cap.
+/// 1 ms, and a 32nd of the call timeout (at least 2 ms). The client draws each wait at random
+/// between the two, the longest doubling from 20 ms with each try up to its cap.
 fn cluster_retry_wait(timeout: Duration) -> (u64, u64) {
-    let eighth = u64::try_from((timeout / 8).as_millis()).unwrap_or(u64::MAX);
-    (1, eighth.max(2))
+    let part = u64::try_from((timeout / 32).as_millis()).unwrap_or(u64::MAX);
+    (1, part.max(2))
 }
 
 async fn open(config: &RedisConfig, client: Client) -> Result<Backend, Opened> {

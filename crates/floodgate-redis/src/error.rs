@@ -82,9 +82,10 @@ pub enum Error {
     },
 
     /// The keys of one call are in a cluster slot that is migrating between two nodes, some
-    /// on each (`TRYAGAIN`), so neither node can run the call. The servers are fine and the
-    /// call did not run: a call of fewer keys, or the same call once the migration has moved
-    /// them all, goes through. Batched checks refused so are sent again one by one.
+    /// on each or some not yet anywhere (`TRYAGAIN`), so neither node can run the call. The
+    /// servers are fine and the call did not run: a call of one key, or the same call once the
+    /// migration has ended, goes through. Batched checks refused so are sent again one by one;
+    /// a check of several policies of one user can still be refused until the migration ends.
     #[error("Redis Cluster slot migrating, the call's keys are on two nodes: {message}")]
     Migrating {
         /// The server's message.

@@ -805,7 +805,8 @@ fn error_replies(node: &RedisServer, code: &str) -> u64 {
 /// refused with `TRYAGAIN` for as long as the slot stays split, which a resharding tool that
 /// died half-way makes for good. The client retries a `TRYAGAIN` for a little, within the
 /// call's time (it used to wait over a second, past any sensible timeout), then sends each
-/// check of the batch on its own: each key is where one node or the other can serve it (`ASK`).
+/// check of the batch on its own: each key is where one node or the other can serve it (`ASK`),
+/// and so are the slot's next batches, at once, for a while.
 /// The state of the key that moved goes on counting. A check of several keys of one user that
 /// the migration split fails, but the server that answered `TRYAGAIN` is not counted as down: a
 /// later check of another key in its breaker's range gets through.
@@ -820,7 +821,7 @@ fn cluster_batches_split_by_a_migrating_slot_are_sent_check_by_check() {
         let limiter =
             RedisLimiter::with_batching(conn, config.get_key_prefix(), BatchConfig::default())
                 .expect("valid prefix");
-        let policy = floodgate_core::Policy::per_hour(5).expect("valid");
+        let policy = floodgate_core::Policy::per_hour(1_000).expect("valid");
         let key_of = |user: &str| limiter.state_key(&policy, user.as_bytes());
         let slot_of = |user: &str| RedisCluster::key_slot(&key_of(user));
         let first = "user-0";
@@ -829,36 +830,54 @@ fn cluster_batches_split_by_a_migrating_slot_are_sent_check_by_check() {
             .map(|i| format!("user-{i}"))
             .find(|u| slot_of(u) == slot)
             .expect("another user in the slot");
-        for user in [first, second.as_str()] {
-            let d = limiter
-                .check_one(user.as_bytes(), &policy, 1)
-                .await
-                .expect("before the migration");
-            assert_eq!(d.remaining, 4, "{user}");
-        }
+        // `n` checks of each user at once, interleaved (so that batches hold both), every one
+        // allowed: the lowest remaining of each user's.
+        let (limiter, policy, users) = (&limiter, &policy, [first, second.as_str()]);
+        let round = |n: usize| async move {
+            let checks = (0..n).flat_map(|_| users).map(|user| async move {
+                let d = limiter.check_one(user.as_bytes(), policy, 1).await;
+                (user, d.unwrap_or_else(|e| panic!("{user}: {e:?}")))
+            });
+            let mut lowest = [u64::MAX; 2];
+            for (user, d) in futures_util::future::join_all(checks).await {
+                assert!(d.allowed, "{user}: {d:?}");
+                let i = usize::from(user != first);
+                lowest[i] = lowest[i].min(d.remaining);
+            }
+            lowest
+        };
+        assert_eq!(round(1).await, [999, 999], "before the migration");
         let migration = Migration::begin(&cluster, slot);
         let (source, target) = (migration.source, migration.target);
+        // The script loaded on the target, by a check of a user it holds.
+        let local = (0..100_000)
+            .map(|i| format!("local-{i}"))
+            .find(|u| cluster.node_for_slot(slot_of(u)).ok() == Some(target))
+            .expect("a user on the target");
+        limiter
+            .check_one(local.as_bytes(), policy, 1)
+            .await
+            .expect("a check on the target");
         migration.migrate(&cluster, &key_of(first));
         let refused = error_replies(cluster.node(source), "TRYAGAIN");
 
         let started = Instant::now();
-        let (a, b) = futures_util::future::join(
-            limiter.check_one(first.as_bytes(), &policy, 1),
-            limiter.check_one(second.as_bytes(), &policy, 1),
-        )
-        .await;
+        assert_eq!(round(1).await, [998, 998], "the states went on counting");
         let took = started.elapsed();
-        let (a, b) = (
-            a.expect("the key that moved"),
-            b.expect("the key that stayed"),
-        );
-        assert!(a.allowed && b.allowed, "{a:?} {b:?}");
-        assert_eq!((a.remaining, b.remaining), (3, 3), "{a:?} {b:?}");
         assert!(
             error_replies(cluster.node(source), "TRYAGAIN") > refused,
-            "the two checks did not go out as one call"
+            "no batch held both users"
         );
         assert!(took <= config.get_timeout() + MARGIN, "{took:?}");
+        // The slot is remembered as migrating: its next batches go check by check at once,
+        // and are not refused first.
+        let refused = error_replies(cluster.node(source), "TRYAGAIN");
+        assert_eq!(round(1).await, [997, 997]);
+        assert_eq!(
+            error_replies(cluster.node(source), "TRYAGAIN"),
+            refused,
+            "a batch of the migrating slot was refused again"
+        );
         // Each state is where it was: the moved one counted on the target, the other on the
         // source, and no new key made on either.
         let slot_arg = slot.to_string();
@@ -878,7 +897,7 @@ fn cluster_batches_split_by_a_migrating_slot_are_sent_check_by_check() {
             .and_then(|p| p.named("daily"))
             .expect("valid");
         let both = [
-            floodgate_core::Check::new(second.as_bytes(), &policy),
+            floodgate_core::Check::new(second.as_bytes(), policy),
             floodgate_core::Check::new(second.as_bytes(), &daily),
         ];
         for _ in 0..5 {
@@ -895,7 +914,7 @@ fn cluster_batches_split_by_a_migrating_slot_are_sent_check_by_check() {
             .find(|u| slot_of(u) != slot && slot_of(u) / 128 == slot / 128)
             .expect("a user in the same range of slots");
         limiter
-            .check_one(neighbour.as_bytes(), &policy, 1)
+            .check_one(neighbour.as_bytes(), policy, 1)
             .await
             .expect("a slot in the same breaker range");
         migration.cancel(&cluster);
