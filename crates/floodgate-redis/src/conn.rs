@@ -52,12 +52,13 @@ const RECONNECT_RETRIES: usize = 6;
 /// How often the cluster client tries a call again (after a redirect, a lost connection, or
 /// `TRYAGAIN`), at most. Its default of 16, with waits of 1.28 s and more between tries, made
 /// every `TRYAGAIN` (keys of a call split by a slot's migration) outlast any sensible call
-/// timeout. Six tries, with waits of 1 ms up to a 32nd of the timeout each (see
+/// timeout. Six tries, with waits of 1 ms up to an eighth of the timeout each (see
 /// [`cluster_retry_wait`]), ride out a split of a few milliseconds (the resharding tool moves a
-/// slot's keys some at a time) and give up within 6/32 of the timeout: less than the quarter
-/// under which a call's timeout is not counted by the breaker, so a batch sent with little of
-/// its time left still hears `TRYAGAIN` rather than timing out, and there is time left to send
-/// its checks one by one.
+/// slot's keys some at a time) and usually give up in about a quarter of the timeout, leaving
+/// time to send a refused batch's checks one by one. Shorter waits fit more tries in a call,
+/// and each try at a dead master's slot makes the client refresh its slot map, which holds up
+/// calls to every node: with waits up to a 32nd of the timeout, 8% of the calls to the masters
+/// that stayed up failed during a failover (`chaos_cluster_failover_leaves_other_masters_keys_alone`).
 const CLUSTER_RETRIES: u32 = 6;
 /// How often a call loads its script and tries again after `NOSCRIPT`. More
 /// than once for a cluster that has just failed over: `SCRIPT LOAD` has no
@@ -1008,10 +1009,10 @@ fn client(config: &RedisConfig) -> Result<Client, Opened> {
 }
 
 /// The shortest and the longest wait (ms) of the cluster client between two tries of a call:
-/// 1 ms, and a 32nd of the call timeout (at least 2 ms). The client draws each wait at random
-/// between the two, the longest doubling from 20 ms with each try up to its cap.
+/// 1 ms, and an eighth of the call timeout (at least 2 ms). The client draws each wait at
+/// random between the two, the longest doubling from 20 ms with each try up to its cap.
 fn cluster_retry_wait(timeout: Duration) -> (u64, u64) {
-    let part = u64::try_from((timeout / 32).as_millis()).unwrap_or(u64::MAX);
+    let part = u64::try_from((timeout / 8).as_millis()).unwrap_or(u64::MAX);
     (1, part.max(2))
 }
 
