@@ -742,8 +742,8 @@ async fn call(
         }
         return;
     }
-    // A cluster batch is of one slot.
-    let slot = jobs.first().map(|j| j.group.slot());
+    // A cluster batch is of one slot (not worked out on a single node, which has none).
+    let slot = migrating.and(jobs.first()).map(|j| j.group.slot());
     if let (Some(migrating), Some(slot)) = (migrating, slot)
         && jobs.len() > 1
         && migrating.contains(slot)
@@ -823,11 +823,9 @@ impl MigratingSlots {
     }
 
     fn contains(&self, slot: u16) -> bool {
-        let slots = self.slots();
-        !slots.is_empty()
-            && slots
-                .iter()
-                .any(|&(s, at)| s == slot && at.elapsed() < MIGRATING_FOR)
+        self.slots()
+            .iter()
+            .any(|&(s, at)| s == slot && at.elapsed() < MIGRATING_FOR)
     }
 }
 
