@@ -131,6 +131,7 @@ fn refunded_is_never_made(policies: &[Policy], events: &[Event]) -> Result<(), S
         let opts = CheckOptions {
             max_wait: Duration::from_micros(e.max_wait),
             now: Some(at),
+            deadline: None,
         };
         let a = refunding
             .check_sync(&checks, opts)
@@ -375,6 +376,7 @@ fn a_shaper_reservation_with_others_behind_it_is_not_given_back() {
     let wait = |ms| CheckOptions {
         max_wait: Duration::from_secs(1),
         now: Some(Timestamp::from_micros(T0 + ms * MS)),
+        deadline: None,
     };
     let limiter = MemoryLimiter::new();
     let first = limiter.check_sync(&checks, wait(0)).expect("checks");

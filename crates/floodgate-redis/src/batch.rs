@@ -240,16 +240,9 @@ pub(crate) fn encode_args(groups: &[&Group]) -> Vec<Vec<u8>> {
     encode(groups).iter().map(<[u8]>::to_vec).collect()
 }
 
-/// Runs `groups` in one script call. The groups must share a slot on a cluster and an
-/// injected time, if any. The outer error fails every group; inner errors are per group.
-pub(crate) async fn run(
-    conn: &RedisConn,
-    groups: &[&Group],
-) -> Result<Vec<Result<Checked, Error>>, Error> {
-    run_within(conn, groups, conn.timeout()).await
-}
-
-/// [`run`] bounded by `timeout`.
+/// Runs `groups` in one script call, bounded by `timeout`. The groups must share a slot on a
+/// cluster and an injected time, if any. The outer error fails every group; inner errors are
+/// per group.
 pub(crate) async fn run_within(
     conn: &RedisConn,
     groups: &[&Group],

@@ -379,18 +379,25 @@ impl RedisLimiter {
     /// The first step of a check: a check that one script call decides goes into the
     /// batcher's queue when it has room, and the future only waits for its reply; any other
     /// (no batching, a full queue, a cluster check across slots) runs boxed.
-    fn start<'a>(
-        &'a self,
-        checks: &'a [Check<'a>],
+    fn start<'c>(
+        &self,
+        checks: &'c [Check<'_>],
         opts: CheckOptions,
-    ) -> Result<CheckFuture<'a>, Error> {
+    ) -> Result<CheckFuture<'c>, Error> {
+        let timeout = self.budget(&opts);
+        if timeout.is_zero() {
+            // Past the caller's deadline: not sent.
+            return Err(Error::Timeout {
+                after: timeout,
+                op: "check (its deadline had passed)",
+            });
+        }
         let group = self.encode(checks, opts)?;
         let lease = group.lease;
         let slots = self.slots_of(&group);
         if let Some((jobs, batcher_runtime)) = self.batcher_on() {
             if slots.is_none() {
                 if let Ok(permit) = jobs.try_reserve() {
-                    let timeout = self.inner.conn.timeout();
                     let deadline = later(tokio::time::Instant::now(), timeout);
                     let rx = queue(permit, group, deadline);
                     // The batcher answers by the deadline while its runtime runs, which it
@@ -410,26 +417,51 @@ impl RedisLimiter {
                 }
             }
         }
-        Ok(CheckFuture::Boxed(Box::pin(
-            self.run_check(checks, opts, group, slots),
-        )))
+        // The limiter is cloned (an `Arc`) rather than borrowed: the future then borrows the
+        // checks alone, and `check` can return it without holding its arguments.
+        let this = self.clone();
+        Ok(CheckFuture::Boxed(Box::pin(async move {
+            this.run_check(checks, opts, group, slots, timeout).await
+        })))
     }
 
-    /// `slots`: the group's [`RedisLimiter::slots_of`].
+    /// How long a check with `opts` may take: the connection's timeout, or less when the
+    /// caller's deadline comes sooner.
+    fn budget(&self, opts: &CheckOptions) -> Duration {
+        let timeout = self.inner.conn.timeout();
+        opts.deadline.map_or(timeout, |d| {
+            d.saturating_duration_since(std::time::Instant::now())
+                .min(timeout)
+        })
+    }
+
+    /// `slots`: the group's [`RedisLimiter::slots_of`]; `timeout`: the check's
+    /// [`RedisLimiter::budget`].
     async fn run_check(
         &self,
         checks: &[Check<'_>],
         opts: CheckOptions,
         group: Group,
         slots: Option<Vec<u16>>,
+        timeout: Duration,
     ) -> Result<Verdict, Error> {
         let lease = group.lease;
         // The cross-slot path is boxed: it holds several script calls, and its futures would
         // make every check's future (boxed and copied by callers such as the tower layer)
         // many kilobytes larger.
         let verdict = match slots {
-            Some(slots) => Box::pin(self.run_across_slots(checks, opts, lease, &slots)).await?,
-            None => self.run_group(group).await?.0,
+            // Each part's call is bounded by the connection's timeout, and the whole by the
+            // check's: cut short, the parts counted are given back.
+            Some(slots) => {
+                let across = Box::pin(self.run_across_slots(checks, opts, lease, &slots));
+                tokio::time::timeout(timeout, across)
+                    .await
+                    .unwrap_or(Err(Error::Timeout {
+                        after: timeout,
+                        op: "check across slots",
+                    }))?
+            }
+            None => self.run_group(group, timeout).await?.0,
         };
         Ok(with_lease(verdict, lease))
     }
@@ -443,11 +475,11 @@ impl RedisLimiter {
         slots.iter().any(|s| *s != slots[0]).then_some(slots)
     }
 
-    /// One call of the check script, batched with others when batching is on.
-    async fn run_group(&self, group: Group) -> Result<Checked, Error> {
+    /// One call of the check script, batched with others when batching is on, over within
+    /// `timeout`.
+    async fn run_group(&self, group: Group, timeout: Duration) -> Result<Checked, Error> {
         match self.batcher() {
             Some(jobs) => {
-                let timeout = self.inner.conn.timeout();
                 let deadline = later(tokio::time::Instant::now(), timeout);
                 // A place in the queue first, then the job: the job is built once and moved
                 // once, instead of living in the future of `send` as well. The queue is
@@ -477,7 +509,7 @@ impl RedisLimiter {
                                  started on shut down?); checks go unbatched"
                             );
                         }
-                        return self.run_unbatched(&group).await;
+                        return self.run_unbatched(&group, timeout).await;
                     }
                     Err(_) => {
                         return Err(Error::Timeout {
@@ -499,12 +531,12 @@ impl RedisLimiter {
                     }),
                 }
             }
-            None => self.run_unbatched(&group).await,
+            None => self.run_unbatched(&group, timeout).await,
         }
     }
 
-    /// One call of the check script for `group` alone.
-    async fn run_unbatched(&self, group: &Group) -> Result<Checked, Error> {
+    /// One call of the check script for `group` alone, over within `timeout`.
+    async fn run_unbatched(&self, group: &Group, timeout: Duration) -> Result<Checked, Error> {
         // Dropped with this future while the call is in flight, the lease the call may grant is
         // given back. On the multiplexed connection the release goes after the call; on a pool
         // it takes another connection and may arrive first, and a lease granted after it
@@ -512,8 +544,8 @@ impl RedisLimiter {
         let unclaimed = batch::Unclaimed::of(&self.inner.conn, group);
         // Boxed for the same reason as the cross-slot path: a script call's future is large,
         // and the batched path (the default) does not need it here.
-        let results = Box::pin(batch::run(&self.inner.conn, &[group])).await;
-        // Answered: an allowed verdict takes its lease to the caller, and `run` gives back
+        let results = Box::pin(batch::run_within(&self.inner.conn, &[group], timeout)).await;
+        // Answered: an allowed verdict takes its lease to the caller, and `run_within` gives back
         // what a failed call may have granted.
         if let Some(lease) = unclaimed {
             lease.claim();
@@ -580,7 +612,12 @@ impl RedisLimiter {
                 },
                 _ => opts,
             };
-            let result = self.run_group(self.encode_with(&sub, opts, lease)?).await;
+            let result = self
+                .run_group(
+                    self.encode_with(&sub, opts, lease)?,
+                    self.inner.conn.timeout(),
+                )
+                .await;
             let (verdict, now) = match result {
                 Ok(v) => v,
                 Err(e) => {
@@ -610,7 +647,7 @@ impl RedisLimiter {
                 let sub: Vec<Check<'_>> = part.iter().map(|&i| checks[i]).collect();
                 let mut group = self.encode_with(&sub, opts, 0)?;
                 group.dry_run = true;
-                let (verdict, _) = self.run_group(group).await?;
+                let (verdict, _) = self.run_group(group, self.inner.conn.timeout()).await?;
                 for (&i, d) in part.iter().zip(&verdict.decisions) {
                     decisions[i] = Some(*d);
                 }
@@ -865,6 +902,8 @@ enum CheckFuture<'a> {
     },
     /// Every other check.
     Boxed(Pin<Box<dyn Future<Output = Result<Verdict, Error>> + Send + 'a>>),
+    /// Failed before it started (a malformed check).
+    Failed(Error),
     Done,
 }
 
@@ -893,6 +932,8 @@ impl Future for CheckFuture<'_> {
                 }
             },
             CheckFuture::Boxed(fut) => std::task::ready!(fut.as_mut().poll(cx)),
+            // Taken out (an empty placeholder allocates nothing); `Done` replaces it below.
+            CheckFuture::Failed(e) => Err(std::mem::replace(e, Error::Config(String::new()))),
             CheckFuture::Done => Err(Error::Config(
                 "a rate-limit check was polled after it finished".into(),
             )),
@@ -993,10 +1034,23 @@ impl Limiter for RedisLimiter {
         error.is_timeout() || error.is_connection()
     }
 
-    async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, Error> {
-        // Bound first: a temporary `Result` would be held across the await.
-        let fut = self.start(checks, opts)?;
-        fut.await
+    /// A check is over by the sooner of its deadline and the connection's timeout, failed with
+    /// [`Error::Timeout`] then. A batched check's deadline is kept by the batching task, which
+    /// answers every check by its deadline while its runtime runs; a check awaited on another
+    /// runtime also keeps a timer of its own, 20 ms past the deadline, should that runtime be
+    /// blocked.
+    fn keeps_deadlines(&self) -> bool {
+        true
+    }
+
+    fn check<'s, 'c, 'k>(
+        &'s self,
+        checks: &'c [Check<'k>],
+        opts: CheckOptions,
+    ) -> impl Future<Output = Result<Verdict, Error>> + Send + use<'s, 'c, 'k> {
+        // Started when called, not when first polled: the future is the started check alone,
+        // without the arguments (callers such as the tower layer box it per request).
+        self.start(checks, opts).unwrap_or_else(CheckFuture::Failed)
     }
 
     async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), Error> {

@@ -271,3 +271,66 @@ fn fault_a_check_across_slots_dropped_half_way_gives_back_its_first_part() {
         }
     });
 }
+
+/// A check is over by its caller's deadline when that comes before the connection's timeout
+/// (which is what lets the tower layer await it without a timer of its own), and a check whose
+/// deadline has passed is not sent at all; batched or not, through the deny cache too.
+#[test]
+fn fault_a_check_is_over_by_its_deadline_and_not_sent_past_it() {
+    let server = server();
+    run(Duration::from_secs(60), async {
+        for (batching, prefix) in [
+            (BatchConfig::default(), "batched"),
+            (BatchConfig::disabled(), "unbatched"),
+        ] {
+            let config = floodgate_redis::RedisConfig::new(&server.url())
+                .expect("valid URL")
+                .key_prefix(prefix)
+                .expect("valid prefix")
+                .timeout(Duration::from_secs(5));
+            let limiter = support::limiter_batching(&config, batching).await;
+            let cached = floodgate_core::DenyCache::new(limiter.clone());
+            assert!(limiter.keeps_deadlines() && cached.keeps_deadlines());
+            let p = Policy::per_second(100).expect("valid");
+            let checks = [Check::new(b"deadline", &p)];
+            let first = limiter.check(&checks, CheckOptions::default()).await;
+            assert!(first.expect("up").allowed(), "{prefix}");
+
+            // Paused, Redis does not answer: the check ends at its deadline, not at the
+            // connection's timeout of 5 s.
+            server.pause().expect("pause");
+            for name in ["limiter", "deny cache"] {
+                let started = std::time::Instant::now();
+                let opts = CheckOptions::default().until(started + Duration::from_millis(150));
+                let result = if name == "limiter" {
+                    limiter.check(&checks, opts).await
+                } else {
+                    cached.check(&checks, opts).await
+                };
+                let took = started.elapsed();
+                let e = result.expect_err("Redis is paused");
+                assert!(e.is_timeout(), "{prefix} {name}: {e}");
+                assert!(
+                    took >= Duration::from_millis(140) && took < Duration::from_secs(2),
+                    "{prefix} {name}: over after {took:?}, not at its deadline of 150 ms"
+                );
+            }
+            server.resume().expect("resume");
+
+            // A deadline already passed: failed at once, and Redis never sees the check.
+            let sent = support::command_calls(&server, "evalsha");
+            let started = std::time::Instant::now();
+            let late = CheckOptions::default().until(started);
+            let e = limiter.check(&checks, late).await;
+            let e = e.expect_err(prefix);
+            assert!(e.is_timeout(), "{prefix}: {e}");
+            assert!(started.elapsed() < Duration::from_secs(1), "{prefix}");
+            let e = cached.check(&checks, late).await.expect_err("too late");
+            assert!(e.is_timeout(), "{prefix}: {e}");
+            assert_eq!(support::command_calls(&server, "evalsha"), sent, "{prefix}");
+            // The same check with time to spare still gets through.
+            let ok = limiter.check(&checks, CheckOptions::default()).await;
+            assert!(ok.expect("up").allowed(), "{prefix}");
+        }
+    });
+}

@@ -102,6 +102,7 @@ async fn compare(
         let opts = CheckOptions {
             max_wait: Duration::from_micros(e.max_wait),
             now: Some(at),
+            deadline: None,
         };
         let a = memory
             .check(&checks, opts)

@@ -388,11 +388,19 @@ pub(crate) trait DynEngine: Send + Sync + 'static {
 pub(crate) struct Engine<L> {
     limiter: L,
     shared: Shared,
+    /// Whether the limiter keeps the deadline it is given ([`Limiter::keeps_deadlines`]): the
+    /// layer's timeout needs no timer of its own then.
+    keeps_deadlines: bool,
 }
 
-impl<L> Engine<L> {
+impl<L: Limiter> Engine<L> {
     pub(crate) fn new(limiter: L, shared: Shared) -> Self {
-        Engine { limiter, shared }
+        let keeps_deadlines = limiter.keeps_deadlines();
+        Engine {
+            limiter,
+            shared,
+            keeps_deadlines,
+        }
     }
 }
 
@@ -936,20 +944,34 @@ where
         &self,
         job: &Checks,
         checks: &[Check<'_>],
-        opts: CheckOptions,
+        mut opts: CheckOptions,
     ) -> Option<(Verdict, DecisionSource, Instant)> {
         let sh = &self.shared;
         let admit = sh.health.admit();
         if admit != Admit::Skip {
             let started = Instant::now();
+            // The layer's timeout is the check's deadline. A limiter that keeps deadlines is
+            // over by then (with its timeout error, which counts as the layer's timeout below),
+            // and the check is not timed here: a timer per request costs more than the rest of
+            // this function. Others are timed.
+            opts.deadline = started.checked_add(sh.timeout);
             let result = if admit == Admit::Probe {
                 // The probe of a failing store (one request per retry interval): answered by
                 // the store itself, not by a deny cache or a lease, whose local answer would
                 // say it is back. Rare: boxed, so the usual path's future stays as it is.
                 let fresh = Box::pin(self.limiter.check_store(checks, opts));
-                timeout_unless_ready(sh.timeout, fresh).await
+                timeout_unless_ready(Some(sh.timeout), fresh).await
             } else {
-                timeout_unless_ready(sh.timeout, self.limiter.check(checks, opts)).await
+                // One await of the limiter's future, timed or not: two would each take its
+                // room in this future, which the layer boxes per request.
+                let timeout =
+                    (!self.keeps_deadlines || opts.deadline.is_none()).then_some(sh.timeout);
+                timeout_unless_ready(timeout, self.limiter.check(checks, opts)).await
+            };
+            // An error at the deadline is the layer's timeout.
+            let result = match result {
+                Some(Err(_)) if started.elapsed() >= sh.timeout => None,
+                result => result,
             };
             sh.metrics.check_duration(started.elapsed().as_secs_f64());
             sh.metrics
@@ -1143,7 +1165,9 @@ where
         soon(Box::pin(async move {
             let sh = &self.shared;
             let checks = lease_checks(sh, &job);
-            match timeout_unless_ready(sh.timeout, self.limiter.release(&checks, job.lease)).await {
+            match timeout_unless_ready(Some(sh.timeout), self.limiter.release(&checks, job.lease))
+                .await
+            {
                 Some(Ok(())) => {}
                 Some(Err(e)) => tracing::debug!(
                     target: "floodgate",
@@ -1167,7 +1191,7 @@ where
                 return held(memory.renew_sync(&checks, job.lease));
             }
             let within = within.min(sh.timeout);
-            match timeout_unless_ready(within, self.limiter.renew(&checks, job.lease)).await {
+            match timeout_unless_ready(Some(within), self.limiter.renew(&checks, job.lease)).await {
                 Some(Ok(still)) => {
                     if !still {
                         tracing::debug!(
@@ -1208,7 +1232,8 @@ where
         soon(Box::pin(async move {
             let sh = &self.shared;
             let checks = refund_checks(sh, &job);
-            match timeout_unless_ready(sh.timeout, self.limiter.refund(&checks, &job.verdict)).await
+            match timeout_unless_ready(Some(sh.timeout), self.limiter.refund(&checks, &job.verdict))
+                .await
             {
                 Some(Ok(())) => {}
                 Some(Err(e)) => tracing::warn!(
@@ -1278,8 +1303,9 @@ fn lease_checks<'a>(sh: &'a Shared, job: &'a LeaseJob) -> SmallVec<[Check<'a>; 2
 }
 
 pin_project_lite::pin_project! {
-    /// Awaits `fut` for at most `timeout`; a future that is ready at once (the in-memory
-    /// limiter) does not touch the timer. Written out rather than `async`: an `async fn` would
+    /// Awaits `fut` for at most `timeout` (`None`: as long as it takes, for a limiter that
+    /// keeps its deadline); a future that is ready at once (the in-memory limiter) does not
+    /// touch the timer. Written out rather than `async`: an `async fn` would
     /// hold the limiter's future twice (argument and pinned local), and limiters' futures are
     /// large. The timer is boxed when it is needed: held in line, it took the future the layer
     /// boxes per Redis check to 1,096 bytes, past the sizes glibc's allocator serves from its
@@ -1289,11 +1315,11 @@ pin_project_lite::pin_project! {
         #[pin]
         fut: F,
         sleep: Option<Pin<Box<tokio::time::Sleep>>>,
-        timeout: Duration,
+        timeout: Option<Duration>,
     }
 }
 
-fn timeout_unless_ready<F: Future>(timeout: Duration, fut: F) -> TimeoutUnlessReady<F> {
+fn timeout_unless_ready<F: Future>(timeout: Option<Duration>, fut: F) -> TimeoutUnlessReady<F> {
     TimeoutUnlessReady {
         fut,
         sleep: None,
@@ -1309,7 +1335,9 @@ impl<F: Future> Future for TimeoutUnlessReady<F> {
         if let Poll::Ready(out) = this.fut.poll(cx) {
             return Poll::Ready(Some(out));
         }
-        let timeout = *this.timeout;
+        let Some(timeout) = *this.timeout else {
+            return Poll::Pending;
+        };
         let sleep = this
             .sleep
             .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));

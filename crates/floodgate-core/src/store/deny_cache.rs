@@ -356,6 +356,12 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
         L::is_unavailable(error)
     }
 
+    /// When the inner limiter keeps them: waiting for another caller's probe stops at the
+    /// deadline too.
+    fn keeps_deadlines(&self) -> bool {
+        self.inner.keeps_deadlines()
+    }
+
     async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, L::Error> {
         let cacheable = opts.now.is_none()
             && self.max_hold_us > 0
@@ -373,8 +379,17 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
                     Consulted::Wait(notified) => notified,
                     Consulted::Ask => break,
                 };
+                // Not past the caller's deadline: once it has passed, the store (which keeps
+                // deadlines, or the caller times the check) answers at once.
+                let patience = opts.deadline.map_or(PROBE_PATIENCE, |d| {
+                    d.saturating_duration_since(std::time::Instant::now())
+                        .min(PROBE_PATIENCE)
+                });
+                if patience.is_zero() {
+                    break;
+                }
                 // Rare, and boxed so that the usual path's future stays small.
-                let _ = Box::pin(tokio::time::timeout(PROBE_PATIENCE, notified)).await;
+                let _ = Box::pin(tokio::time::timeout(patience, notified)).await;
             }
         }
         // Read before the store is asked: a reset made meanwhile makes this answer stale.

@@ -762,6 +762,11 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
         false
     }
 
+    /// A check is decided at once, on the caller's thread.
+    fn keeps_deadlines(&self) -> bool {
+        true
+    }
+
     async fn check(
         &self,
         checks: &[Check<'_>],

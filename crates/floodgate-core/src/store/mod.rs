@@ -55,6 +55,11 @@ pub struct CheckOptions {
     /// Decide as of this time instead of the store's clock (tests and simulations). The Redis
     /// backend otherwise uses the server's time.
     pub now: Option<Timestamp>,
+    /// When the caller gives up on the check. A limiter that keeps deadlines
+    /// ([`Limiter::keeps_deadlines`]) has the check over by then, failed with its timeout error
+    /// if the store has not answered, and does not send it to the store past it; the caller
+    /// needs no timer of its own. Others may ignore it. `None`: the limiter's own timeouts only.
+    pub deadline: Option<std::time::Instant>,
 }
 
 impl CheckOptions {
@@ -63,6 +68,7 @@ impl CheckOptions {
         CheckOptions {
             max_wait,
             now: None,
+            deadline: None,
         }
     }
 
@@ -71,6 +77,16 @@ impl CheckOptions {
         CheckOptions {
             max_wait: Duration::ZERO,
             now: Some(now),
+            deadline: None,
+        }
+    }
+
+    /// These options, the check over by `deadline` (see [`CheckOptions::deadline`]).
+    #[must_use]
+    pub fn until(self, deadline: std::time::Instant) -> Self {
+        CheckOptions {
+            deadline: Some(deadline),
+            ..self
         }
     }
 }
@@ -169,6 +185,18 @@ pub trait Limiter: Send + Sync {
         opts: CheckOptions,
     ) -> impl Future<Output = Result<Verdict, Self::Error>> + Send {
         self.check(checks, opts)
+    }
+
+    /// Whether every check of this limiter keeps [`CheckOptions::deadline`]: it is over by the
+    /// deadline (failed with the limiter's timeout error when the store has not answered by
+    /// then), so a caller that sets one needs no timer of its own. Defaults to `false`. The
+    /// tower layer times a check itself unless its limiter keeps deadlines: a timer per request
+    /// is a good part of what an asynchronous check costs the service.
+    ///
+    /// A limiter that wraps another keeps deadlines only if every wait of its own is bounded by
+    /// the deadline too, and the inner limiter keeps them.
+    fn keeps_deadlines(&self) -> bool {
+        false
     }
 
     /// Whether `error` means the store itself is unavailable (down, unreachable, too slow), as
