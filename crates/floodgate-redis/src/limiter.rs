@@ -902,8 +902,12 @@ enum CheckFuture<'a> {
     },
     /// Every other check.
     Boxed(Pin<Box<dyn Future<Output = Result<Verdict, Error>> + Send + 'a>>),
-    /// Failed before it started (a malformed check).
+    /// Failed before it started (a malformed check, a deadline already past).
     Failed(Error),
+    /// Made outside a runtime: started when first polled. Rare, and boxed so that the usual
+    /// variants set the future's size.
+    #[allow(clippy::type_complexity)]
+    Lazy(Box<(RedisLimiter, &'a [Check<'a>], CheckOptions)>),
     Done,
 }
 
@@ -912,6 +916,14 @@ impl Future for CheckFuture<'_> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
+        if let CheckFuture::Lazy(_) = this {
+            if let CheckFuture::Lazy(lazy) = std::mem::replace(this, CheckFuture::Done) {
+                let (limiter, checks, opts) = *lazy;
+                *this = limiter
+                    .start(checks, opts)
+                    .unwrap_or_else(CheckFuture::Failed);
+            }
+        }
         let result = match this {
             CheckFuture::Batched {
                 reply,
@@ -934,7 +946,8 @@ impl Future for CheckFuture<'_> {
             CheckFuture::Boxed(fut) => std::task::ready!(fut.as_mut().poll(cx)),
             // Taken out (an empty placeholder allocates nothing); `Done` replaces it below.
             CheckFuture::Failed(e) => Err(std::mem::replace(e, Error::Config(String::new()))),
-            CheckFuture::Done => Err(Error::Config(
+            // (`Lazy` was started above.)
+            CheckFuture::Done | CheckFuture::Lazy(_) => Err(Error::Config(
                 "a rate-limit check was polled after it finished".into(),
             )),
         };
@@ -1034,13 +1047,17 @@ impl Limiter for RedisLimiter {
         error.is_timeout() || error.is_connection()
     }
 
-    /// A check is over by the sooner of its deadline and the connection's timeout, failed with
-    /// [`Error::Timeout`] then. A batched check's deadline is kept by the batching task, which
-    /// answers every check by its deadline while its runtime runs; a check awaited on another
-    /// runtime also keeps a timer of its own, 20 ms past the deadline, should that runtime be
-    /// blocked.
-    fn keeps_deadlines(&self) -> bool {
-        true
+    /// For deadlines at least the connection's timeout away: a check is over by then, failed
+    /// with [`Error::Timeout`] at the connection's timeout. The batching task answers every
+    /// check by its deadline while its runtime runs; a check awaited on another runtime also
+    /// keeps a timer of its own, 20 ms past the deadline, should that runtime be blocked.
+    ///
+    /// A sooner deadline is kept too (the check gets what is left of it, and one already past
+    /// is not sent), but it bounds the whole call of the batch the check joins, and a call cut
+    /// short counts against the circuit breaker: for a caller that cannot wait the
+    /// connection's timeout, a timer of its own spares the other checks.
+    fn keeps_deadlines(&self, within: Duration) -> bool {
+        within >= self.inner.conn.timeout()
     }
 
     fn check<'s, 'c, 'k>(
@@ -1049,7 +1066,12 @@ impl Limiter for RedisLimiter {
         opts: CheckOptions,
     ) -> impl Future<Output = Result<Verdict, Error>> + Send + use<'s, 'c, 'k> {
         // Started when called, not when first polled: the future is the started check alone,
-        // without the arguments (callers such as the tower layer box it per request).
+        // without the arguments (callers such as the tower layer box it per request). Called
+        // outside a runtime (to be awaited in one: `block_on(limiter.check(..))`), it starts
+        // when first polled, in that runtime.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return CheckFuture::Lazy(Box::new((self.clone(), checks, opts)));
+        }
         self.start(checks, opts).unwrap_or_else(CheckFuture::Failed)
     }
 

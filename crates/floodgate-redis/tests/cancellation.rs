@@ -290,7 +290,9 @@ fn fault_a_check_is_over_by_its_deadline_and_not_sent_past_it() {
                 .timeout(Duration::from_secs(5));
             let limiter = support::limiter_batching(&config, batching).await;
             let cached = floodgate_core::DenyCache::new(limiter.clone());
-            assert!(limiter.keeps_deadlines() && cached.keeps_deadlines());
+            let (five, short) = (Duration::from_secs(5), Duration::from_millis(150));
+            assert!(limiter.keeps_deadlines(five) && cached.keeps_deadlines(five));
+            assert!(!limiter.keeps_deadlines(short) && !cached.keeps_deadlines(short));
             let p = Policy::per_second(100).expect("valid");
             let checks = [Check::new(b"deadline", &p)];
             let first = limiter.check(&checks, CheckOptions::default()).await;
@@ -333,4 +335,27 @@ fn fault_a_check_is_over_by_its_deadline_and_not_sent_past_it() {
             assert!(ok.expect("up").allowed(), "{prefix}");
         }
     });
+}
+
+/// A check made outside a runtime, to be awaited in one, starts when first polled there (it
+/// starts when made otherwise, and would find no runtime to queue it).
+#[test]
+fn a_check_made_outside_a_runtime_starts_in_the_one_that_awaits_it() {
+    let server = server();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    for batching in [BatchConfig::default(), BatchConfig::disabled()] {
+        let config = floodgate_redis::RedisConfig::new(&server.url()).expect("valid URL");
+        let limiter = rt.block_on(support::limiter_batching(&config, batching));
+        let p = Policy::per_minute(2).expect("valid");
+        let checks = [Check::new(b"outside", &p)];
+        let made = limiter.check(&checks, CheckOptions::default());
+        let verdict = rt.block_on(made).expect("up");
+        assert!(verdict.allowed());
+        assert_eq!(verdict.decisions[0].remaining, 1);
+        rt.block_on(limiter.reset(b"outside", &p)).expect("reset");
+    }
 }

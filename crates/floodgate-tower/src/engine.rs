@@ -388,14 +388,14 @@ pub(crate) trait DynEngine: Send + Sync + 'static {
 pub(crate) struct Engine<L> {
     limiter: L,
     shared: Shared,
-    /// Whether the limiter keeps the deadline it is given ([`Limiter::keeps_deadlines`]): the
-    /// layer's timeout needs no timer of its own then.
+    /// Whether the limiter keeps a deadline the layer's timeout away
+    /// ([`Limiter::keeps_deadlines`]): the layer's timeout needs no timer of its own then.
     keeps_deadlines: bool,
 }
 
 impl<L: Limiter> Engine<L> {
     pub(crate) fn new(limiter: L, shared: Shared) -> Self {
-        let keeps_deadlines = limiter.keeps_deadlines();
+        let keeps_deadlines = limiter.keeps_deadlines(shared.timeout);
         Engine {
             limiter,
             shared,
@@ -950,11 +950,14 @@ where
         let admit = sh.health.admit();
         if admit != Admit::Skip {
             let started = Instant::now();
-            // The layer's timeout is the check's deadline. A limiter that keeps deadlines is
-            // over by then (with its timeout error, which counts as the layer's timeout below),
-            // and the check is not timed here: a timer per request costs more than the rest of
-            // this function. Others are timed.
-            opts.deadline = started.checked_add(sh.timeout);
+            // Behind a limiter that keeps deadlines the layer's timeout away, the timeout is the
+            // check's deadline: the check is over by then (with the limiter's timeout error,
+            // which counts as the layer's timeout below), and is not timed here, since a timer
+            // per request costs more than the rest of this function. Others are timed, and get
+            // no deadline: one sooner than their own timeout could cut other checks short.
+            if self.keeps_deadlines {
+                opts.deadline = started.checked_add(sh.timeout);
+            }
             let result = if admit == Admit::Probe {
                 // The probe of a failing store (one request per retry interval): answered by
                 // the store itself, not by a deny cache or a lease, whose local answer would
@@ -964,13 +967,12 @@ where
             } else {
                 // One await of the limiter's future, timed or not: two would each take its
                 // room in this future, which the layer boxes per request.
-                let timeout =
-                    (!self.keeps_deadlines || opts.deadline.is_none()).then_some(sh.timeout);
+                let timeout = opts.deadline.is_none().then_some(sh.timeout);
                 timeout_unless_ready(timeout, self.limiter.check(checks, opts)).await
             };
-            // An error at the deadline is the layer's timeout.
+            // The store's failure to answer by the deadline is the layer's timeout.
             let result = match result {
-                Some(Err(_)) if started.elapsed() >= sh.timeout => None,
+                Some(Err(e)) if L::is_unavailable(&e) && started.elapsed() >= sh.timeout => None,
                 result => result,
             };
             sh.metrics.check_duration(started.elapsed().as_secs_f64());

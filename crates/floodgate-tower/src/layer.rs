@@ -311,7 +311,10 @@ where
     }
 
     /// The longest the layer waits for the store to decide (default 500 ms), on top of the
-    /// store's own timeouts; after that the failure policy applies.
+    /// store's own timeouts; after that the failure policy applies. Behind a limiter that keeps
+    /// a deadline this far away ([`floodgate_core::Limiter::keeps_deadlines`]: Redis, when this
+    /// is at least its connection's timeout) it is the check's deadline, and the layer keeps
+    /// no timer per request; otherwise the layer times each check.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self

@@ -357,9 +357,10 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
     }
 
     /// When the inner limiter keeps them: waiting for another caller's probe stops at the
-    /// deadline too.
-    fn keeps_deadlines(&self) -> bool {
-        self.inner.keeps_deadlines()
+    /// deadline too. (Should the probe's caller stall, a check that waited for it to the
+    /// deadline then asks the store itself, within the inner limiter's own bound.)
+    fn keeps_deadlines(&self, within: Duration) -> bool {
+        self.inner.keeps_deadlines(within)
     }
 
     async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, L::Error> {

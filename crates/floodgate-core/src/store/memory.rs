@@ -763,7 +763,7 @@ impl<C: Clock> Limiter for MemoryLimiter<C> {
     }
 
     /// A check is decided at once, on the caller's thread.
-    fn keeps_deadlines(&self) -> bool {
+    fn keeps_deadlines(&self, _: std::time::Duration) -> bool {
         true
     }
 

@@ -187,15 +187,17 @@ pub trait Limiter: Send + Sync {
         self.check(checks, opts)
     }
 
-    /// Whether every check of this limiter keeps [`CheckOptions::deadline`]: it is over by the
-    /// deadline (failed with the limiter's timeout error when the store has not answered by
-    /// then), so a caller that sets one needs no timer of its own. Defaults to `false`. The
-    /// tower layer times a check itself unless its limiter keeps deadlines: a timer per request
-    /// is a good part of what an asynchronous check costs the service.
+    /// Whether every check of this limiter whose [`CheckOptions::deadline`] is at least `within`
+    /// away is over by that deadline on its own (failed with the limiter's timeout error when
+    /// the store has not answered by then), so that a caller who sets one needs no timer of its
+    /// own. Defaults to `false`. The tower layer sets its timeout as the deadline, and times a
+    /// check itself unless its limiter keeps deadlines that far away: a timer per request is a
+    /// good part of what an asynchronous check costs the service.
     ///
     /// A limiter that wraps another keeps deadlines only if every wait of its own is bounded by
     /// the deadline too, and the inner limiter keeps them.
-    fn keeps_deadlines(&self) -> bool {
+    fn keeps_deadlines(&self, within: Duration) -> bool {
+        let _ = within;
         false
     }
 
