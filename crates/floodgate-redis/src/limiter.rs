@@ -378,11 +378,13 @@ impl RedisLimiter {
 
     /// The first step of a check: a check that one script call decides goes into the
     /// batcher's queue when it has room, and the future only waits for its reply; any other
-    /// (no batching, a full queue, a cluster check across slots) runs boxed.
+    /// (no batching, a full queue, a cluster check across slots) runs boxed. `here`: the
+    /// runtime the check is made on.
     fn start<'c>(
         &self,
         checks: &'c [Check<'_>],
         opts: CheckOptions,
+        here: tokio::runtime::Id,
     ) -> Result<CheckFuture<'c>, Error> {
         let timeout = self.budget(&opts);
         if timeout.is_zero() {
@@ -404,8 +406,7 @@ impl RedisLimiter {
                     // does whenever this check is awaited on that runtime. Awaited on another
                     // (a runtime per thread, a test's own), the check keeps a timer of its own
                     // in case that one is blocked or no longer driven.
-                    let here = tokio::runtime::Handle::try_current().map(|h| h.id());
-                    let patience = (here.ok() != Some(*batcher_runtime)).then(|| {
+                    let patience = (here != *batcher_runtime).then(|| {
                         let patience = later(deadline, PATIENCE_MARGIN);
                         (Box::pin(tokio::time::sleep_until(patience)), timeout)
                     });
@@ -919,9 +920,14 @@ impl Future for CheckFuture<'_> {
         if let CheckFuture::Lazy(_) = this {
             if let CheckFuture::Lazy(lazy) = std::mem::replace(this, CheckFuture::Done) {
                 let (limiter, checks, opts) = *lazy;
-                *this = limiter
-                    .start(checks, opts)
-                    .unwrap_or_else(CheckFuture::Failed);
+                *this = match tokio::runtime::Handle::try_current() {
+                    Ok(here) => limiter
+                        .start(checks, opts, here.id())
+                        .unwrap_or_else(CheckFuture::Failed),
+                    Err(e) => CheckFuture::Failed(Error::Config(format!(
+                        "a rate-limit check was polled outside a tokio runtime: {e}"
+                    ))),
+                };
             }
         }
         let result = match this {
@@ -1069,10 +1075,12 @@ impl Limiter for RedisLimiter {
         // without the arguments (callers such as the tower layer box it per request). Called
         // outside a runtime (to be awaited in one: `block_on(limiter.check(..))`), it starts
         // when first polled, in that runtime.
-        if tokio::runtime::Handle::try_current().is_err() {
-            return CheckFuture::Lazy(Box::new((self.clone(), checks, opts)));
+        match tokio::runtime::Handle::try_current() {
+            Ok(here) => self
+                .start(checks, opts, here.id())
+                .unwrap_or_else(CheckFuture::Failed),
+            Err(_) => CheckFuture::Lazy(Box::new((self.clone(), checks, opts))),
         }
-        self.start(checks, opts).unwrap_or_else(CheckFuture::Failed)
     }
 
     async fn release(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<(), Error> {

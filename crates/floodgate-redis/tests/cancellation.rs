@@ -69,16 +69,9 @@ fn fault_a_lease_answered_but_never_read_is_given_back() {
     let server = Arc::new(server());
     run(Duration::from_secs(30), async {
         // A prefix each: `slot_comes_back` takes the slot when it finds it free.
-        for (batching, prefix) in [
-            (BatchConfig::default(), "batched"),
-            (BatchConfig::disabled(), "unbatched"),
-        ] {
-            let config = floodgate_redis::RedisConfig::new(&server.url())
-                .expect("valid URL")
-                .key_prefix(prefix)
-                .expect("valid prefix")
-                .timeout(Duration::from_secs(2));
-            let limiter = support::limiter_batching(&config, batching.clone()).await;
+        for (limiter, prefix) in
+            support::limiter_per_batching(&server.url(), Duration::from_secs(2)).await
+        {
             let p = Policy::concurrency(1, Duration::from_secs(30)).expect("valid");
             warm_up(&limiter, &p).await;
             let checks = [Check::new(b"slot", &p)];
@@ -95,7 +88,7 @@ fn fault_a_lease_answered_but_never_read_is_given_back() {
             // Redis answers meanwhile; nobody reads it.
             tokio::time::sleep(Duration::from_millis(300)).await;
             drop(check);
-            slot_comes_back(&limiter, &p, &format!("an unread verdict ({batching:?})")).await;
+            slot_comes_back(&limiter, &p, &format!("an unread verdict ({prefix})")).await;
         }
     });
 }
@@ -279,16 +272,9 @@ fn fault_a_check_across_slots_dropped_half_way_gives_back_its_first_part() {
 fn fault_a_check_is_over_by_its_deadline_and_not_sent_past_it() {
     let server = server();
     run(Duration::from_secs(60), async {
-        for (batching, prefix) in [
-            (BatchConfig::default(), "batched"),
-            (BatchConfig::disabled(), "unbatched"),
-        ] {
-            let config = floodgate_redis::RedisConfig::new(&server.url())
-                .expect("valid URL")
-                .key_prefix(prefix)
-                .expect("valid prefix")
-                .timeout(Duration::from_secs(5));
-            let limiter = support::limiter_batching(&config, batching).await;
+        for (limiter, prefix) in
+            support::limiter_per_batching(&server.url(), Duration::from_secs(5)).await
+        {
             let cached = floodgate_core::DenyCache::new(limiter.clone());
             let (five, short) = (Duration::from_secs(5), Duration::from_millis(150));
             assert!(limiter.keeps_deadlines(five) && cached.keeps_deadlines(five));

@@ -24,6 +24,27 @@ pub async fn limiter_batching(config: &RedisConfig, batching: BatchConfig) -> Re
     RedisLimiter::with_batching(conn, config.get_key_prefix(), batching).expect("valid prefix")
 }
 
+/// A limiter per batching mode ("batched", then "unbatched") on the server at `url`, each under
+/// that name as its key prefix, with this call timeout.
+pub async fn limiter_per_batching(
+    url: &str,
+    timeout: Duration,
+) -> Vec<(RedisLimiter, &'static str)> {
+    let mut out = Vec::new();
+    for (batching, prefix) in [
+        (BatchConfig::default(), "batched"),
+        (BatchConfig::disabled(), "unbatched"),
+    ] {
+        let config = RedisConfig::new(url)
+            .expect("valid URL")
+            .key_prefix(prefix)
+            .expect("valid prefix")
+            .timeout(timeout);
+        out.push((limiter_batching(&config, batching).await, prefix));
+    }
+    out
+}
+
 pub async fn cluster_limiter(cluster: &RedisCluster) -> RedisLimiter {
     let config = RedisConfig::from_urls(cluster.urls())
         .expect("valid URLs")
