@@ -114,7 +114,8 @@ pub(crate) type Checked = (Verdict, u64);
 /// What the batcher answers a check: its result and, with an allowed verdict that holds a
 /// concurrency lease, that lease to give back if nobody claims it (the caller was gone, or
 /// dropped the check before reading the answer).
-pub(crate) type Answer = (Result<Checked, Error>, Option<Unclaimed>);
+/// The lease is boxed: few checks take one, and the answer is moved several times on its way.
+pub(crate) type Answer = (Result<Checked, Error>, Option<Box<Unclaimed>>);
 
 /// A check waiting for its batch.
 pub(crate) struct Job {
@@ -749,7 +750,9 @@ async fn call(
         Ok(results) => {
             for (job, result) in jobs.into_iter().zip(results) {
                 let lease = match &result {
-                    Ok((verdict, _)) if verdict.allowed() => Unclaimed::of(conn, &job.group),
+                    Ok((verdict, _)) if verdict.allowed() => {
+                        Unclaimed::of(conn, &job.group).map(Box::new)
+                    }
                     _ => None,
                 };
                 // Unsent (the caller is gone), the answer is dropped here, and its lease given

@@ -72,8 +72,10 @@ impl<'a> GcraBatch<'a> {
             now: groups.first()?.now.map(|t| t.as_micros()),
         };
         // Positions of the keys seen so far; only a batch of several needs them.
-        let mut seen: Option<HashMap<&[u8], u32>> =
-            (groups.len() > 1).then(|| HashMap::with_capacity(groups.len()));
+        // Hashed with foldhash, randomly seeded: SipHash took most of this function's time, and
+        // a batch holds at most `max_batch` keys, so even keys made to collide cost little.
+        let mut seen: Option<HashMap<&[u8], u32, foldhash::fast::RandomState>> = (groups.len() > 1)
+            .then(|| HashMap::with_capacity_and_hasher(groups.len(), Default::default()));
         for g in groups {
             let gcra = g.plain_gcra()?;
             let key = g.keys.first()?.as_slice();
