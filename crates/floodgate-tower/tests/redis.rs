@@ -13,7 +13,7 @@ use common::{HttpClient, serve, sf_list};
 use floodgate_core::{MemoryLimiter, Policy};
 use floodgate_redis::{RedisConfig, RedisLimiter};
 use floodgate_testkit::RedisServer;
-use floodgate_tower::key::{GlobalKey, PeerIp};
+use floodgate_tower::key::{GlobalKey, HeaderKey, PeerIp};
 use floodgate_tower::{DecisionSource, OnStoreError, RateLimitInfo, RateLimitLayer, Rule};
 use http::StatusCode;
 use tonic::Code;
@@ -590,4 +590,62 @@ async fn a_held_lease_the_store_lost_is_lost_at_the_next_renewal() {
         common::ask_upgrade(app).await,
         StatusCode::SWITCHING_PROTOCOLS
     );
+}
+
+/// A credential keyed with `HeaderKey::hashed_with` limits its holder across replicas, and
+/// neither the credential nor the secret appears in any Redis key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hashed_credential_key_limits_its_holder_and_never_reaches_redis() {
+    let redis = start_redis();
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        let key = HeaderKey::named("x-api-key")
+            .expect("name")
+            .hashed_with(b"replica-secret");
+        let layer = RateLimitLayer::builder(limiter(&redis).await)
+            .rule(Rule::new(policy(2, "per-key")).key(key))
+            .build()
+            .expect("layer");
+        let app = Router::new().route("/", get(common::ok)).layer(layer);
+        clients.push(HttpClient::new(serve(app).await));
+    }
+    let alice: &[u8] = b"sk_live_ALICE0123456789";
+    let bob: &[u8] = b"sk_live_BOB0123456789";
+    let statuses = |key: &'static [u8]| {
+        let clients = &clients;
+        async move {
+            let mut out = Vec::new();
+            for i in 0..3 {
+                let res = clients[i % 2].get_with("/", &[("x-api-key", key)]).await;
+                out.push(res.status);
+            }
+            out
+        }
+    };
+    let (a, b) = (statuses(alice).await, statuses(bob).await);
+    let limited = [
+        StatusCode::OK,
+        StatusCode::OK,
+        StatusCode::TOO_MANY_REQUESTS,
+    ];
+    assert_eq!(a, limited, "alice across both replicas");
+    assert_eq!(b, limited, "bob has counts of his own");
+    let keys = redis.cmd(&["KEYS", "*"]).expect("keys");
+    let names: Vec<&[u8]> = keys
+        .as_array()
+        .expect("array")
+        .iter()
+        .map(|k| k.as_bytes().expect("name"))
+        .collect();
+    assert_eq!(names.len(), 2, "one state per credential: {names:?}");
+    for name in &names {
+        for secret in [alice, bob, &b"sk_live"[..], b"replica-secret"] {
+            assert!(
+                !name.windows(secret.len()).any(|w| w == secret),
+                "{:?} holds {:?}",
+                String::from_utf8_lossy(name),
+                String::from_utf8_lossy(secret)
+            );
+        }
+    }
 }

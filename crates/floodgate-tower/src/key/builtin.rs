@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use http::HeaderName;
+use sha2::{Digest as _, Sha256};
 
 use super::{Key, KeyError, KeyExtractor, RequestView};
 
@@ -78,17 +79,110 @@ impl KeyExtractor for PeerIp {
 ///
 /// For a gRPC binary metadata key (a name ending in `-bin`), the value is base64 that gRPC
 /// decodes with or without `=` padding; the padding is dropped, so that one value has one key.
+///
+/// A credential (an API key, a bearer token) should not be the key as it is: keys are stored
+/// as the names of Redis keys, which anyone who can read the server lists, and shown in the
+/// `floodgate.check` span. [`HeaderKey::hashed`] keys on a digest of the value instead, and
+/// [`HeaderKey::hashed_with`] on a digest keyed with a secret the replicas share, for values
+/// with little entropy (a user id, a short PIN) that could otherwise be found by trying them.
 #[derive(Clone, Debug)]
 pub struct HeaderKey {
     name: HeaderName,
     binary: bool,
+    /// The digest the value is keyed on, if any (see [`HeaderKey::hashed`]).
+    digest: Option<Arc<Digest>>,
+}
+
+/// How [`HeaderKey`] digests a value: SHA-256, or HMAC-SHA-256 with the hasher states after
+/// the secret's inner and outer pads (RFC 2104), which each value's digest starts from.
+#[derive(Clone)]
+enum Digest {
+    Sha256,
+    Hmac { inner: Sha256, outer: Sha256 },
+}
+
+impl fmt::Debug for Digest {
+    /// Never the secret nor anything made from it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Digest::Sha256 => "Sha256",
+            Digest::Hmac { .. } => "HmacSha256",
+        })
+    }
+}
+
+/// The digest's first 16 bytes (128 bits), in lowercase hex: readable where keys are shown.
+const DIGEST_BYTES: usize = 16;
+
+impl Digest {
+    fn hmac(secret: &[u8]) -> Self {
+        // A secret longer than SHA-256's 64-byte block is hashed first (RFC 2104).
+        let mut block = [0u8; 64];
+        if secret.len() > block.len() {
+            block[..32].copy_from_slice(&Sha256::digest(secret));
+        } else {
+            block[..secret.len()].copy_from_slice(secret);
+        }
+        let pad = |byte: u8| {
+            let mut h = Sha256::new();
+            h.update(block.map(|b| b ^ byte));
+            h
+        };
+        Digest::Hmac {
+            inner: pad(0x36),
+            outer: pad(0x5c),
+        }
+    }
+
+    fn key(&self, value: &[u8]) -> Key {
+        let full = match self {
+            Digest::Sha256 => Sha256::digest(value),
+            Digest::Hmac { inner, outer } => {
+                let mut i = inner.clone();
+                i.update(value);
+                let mut o = outer.clone();
+                o.update(i.finalize());
+                o.finalize()
+            }
+        };
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut text = [0u8; 2 * DIGEST_BYTES];
+        for (pair, byte) in text.chunks_exact_mut(2).zip(&full[..DIGEST_BYTES]) {
+            pair[0] = HEX[usize::from(byte >> 4)];
+            pair[1] = HEX[usize::from(byte & 0xf)];
+        }
+        Key::new(&text[..])
+    }
 }
 
 impl HeaderKey {
     /// The value of header `name`.
     pub fn new(name: HeaderName) -> Self {
         let binary = name.as_str().ends_with("-bin");
-        HeaderKey { name, binary }
+        HeaderKey {
+            name,
+            binary,
+            digest: None,
+        }
+    }
+
+    /// Keys on the SHA-256 digest of the value (its first 128 bits, 32 hex digits) rather than
+    /// the value: for credentials with plenty of entropy (API keys, random tokens), which
+    /// then appear neither in Redis nor in traces. Values are compared as
+    /// [`HeaderKey::new`] compares them (spaces around trimmed, `-bin` padding dropped) before
+    /// they are hashed.
+    pub fn hashed(mut self) -> Self {
+        self.digest = Some(Arc::new(Digest::Sha256));
+        self
+    }
+
+    /// Keys on the HMAC-SHA-256 of the value with `secret` (its first 128 bits, 32 hex
+    /// digits): for values with little entropy, whose plain digest could be reversed by trying
+    /// every value. Every replica must use the same secret, or each keeps its own counts; a
+    /// new secret starts every client's counts afresh.
+    pub fn hashed_with(mut self, secret: &[u8]) -> Self {
+        self.digest = Some(Arc::new(Digest::hmac(secret)));
+        self
     }
 
     /// The value of the header named `name` (case-insensitive).
@@ -124,7 +218,10 @@ impl KeyExtractor for HeaderKey {
                 what: "empty key header",
             });
         }
-        Ok(Key::new(bytes))
+        Ok(match &self.digest {
+            Some(digest) => digest.key(bytes),
+            None => Key::new(bytes),
+        })
     }
 }
 
@@ -457,6 +554,51 @@ mod tests {
             matches!(twice, Err(KeyError::Ambiguous { what }) if what.contains("more than once")),
             "{twice:?}"
         );
+    }
+
+    #[test]
+    fn hashed_header_keys_are_digests_of_the_value_never_the_value() {
+        let keyed = |extractor: HeaderKey, value: &[u8]| {
+            let req = request("/", &[("authorization", value)]);
+            extractor
+                .extract(&RequestView::from_request(&req))
+                .expect("key")
+        };
+        let named = || HeaderKey::named("authorization").expect("name");
+        // SHA-256("abc") begins ba7816bf8f01cfea414140de5dae2223 (FIPS 180-2, appendix B.1).
+        let sha = keyed(named().hashed(), b"abc");
+        assert_eq!(sha.as_bytes(), b"ba7816bf8f01cfea414140de5dae2223");
+        // Compared as the plain key compares values (spaces around trimmed), then hashed.
+        assert_eq!(keyed(named().hashed(), b"  abc\t"), sha);
+        assert_ne!(keyed(named().hashed(), b"abd"), sha);
+        // HMAC-SHA-256, RFC 4231 test case 2 (key "Jefe") and test case 6 (a 131-byte key,
+        // longer than a block, hashed first).
+        let jefe = keyed(
+            named().hashed_with(b"Jefe"),
+            b"what do ya want for nothing?",
+        );
+        assert_eq!(jefe.as_bytes(), b"5bdcc146bf60754e6a042426089575c7");
+        let long = keyed(
+            named().hashed_with(&[0xaa; 131]),
+            b"Test Using Larger Than Block-Size Key - Hash Key First",
+        );
+        assert_eq!(long.as_bytes(), b"60e431591ee0b67f0d8a26aacbf5b77f");
+        // Another secret, another key; and neither the value nor the secret is shown.
+        assert_ne!(
+            keyed(
+                named().hashed_with(b"other"),
+                b"what do ya want for nothing?"
+            ),
+            jefe
+        );
+        let shown = format!("{:?}", named().hashed_with(b"s3cret-value"));
+        assert!(!shown.contains("s3cret"), "{shown}");
+        // Empty and missing values stay errors, not the digest of nothing.
+        let req = request("/", &[("authorization", b" ")]);
+        assert!(matches!(
+            named().hashed().extract(&RequestView::from_request(&req)),
+            Err(KeyError::Invalid { .. })
+        ));
     }
 
     #[test]
