@@ -96,6 +96,10 @@ pub struct HeaderKey {
 /// How [`HeaderKey`] digests a value: SHA-256, or HMAC-SHA-256 with the hasher states after
 /// the secret's inner and outer pads (RFC 2104), which each value's digest starts from.
 #[derive(Clone)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "held in an `Arc`, built once per extractor"
+)]
 enum Digest {
     Sha256,
     Hmac { inner: Sha256, outer: Sha256 },
