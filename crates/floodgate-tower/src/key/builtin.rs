@@ -175,6 +175,11 @@ impl HeaderKey {
     /// then appear neither in Redis nor in traces. Values are compared as
     /// [`HeaderKey::new`] compares them (spaces around trimmed, `-bin` padding dropped) before
     /// they are hashed.
+    ///
+    /// The layer's [`max_key_len`](crate::RateLimitLayerBuilder::max_key_len) applies to the
+    /// digest, so a value longer than [`DEFAULT_MAX_KEY_LEN`](super::DEFAULT_MAX_KEY_LEN)
+    /// (1 KiB) is refused as too long before it is hashed, as the plain key would be by
+    /// default: a client cannot make the layer hash whatever the HTTP server accepts.
     pub fn hashed(mut self) -> Self {
         self.digest = Some(Arc::new(Digest::Sha256));
         self
@@ -183,7 +188,9 @@ impl HeaderKey {
     /// Keys on the HMAC-SHA-256 of the value with `secret` (its first 128 bits, 32 hex
     /// digits): for values with little entropy, whose plain digest could be reversed by trying
     /// every value. Every replica must use the same secret, or each keeps its own counts; a
-    /// new secret starts every client's counts afresh.
+    /// new secret starts every client's counts afresh. Use at least 32 random bytes: an empty
+    /// or guessable secret protects nothing. Values are refused over 1 KiB, as with
+    /// [`HeaderKey::hashed`].
     pub fn hashed_with(mut self, secret: &[u8]) -> Self {
         self.digest = Some(Arc::new(Digest::hmac(secret)));
         self
@@ -222,10 +229,14 @@ impl KeyExtractor for HeaderKey {
                 what: "empty key header",
             });
         }
-        Ok(match &self.digest {
-            Some(digest) => digest.key(bytes),
-            None => Key::new(bytes),
-        })
+        match &self.digest {
+            Some(_) if bytes.len() > super::DEFAULT_MAX_KEY_LEN => Err(KeyError::TooLong {
+                len: bytes.len(),
+                max: super::DEFAULT_MAX_KEY_LEN,
+            }),
+            Some(digest) => Ok(digest.key(bytes)),
+            None => Ok(Key::new(bytes)),
+        }
     }
 }
 
@@ -597,6 +608,17 @@ mod tests {
         );
         let shown = format!("{:?}", named().hashed_with(b"s3cret-value"));
         assert!(!shown.contains("s3cret"), "{shown}");
+        // A value over 1 KiB is refused before it is hashed; 1 KiB itself is hashed.
+        let long = vec![b'k'; 1025];
+        let req = request("/", &[("authorization", &long)]);
+        assert!(matches!(
+            named().hashed().extract(&RequestView::from_request(&req)),
+            Err(KeyError::TooLong {
+                len: 1025,
+                max: 1024
+            })
+        ));
+        assert_eq!(keyed(named().hashed(), &long[..1024]).len(), 32);
         // Empty and missing values stay errors, not the digest of nothing.
         let req = request("/", &[("authorization", b" ")]);
         assert!(matches!(
