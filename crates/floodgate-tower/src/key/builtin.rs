@@ -95,7 +95,6 @@ pub struct HeaderKey {
 
 /// How [`HeaderKey`] digests a value: SHA-256, or HMAC-SHA-256 with the hasher states after
 /// the secret's inner and outer pads (RFC 2104), which each value's digest starts from.
-#[derive(Clone)]
 #[allow(
     clippy::large_enum_variant,
     reason = "held in an `Arc`, built once per extractor"
@@ -107,7 +106,7 @@ enum Digest {
 
 impl fmt::Debug for Digest {
     /// Never the secret nor anything made from it.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Digest::Sha256 => "Sha256",
             Digest::Hmac { .. } => "HmacSha256",
