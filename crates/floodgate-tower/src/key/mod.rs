@@ -169,33 +169,28 @@ impl Key {
     }
 
     /// The key of an IP address; IPv6 addresses are grouped by their first `v6_prefix` bits
-    /// (`2001:db8:1:2::/64`). IPv4-mapped IPv6 addresses count as IPv4, and so do addresses
-    /// of the IPv4/IPv6 translators' well-known prefix `64:ff9b::/96` (RFC 6052): behind NAT64
-    /// or SIIT, every IPv4 client has one of those, and grouped by /64 they would all share one
-    /// key.
+    /// (`2001:db8:1:2::/64`).
+    ///
+    /// An IPv6 address that stands for one IPv4 host is keyed by that IPv4 address, as the
+    /// host's own IPv4 requests are:
+    /// - IPv4-mapped addresses (`::ffff:192.0.2.1`);
+    /// - the IPv4/IPv6 translators' well-known prefix `64:ff9b::/96` (RFC 6052): behind NAT64
+    ///   or SIIT every IPv4 client has one of those, and grouped by /64 they would all share
+    ///   one key;
+    /// - Teredo, `2001::/32` (RFC 4380): the client's public IPv4 address, which the address
+    ///   carries inverted in its last 32 bits. Grouped by /64 every client of one Teredo server
+    ///   would share a key; keyed by the whole address, one client could take another port
+    ///   mapping, and with it a fresh key, whenever it liked;
+    /// - 6to4, `2002::/16` (RFC 3056): the site's IPv4 address, in bits 16 to 47. A site owns
+    ///   the whole `/48`, and grouped by /64 could spread over 65,536 keys.
     pub fn from_ip(ip: IpAddr, v6_prefix: u8) -> Self {
         use std::fmt::Write as _;
-        let ip = match ip {
-            IpAddr::V6(v6) if u128::from(v6) >> 32 == NAT64_PREFIX => {
-                // The low 32 bits are the IPv4 address.
-                IpAddr::V4(std::net::Ipv4Addr::from(u128::from(v6) as u32))
-            }
-            ip => ip,
-        };
-        let v6 = match canonical_ip(ip) {
-            IpAddr::V4(v4) => {
-                // The hot path of per-IP limits: dotted decimal from a table, on the stack.
-                let mut buf = [0u8; 20];
-                let mut len = 0;
-                for octet in v4.octets() {
-                    let (digits, n) = OCTETS[usize::from(octet)];
-                    buf[len..len + 4].copy_from_slice(&digits);
-                    len += n;
-                }
-                // Without the last dot.
-                return Key::new(&buf[..len - 1]);
-            }
-            IpAddr::V6(v6) => v6,
+        let v6 = match ip {
+            IpAddr::V4(v4) => return Key::from_ipv4(v4),
+            IpAddr::V6(v6) => match embedded_ipv4(v6) {
+                Some(v4) => return Key::from_ipv4(v4),
+                None => v6,
+            },
         };
         let mut key = Key::default();
         if v6_prefix >= 128 {
@@ -211,6 +206,20 @@ impl Key {
             let _ = write!(key, "{net}/{v6_prefix}");
         }
         key
+    }
+
+    /// Dotted decimal, from a table, on the stack: the hot path of per-IP limits.
+    #[inline]
+    fn from_ipv4(v4: std::net::Ipv4Addr) -> Self {
+        let mut buf = [0u8; 20];
+        let mut len = 0;
+        for octet in v4.octets() {
+            let (digits, n) = OCTETS[usize::from(octet)];
+            buf[len..len + 4].copy_from_slice(&digits);
+            len += n;
+        }
+        // Without the last dot.
+        Key::new(&buf[..len - 1])
     }
 
     pub(crate) fn push(&mut self, byte: u8) {
@@ -294,6 +303,27 @@ static OCTETS: [([u8; 4], usize); 256] = {
 
 /// The top 96 bits of the well-known prefix `64:ff9b::/96` of IPv4/IPv6 translation.
 const NAT64_PREFIX: u128 = 0x0064_ff9b_0000_0000_0000_0000;
+/// The top 32 bits of Teredo's prefix `2001::/32`.
+const TEREDO_PREFIX: u128 = 0x2001_0000;
+/// The top 16 bits of 6to4's prefix `2002::/16`.
+const SIX_TO_FOUR_PREFIX: u128 = 0x2002;
+
+/// The IPv4 host an IPv6 address stands for (see [`Key::from_ip`]), if it stands for one.
+fn embedded_ipv4(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+    let bits = u128::from(v6);
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        Some(v4)
+    } else if bits >> 32 == NAT64_PREFIX {
+        Some(std::net::Ipv4Addr::from(bits as u32))
+    } else if bits >> 96 == TEREDO_PREFIX {
+        // RFC 4380 section 4: the client's mapped address, every bit inverted.
+        Some(std::net::Ipv4Addr::from(!(bits as u32)))
+    } else if bits >> 112 == SIX_TO_FOUR_PREFIX {
+        Some(std::net::Ipv4Addr::from((bits >> 80) as u32))
+    } else {
+        None
+    }
+}
 
 /// IPv4-mapped IPv6 addresses (`::ffff:192.0.2.1`) as IPv4.
 pub(crate) fn canonical_ip(ip: IpAddr) -> IpAddr {
@@ -486,5 +516,34 @@ mod tests {
         // Just outside the prefix: an IPv6 address like any other.
         assert_eq!(key("64:ff9b:0:0:1::1"), "64:ff9b::/64");
         assert_eq!(key("64:ff9b:1::1"), "64:ff9b:1::/64");
+    }
+
+    #[test]
+    fn tunnelled_ipv4_hosts_are_keyed_by_their_ipv4_address() {
+        let key = |ip: &str, prefix: u8| {
+            let addr: std::net::IpAddr = ip.parse().expect("ip");
+            String::from_utf8(super::Key::from_ip(addr, prefix).as_bytes().to_vec()).expect("utf-8")
+        };
+        // RFC 4380's example: a client behind 192.0.2.45, port 40000, of server 65.54.227.120.
+        // Its other port mappings, and the server's other clients, are keyed apart from it.
+        assert_eq!(
+            key("2001:0:4136:e378:8000:63bf:3fff:fdd2", 64),
+            "192.0.2.45"
+        );
+        assert_eq!(
+            key("2001:0:4136:e378:8000:1234:3fff:fdd2", 128),
+            "192.0.2.45"
+        );
+        assert_eq!(
+            key("2001:0:4136:e378:8000:63bf:3fff:fdd3", 64),
+            "192.0.2.44"
+        );
+        // 6to4: every subnet and host of the site 192.0.2.4.
+        assert_eq!(key("2002:c000:204::1", 64), "192.0.2.4");
+        assert_eq!(key("2002:c000:204:ffff:1:2:3:4", 48), "192.0.2.4");
+        // Beside both prefixes: IPv6 addresses like any other.
+        assert_eq!(key("2001:1:4136:e378::1", 64), "2001:1:4136:e378::/64");
+        assert_eq!(key("2001:db8:1:2::1", 64), "2001:db8:1:2::/64");
+        assert_eq!(key("2003:c000:204::1", 48), "2003:c000:204::/48");
     }
 }
