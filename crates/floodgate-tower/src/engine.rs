@@ -563,7 +563,7 @@ impl Shared {
         if let Some(retry) = retry_after {
             res.headers_mut()
                 .entry(http::header::RETRY_AFTER)
-                .or_insert_with(|| HeaderValue::from(ceil_secs(retry)));
+                .or_insert_with(|| HeaderValue::from(ceil_secs(retry).max(1)));
         }
         let mut block = HeaderBlock::new();
         self.render(
@@ -588,7 +588,7 @@ impl Shared {
         });
         res.headers_mut()
             .entry(http::header::RETRY_AFTER)
-            .or_insert_with(|| HeaderValue::from(ceil_secs(retry)));
+            .or_insert_with(|| HeaderValue::from(ceil_secs(retry).max(1)));
         res
     }
 }

@@ -29,12 +29,31 @@ pub enum GrpcCode {
     Unavailable = 14,
 }
 
-/// Whether `headers` have a gRPC content type (`content-type: application/grpc*`). The layer
-/// also asks for `POST` ([`RequestView::is_grpc`](crate::key::RequestView::is_grpc)).
+/// Whether `headers` have a gRPC content type: `application/grpc`, `application/grpc-web` or
+/// `application/grpc-web-text`, with or without a message format (`+proto`) or parameters, in
+/// any case. Another type that merely begins alike (`application/grpcx`) is not gRPC: its
+/// client would read a gRPC rejection (HTTP 200) as a success. The layer also asks for `POST`
+/// ([`RequestView::is_grpc`](crate::key::RequestView::is_grpc)).
 pub fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
-        .is_some_and(|ct| starts_with_ignore_case(ct.as_bytes(), b"application/grpc"))
+        .is_some_and(|ct| is_grpc_type(ct.as_bytes()))
+}
+
+fn is_grpc_type(ct: &[u8]) -> bool {
+    const BASE: &[u8] = b"application/grpc";
+    if !starts_with_ignore_case(ct, BASE) {
+        return false;
+    }
+    let rest = &ct[BASE.len()..];
+    let rest = if starts_with_ignore_case(rest, b"-web-text") {
+        &rest[b"-web-text".len()..]
+    } else if starts_with_ignore_case(rest, b"-web") {
+        &rest[b"-web".len()..]
+    } else {
+        rest
+    };
+    matches!(rest.first(), None | Some(b'+' | b';' | b' ' | b'\t'))
 }
 
 /// A gRPC rejection (`content-type: application/grpc`, as [`trailers_only`] makes it, or a
@@ -113,7 +132,7 @@ pub fn trailers_only(
     if let Some(delay) = retry_after {
         h.insert(
             http::header::RETRY_AFTER,
-            HeaderValue::from(crate::headers::ceil_secs(delay)),
+            HeaderValue::from(crate::headers::ceil_secs(delay).max(1)),
         );
         let status = encode_status(code as i32, message, Some(delay));
         if let Ok(v) = HeaderValue::from_bytes(base64_unpadded(&status).as_bytes()) {
@@ -219,11 +238,39 @@ mod tests {
             ("application/grpc+json", true),
             ("Application/GRPC", true),
             ("application/grpc-web+proto", true),
+            ("application/grpc-web", true),
+            ("application/grpc-web-text", true),
+            ("application/grpc-Web-Text+proto", true),
+            ("application/grpc; charset=utf-8", true),
+            ("application/grpc ;x=1", true),
             ("application/json", false),
             ("application/gr", false),
+            // Types that only begin like gRPC's: a gRPC answer (HTTP 200) would read as success.
+            ("application/grpcx", false),
+            ("application/grpc-webx", false),
+            ("application/grpc-web-textual", false),
+            ("application/grpc-json", false),
         ] {
             h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
             assert_eq!(is_grpc(&h), grpc, "{ct}");
+        }
+    }
+
+    #[test]
+    fn retry_after_is_never_zero_seconds() {
+        // Rounded up, and at least one second: as the HTTP answers' `Retry-After`.
+        for (delay, secs) in [(0, "1"), (1, "1"), (1000, "1"), (1001, "2")] {
+            let res = trailers_only(
+                GrpcCode::ResourceExhausted,
+                "slow down",
+                Some(std::time::Duration::from_millis(delay)),
+            );
+            let got = res.headers().get(http::header::RETRY_AFTER);
+            assert_eq!(
+                got.map(HeaderValue::as_bytes),
+                Some(secs.as_bytes()),
+                "{delay} ms"
+            );
         }
     }
 

@@ -183,6 +183,12 @@ impl Key {
     ///   mapping, and with it a fresh key, whenever it liked;
     /// - 6to4, `2002::/16` (RFC 3056): the site's IPv4 address, in bits 16 to 47. A site owns
     ///   the whole `/48`, and grouped by /64 could spread over 65,536 keys.
+    ///
+    /// Teredo and 6to4 addresses count as IPv4 only when the IPv4 address they carry is a
+    /// public one, never one of the private, shared (`100.64.0.0/10`), loopback, link-local
+    /// or multicast ranges: those would share a key with the internal host of that address.
+    /// An IPv6 address that stands for an IPv4 host is keyed by that host even with
+    /// `v6_prefix` 128.
     pub fn from_ip(ip: IpAddr, v6_prefix: u8) -> Self {
         use std::fmt::Write as _;
         let v6 = match ip {
@@ -317,12 +323,26 @@ fn embedded_ipv4(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
         Some(std::net::Ipv4Addr::from(bits as u32))
     } else if bits >> 96 == TEREDO_PREFIX {
         // RFC 4380 section 4: the client's mapped address, every bit inverted.
-        Some(std::net::Ipv4Addr::from(!(bits as u32)))
+        Some(std::net::Ipv4Addr::from(!(bits as u32))).filter(public)
     } else if bits >> 112 == SIX_TO_FOUR_PREFIX {
-        Some(std::net::Ipv4Addr::from((bits >> 80) as u32))
+        Some(std::net::Ipv4Addr::from((bits >> 80) as u32)).filter(public)
     } else {
         None
     }
+}
+
+/// Whether a tunnel's IPv4 address may be a host's on the Internet. One that cannot (a private,
+/// shared, loopback, link-local, multicast or reserved address) would share its key with the
+/// internal host that has it: such a tunnel address is keyed as IPv6.
+fn public(v4: &std::net::Ipv4Addr) -> bool {
+    let [a, b, ..] = v4.octets();
+    !(v4.is_unspecified()
+        || a == 0
+        || v4.is_private()
+        || (a == 100 && (b & 0xc0) == 64)
+        || v4.is_loopback()
+        || v4.is_link_local()
+        || a >= 224)
 }
 
 /// IPv4-mapped IPv6 addresses (`::ffff:192.0.2.1`) as IPv4.
@@ -545,5 +565,18 @@ mod tests {
         assert_eq!(key("2001:1:4136:e378::1", 64), "2001:1:4136:e378::/64");
         assert_eq!(key("2001:db8:1:2::1", 64), "2001:db8:1:2::/64");
         assert_eq!(key("2003:c000:204::1", 48), "2003:c000:204::/48");
+        // A tunnel address carrying a private, loopback or multicast IPv4 address stays IPv6:
+        // it must not share a key with the internal host of that address.
+        assert_eq!(key("2002:a00:1::1", 64), "2002:a00:1::/64");
+        assert_eq!(key("2002:7f00:1::1", 64), "2002:7f00:1::/64");
+        assert_eq!(key("2002:6440:1::1", 64), "2002:6440:1::/64");
+        assert_eq!(key("2002:e000:1::1", 64), "2002:e000:1::/64");
+        // 10.0.0.1, inverted, behind a Teredo server.
+        assert_eq!(
+            key("2001:0:4136:e378:8000:63bf:f5ff:fffe", 64),
+            "2001:0:4136:e378::/64"
+        );
+        // Just outside the shared range 100.64.0.0/10: public.
+        assert_eq!(key("2002:6480:1::1", 64), "100.128.0.1");
     }
 }
