@@ -538,15 +538,15 @@ impl Shared {
         if !(self.headers.ietf || self.headers.legacy) || decisions.is_empty() {
             return;
         }
-        let items = rules
-            .zip(decisions)
-            .map(|(i, d)| (self.table[i].rule.policy(), &self.table[i].policy_item, d));
-        headers::render(
-            self.headers,
-            items,
-            strictest.and_then(|i| decisions.get(i)),
-            out,
-        );
+        let strictest = strictest.and_then(|i| {
+            let unit = self.table[rules.clone().nth(i)?].unit;
+            Some((decisions.get(i)?, unit))
+        });
+        let items = rules.zip(decisions).map(|(i, d)| {
+            let entry = &self.table[i];
+            (entry.rule.policy(), &entry.policy_item, d, entry.unit)
+        });
+        headers::render(self.headers, items, strictest, out);
     }
 
     fn reject_limited(&self, info: &RateLimitInfo, grpc: bool) -> Response<Bytes> {

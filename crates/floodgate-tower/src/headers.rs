@@ -5,6 +5,12 @@
 //!
 //! - `RateLimit-Policy: "<name>";q=<limit>;w=<window secs>` — the quota and its window
 //!   (concurrency limits: `;qu="concurrent-requests"` and no window). Rendered once per rule.
+//!
+//! `q` and `r` count requests, the draft's default unit: under a rule whose requests cost `c`
+//! units each ([`crate::Rule::cost`]), they are the policy's units divided by `c`, rounded
+//! down, and so are the legacy limit and remaining. A rule with a cost function
+//! ([`crate::Rule::cost_fn`]) has no one cost per request: its headers count the policy's
+//! units.
 //! - `RateLimit: "<name>";r=<remaining>;t=<secs>` — what is left, and for how long: the time
 //!   until the key is back to full, or, for a policy that denied, until it admits again
 //!   (so that `Retry-After` never points before the end of a denied policy's `t`; a policy
@@ -75,9 +81,10 @@ pub(crate) fn ceil_secs(d: Duration) -> u64 {
     d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0))
 }
 
-/// The `RateLimit-Policy` item of `policy`.
-pub(crate) fn policy_item(policy: &Policy) -> HeaderValue {
-    let mut s = format!("\"{}\";q={}", policy.name(), policy.limit());
+/// The `RateLimit-Policy` item of `policy`, whose requests cost `unit` each (see the module
+/// docs).
+pub(crate) fn policy_item(policy: &Policy, unit: u64) -> HeaderValue {
+    let mut s = format!("\"{}\";q={}", policy.name(), policy.limit() / unit.max(1));
     if matches!(policy.kind(), Kind::Concurrency(_)) {
         s.push_str(";qu=\"concurrent-requests\"");
     } else if let Some(w) = policy.window() {
@@ -98,17 +105,17 @@ pub(crate) fn effective_window(d: &Decision) -> Duration {
 /// Appends the headers of `decisions` (with the pre-rendered policy items) to `out`.
 pub(crate) fn render<'a>(
     opts: HeaderOptions,
-    items: impl Iterator<Item = (&'a Policy, &'a HeaderValue, &'a Decision)> + Clone,
-    strictest: Option<&Decision>,
+    items: impl Iterator<Item = Item<'a>> + Clone,
+    strictest: Option<(&Decision, u64)>,
     out: &mut HeaderBlock,
 ) {
     if opts.ietf {
-        for (_, item, _) in items.clone() {
+        for (_, item, _, _) in items.clone() {
             out.push((Field::Policy, item.clone()));
         }
         // Room for every item: `, "<name>";r=<u64>;t=<u64>`. On the stack when it fits: the
         // one allocation is the header value's own.
-        let room: usize = items.clone().map(|(p, _, _)| p.name().len() + 50).sum();
+        let room: usize = items.clone().map(|(p, ..)| p.name().len() + 50).sum();
         let value = if room <= 128 {
             let mut buf = [0u8; 128];
             let len = write_ratelimit(items, &mut buf);
@@ -123,9 +130,12 @@ pub(crate) fn render<'a>(
         }
     }
     if opts.legacy {
-        if let Some(d) = strictest {
-            out.push((Field::Limit, HeaderValue::from(d.limit)));
-            out.push((Field::Remaining, HeaderValue::from(d.remaining)));
+        if let Some((d, unit)) = strictest {
+            out.push((Field::Limit, HeaderValue::from(d.limit / unit.max(1))));
+            out.push((
+                Field::Remaining,
+                HeaderValue::from(d.remaining / unit.max(1)),
+            ));
             out.push((
                 Field::Reset,
                 HeaderValue::from(ceil_secs(effective_window(d))),
@@ -134,21 +144,22 @@ pub(crate) fn render<'a>(
     }
 }
 
+/// One policy's part of the headers: the policy, its pre-rendered `RateLimit-Policy` item, its
+/// decision, and what a request costs (the unit `q` and `r` are counted in).
+pub(crate) type Item<'a> = (&'a Policy, &'a HeaderValue, &'a Decision, u64);
+
 /// Writes the `RateLimit` value of `items` into `buf` (large enough), returning its length.
-fn write_ratelimit<'a>(
-    items: impl Iterator<Item = (&'a Policy, &'a HeaderValue, &'a Decision)>,
-    buf: &mut [u8],
-) -> usize {
+fn write_ratelimit<'a>(items: impl Iterator<Item = Item<'a>>, buf: &mut [u8]) -> usize {
     let mut w = Writer { buf, len: 0 };
     let mut itoa = itoa::Buffer::new();
-    for (i, (policy, _, d)) in items.enumerate() {
+    for (i, (policy, _, d, unit)) in items.enumerate() {
         if i > 0 {
             w.put(b", ");
         }
         w.put(b"\"");
         w.put(policy.name().as_bytes());
         w.put(b"\";r=");
-        w.put(itoa.format(d.remaining).as_bytes());
+        w.put(itoa.format(d.remaining / unit.max(1)).as_bytes());
         if !matches!(policy.kind(), Kind::Concurrency(_)) {
             w.put(b";t=");
             w.put(itoa.format(ceil_secs(effective_window(d))).as_bytes());
@@ -196,7 +207,7 @@ pub fn insert_headers(
     verdict: &floodgate_core::Verdict,
     legacy: bool,
 ) {
-    let items: SmallVec<[HeaderValue; 4]> = policies.iter().map(|p| policy_item(p)).collect();
+    let items: SmallVec<[HeaderValue; 4]> = policies.iter().map(|p| policy_item(p, 1)).collect();
     let mut block = HeaderBlock::new();
     let strictest = verdict.decision();
     render(
@@ -209,8 +220,8 @@ pub fn insert_headers(
             .iter()
             .zip(&items)
             .zip(&verdict.decisions)
-            .map(|((p, i), d)| (*p, i, d)),
-        strictest.as_ref(),
+            .map(|((p, i), d)| (*p, i, d, 1)),
+        strictest.as_ref().map(|d| (d, 1)),
         &mut block,
     );
     apply(block, headers);
@@ -260,7 +271,7 @@ mod tests {
             .expect("name");
         let b = Policy::concurrency(3, Duration::from_secs(30)).expect("policy");
         let c = Policy::fixed_window(100, Duration::from_millis(1500)).expect("policy");
-        let items = [policy_item(&a), policy_item(&b), policy_item(&c)];
+        let items = [policy_item(&a, 1), policy_item(&b, 1), policy_item(&c, 1)];
         assert_eq!(items[0], "\"per-ip\";q=10;w=1");
         assert_eq!(
             items[1],
@@ -284,8 +295,8 @@ mod tests {
                 .iter()
                 .zip(&items)
                 .zip(&ds)
-                .map(|((p, i), d)| (p, i, d)),
-            Some(&ds[0]),
+                .map(|((p, i), d)| (p, i, d, 1)),
+            Some((&ds[0], 1)),
             &mut out,
         );
         let get = |n: &HeaderName| {

@@ -480,10 +480,14 @@ where
         let table: Arc<[RuleEntry]> = self
             .rules
             .into_iter()
-            .map(|rule| RuleEntry {
-                policy_item: policy_item(rule.policy()),
-                metrics: PolicyMetrics::default(),
-                rule,
+            .map(|rule| {
+                let unit = rule.fixed_cost().filter(|&c| c > 1).unwrap_or(1);
+                RuleEntry {
+                    policy_item: policy_item(rule.policy(), unit),
+                    unit,
+                    metrics: PolicyMetrics::default(),
+                    rule,
+                }
             })
             .collect();
         let shared = Shared {

@@ -111,14 +111,17 @@ impl Rule {
 
     /// Each request costs `cost` units (0 only peeks). A cost above what the policy admits at
     /// once makes [`build`](crate::RateLimitLayerBuilder::build) fail with
-    /// [`ConfigError::CostAboveLimit`](crate::ConfigError::CostAboveLimit).
+    /// [`ConfigError::CostAboveLimit`](crate::ConfigError::CostAboveLimit). The rate-limit
+    /// headers count requests: their quota and remaining are the policy's units divided by
+    /// `cost`.
     #[must_use]
     pub fn cost(mut self, cost: u64) -> Self {
         self.cost = Cost::Fixed(cost);
         self
     }
 
-    /// Each request costs what `cost` says.
+    /// Each request costs what `cost` says. The rate-limit headers then count the policy's
+    /// units, not requests.
     #[must_use]
     pub fn cost_fn(
         mut self,
@@ -318,6 +321,9 @@ impl fmt::Debug for Rule {
 pub(crate) struct RuleEntry {
     pub(crate) rule: Rule,
     pub(crate) policy_item: HeaderValue,
+    /// What a request costs, when every one costs the same and more than 1 (else 1): the unit
+    /// the headers count in.
+    pub(crate) unit: u64,
     pub(crate) metrics: PolicyMetrics,
 }
 

@@ -132,6 +132,43 @@ async fn by_default_only_rejections_carry_the_headers() {
 }
 
 #[tokio::test]
+async fn headers_count_requests_under_a_rule_whose_requests_cost_more_than_one() {
+    // 100 units per 10 s, at 30 a request: 3 requests. A client pacing itself by the headers
+    // must read 3, not 100 (the draft's quota unit is the request).
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy(100, 10, "uploads"))
+                .key(PeerIp::new())
+                .cost(30),
+        )
+        .headers_on_allowed(true)
+        .legacy_headers(true)
+        .build()
+        .expect("layer");
+    let client = HttpClient::new(serve(Router::new().route("/", get(ok)).layer(layer)).await);
+    for expected_remaining in [2, 1, 0] {
+        let res = client.get("/").await;
+        assert_eq!(res.status, StatusCode::OK);
+        assert_eq!(sf_list(&res.headers, "ratelimit-policy")[0].int("q"), 3);
+        assert_eq!(
+            sf_list(&res.headers, "ratelimit")[0].int("r"),
+            expected_remaining
+        );
+        assert_eq!(res.header("x-ratelimit-limit"), Some("3"));
+        let remaining = expected_remaining.to_string();
+        assert_eq!(
+            res.header("x-ratelimit-remaining"),
+            Some(remaining.as_str())
+        );
+    }
+    // 10 units are left, too few for a request: the headers said 0, and it is refused.
+    let res = client.get("/").await;
+    assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(sf_list(&res.headers, "ratelimit")[0].int("r"), 0);
+    assert_eq!(sf_list(&res.headers, "ratelimit-policy")[0].int("q"), 3);
+}
+
+#[tokio::test]
 async fn several_policies_are_all_or_nothing() {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(Rule::new(policy(2, 60, "per-user")).key(HeaderKey::named("x-user").expect("name")))
