@@ -126,6 +126,15 @@ pub enum Error {
 }
 
 impl Error {
+    /// The error of a reply that is not what was `expected`: `got`, shortened (at a character
+    /// boundary, whatever the reply holds) for the message.
+    pub fn unexpected_reply(expected: &'static str, got: &Value) -> Self {
+        Self::UnexpectedReply {
+            expected,
+            got: describe_value(got),
+        }
+    }
+
     /// True when an operation (or connecting) ran out of time.
     pub fn is_timeout(&self) -> bool {
         match self {

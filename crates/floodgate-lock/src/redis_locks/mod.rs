@@ -320,14 +320,26 @@ fn int(reply: &Value, expected: &'static str) -> Result<i64, Error> {
 }
 
 fn unexpected(expected: &'static str, got: &Value) -> Error {
-    let mut got = format!("{got:?}");
-    got.truncate(200);
-    Error::Redis(floodgate_redis::Error::UnexpectedReply { expected, got })
+    Error::Redis(floodgate_redis::Error::unexpected_reply(expected, got))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_unexpected_reply_of_any_characters_is_an_error_not_a_panic() {
+        // Shortened for the message: at a character boundary, even when the cut falls inside
+        // a character of two bytes.
+        for pad in 0..4 {
+            let text = format!("{}{}", "x".repeat(pad), "é".repeat(300));
+            let reply = Value::Array(vec![Value::Int(1), Value::BulkString(text.into_bytes())]);
+            let err = int(&reply, "an integer").expect_err("not an integer");
+            let shown = err.to_string();
+            assert!(shown.contains("expected an integer"), "{shown}");
+            assert!(shown.len() < 400, "{} bytes: {shown}", shown.len());
+        }
+    }
 
     #[test]
     fn keys_share_a_slot_and_hide_braces() {
