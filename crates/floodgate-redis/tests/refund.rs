@@ -214,6 +214,27 @@ fn a_partial_refund_of_a_log_entry_takes_its_cost_off() {
         let redis = limiter(&server.url(), ConnectionKind::Multiplexed).await;
         partial_log_refund(&redis, "redis").await;
         partial_log_refund(&floodgate_core::MemoryLimiter::new(), "memory").await;
+
+        // The entry that was cut down was the log's only one: the log still expires with its
+        // window (an entry removed before its smaller self was added emptied the set, and the
+        // set made anew had no TTL: it stayed in Redis for good).
+        let log = Policy::sliding_log(5, Duration::from_secs(60)).expect("valid");
+        let lease = [Check::new(b"alone", &log).cost(3)];
+        let v = redis
+            .check(&lease, CheckOptions::default())
+            .await
+            .expect("checks");
+        redis
+            .refund(&[Check::new(b"alone", &log)], &v)
+            .await
+            .expect("refunds");
+        let key = redis.state_key(&log, b"alone");
+        let ttl = server
+            .cmd(&[b"PTTL".as_slice(), &key])
+            .expect("PTTL")
+            .as_int()
+            .expect("an integer");
+        assert!(ttl > 0 && ttl <= 120_000, "a TTL of {ttl} ms");
     });
 }
 

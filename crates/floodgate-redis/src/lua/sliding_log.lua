@@ -94,10 +94,12 @@ ALG.log = {
       local c, n = string.match(members[i], '^%d+:(%d+):(%d+)$')
       c = tonumber(c or '')
       if c then
-        redis.call('ZREM', key, members[i])
+        -- What is left of the entry goes in before the entry goes out: a set emptied even for
+        -- a moment is deleted, its TTL with it, and one made anew would never expire.
         if c > left then
           redis.call('ZADD', key, at, at .. ':' .. fmt(c - left) .. ':' .. n)
         end
+        redis.call('ZREM', key, members[i])
         left = left - c
       end
     end
