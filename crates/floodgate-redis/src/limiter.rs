@@ -465,15 +465,9 @@ impl RedisLimiter {
         // many kilobytes larger.
         let verdict = match slots {
             // Each part's call is bounded by the connection's timeout, and the whole by the
-            // check's: cut short, the parts counted are given back.
+            // check's: cut short before a part denies, the parts counted are given back.
             Some(slots) => {
-                let across = Box::pin(self.run_across_slots(checks, opts, lease, &slots));
-                tokio::time::timeout(timeout, across)
-                    .await
-                    .unwrap_or(Err(Error::Timeout {
-                        after: timeout,
-                        op: "check across slots",
-                    }))?
+                Box::pin(self.run_across_slots(checks, opts, lease, &slots, timeout)).await?
             }
             None => self.run_group(group, timeout).await?.0,
         };
@@ -572,6 +566,11 @@ impl RedisLimiter {
     /// all-or-nothing in turn; when a part is denied, the parts already counted are given back
     /// (`undo.lua`) and the parts not reached are peeked at, so nothing stays counted.
     ///
+    /// Once a part denies, the check is denied, whatever follows: should giving back or the dry
+    /// runs fail or run out of time (`timeout`), the parts not dry-run report their decision
+    /// as counted, or, never reached, what their policy decides with nothing counted. An error
+    /// there would let a layer that fails open admit the request.
+    ///
     /// Between a part being counted and given back, other checks may see it counted: across
     /// slots, all-or-nothing holds for the final state, not at every instant. A check dropped
     /// half-way (its caller gave up, the layer's timeout) gives back the parts counted so far
@@ -584,7 +583,14 @@ impl RedisLimiter {
         opts: CheckOptions,
         lease: u64,
         slots: &[u16],
+        timeout: Duration,
     ) -> Result<Verdict, Error> {
+        let deadline = later(tokio::time::Instant::now(), timeout);
+        // What a call may take: the connection's timeout, within what is left of the check's.
+        let budget = || {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            (!left.is_zero()).then(|| left.min(self.inner.conn.timeout()))
+        };
         let mut order: Vec<u16> = slots.to_vec();
         order.dedup();
         order.sort_unstable();
@@ -626,16 +632,21 @@ impl RedisLimiter {
                 },
                 _ => opts,
             };
-            let result = self
-                .run_group(
-                    self.encode_with(&sub, opts, lease)?,
-                    self.inner.conn.timeout(),
-                )
-                .await;
+            let result = match budget() {
+                Some(budget) => {
+                    self.run_group(self.encode_with(&sub, opts, lease)?, budget)
+                        .await
+                }
+                None => Err(Error::Timeout {
+                    after: timeout,
+                    op: "check across slots",
+                }),
+            };
             let (verdict, now) = match result {
                 Ok(v) => v,
                 Err(e) => {
-                    counted.undo_now().await;
+                    // The undo goes on in its task should the check's time run out first.
+                    let _ = tokio::time::timeout_at(deadline, counted.undo_now()).await;
                     return Err(e);
                 }
             };
@@ -654,16 +665,51 @@ impl RedisLimiter {
         // A check across slots is decided, and refunded, as of its first part's time.
         let at = Timestamp::from_micros(first_time.unwrap_or(0));
         if let Some(n) = denied_at {
-            let undone = counted.undo_now().await;
             // The parts given back, and the parts never reached, report what they would have
-            // decided with nothing counted: a dry run of each.
+            // decided with nothing counted: a dry run of each, once the undo is done. Nothing
+            // here turns the denial into an error.
+            let undone = tokio::time::timeout_at(deadline, counted.undo_now()).await;
+            let (undone, dry_run) = match undone {
+                Ok(undone) => (undone, true),
+                Err(_) => (Vec::new(), false),
+            };
             for part in undone.into_iter().chain(&parts[n + 1..]) {
                 let sub: Vec<Check<'_>> = part.iter().map(|&i| checks[i]).collect();
-                let mut group = self.encode_with(&sub, opts, 0)?;
-                group.dry_run = true;
-                let (verdict, _) = self.run_group(group, self.inner.conn.timeout()).await?;
-                for (&i, d) in part.iter().zip(&verdict.decisions) {
-                    decisions[i] = Some(*d);
+                let verdict = match budget().filter(|_| dry_run) {
+                    Some(budget) => match self.encode_with(&sub, opts, 0) {
+                        Ok(mut group) => {
+                            group.dry_run = true;
+                            self.run_group(group, budget).await.ok()
+                        }
+                        Err(_) => None,
+                    },
+                    None => None,
+                };
+                match verdict {
+                    Some((verdict, _)) => {
+                        for (&i, d) in part.iter().zip(&verdict.decisions) {
+                            decisions[i] = Some(*d);
+                        }
+                    }
+                    None => {
+                        tracing::debug!(
+                            "a denied check across slots reports some parts without a dry run"
+                        );
+                    }
+                }
+            }
+            // Never reached, and not dry-run: what the policy decides with nothing counted.
+            let now = first_time.unwrap_or(0);
+            for (d, c) in decisions.iter_mut().zip(checks) {
+                if d.is_none() {
+                    let kind = c.policy.kind();
+                    *d = Some(
+                        kind.decide(
+                            &kind.fresh(),
+                            &floodgate_core::algorithm::Ctx::new(now, c.cost),
+                        )
+                        .decision,
+                    );
                 }
             }
             wait = Duration::ZERO;

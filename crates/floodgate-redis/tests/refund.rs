@@ -172,6 +172,45 @@ fn a_check_across_slots_whose_parts_ran_apart_is_refunded_in_full() {
     });
 }
 
+/// A check across slots that its first part denies is denied, even when a later part's node
+/// hangs (its dry run never answers): an error there would let a layer that fails open admit
+/// the request. The part never reached reports what its policy decides with nothing counted,
+/// and counts nothing.
+#[test]
+fn fault_a_cluster_check_denied_by_its_first_part_stays_denied_when_a_later_node_hangs() {
+    let cluster = cluster();
+    run(LIMIT, async {
+        let redis = cluster_limiter(&cluster).await;
+        let (a, b) = (one_a_minute("per-phone"), one_a_minute("per-ip"));
+        let (phone, other, later) = keys_on_two_nodes(&redis, &cluster, &a, &b);
+        let spent = redis
+            .check(&[Check::new(phone.as_bytes(), &a)], CheckOptions::default())
+            .await
+            .expect("checks");
+        assert!(spent.allowed());
+        let checks = [
+            Check::new(phone.as_bytes(), &a),
+            Check::new(other.as_bytes(), &b),
+        ];
+        cluster.node(later).pause().expect("pause");
+        let verdict = redis.check(&checks, CheckOptions::default()).await;
+        cluster.node(later).resume().expect("resume");
+        let verdict = verdict.expect("a denial, not an error");
+        assert!(!verdict.allowed());
+        assert!(!verdict.decisions[0].allowed, "{:?}", verdict.decisions[0]);
+        assert!(verdict.decisions[0].retry_after.is_some());
+        let never_reached = verdict.decisions[1];
+        assert!(never_reached.allowed, "{never_reached:?}");
+        assert_eq!((never_reached.limit, never_reached.remaining), (1, 0));
+        // The later key was not counted: checked on its own, it is allowed.
+        let alone = redis
+            .check(&[Check::new(other.as_bytes(), &b)], CheckOptions::default())
+            .await
+            .expect("checks");
+        assert!(alone.allowed());
+    });
+}
+
 /// A state someone else overwrote with garbage: the refund says so, naming the key, and
 /// leaves the key as it found it.
 #[test]
