@@ -62,7 +62,8 @@ use crate::{Error, RedisLocks};
 pub const DEFAULT_NODE_TIMEOUT: Duration = Duration::from_millis(200);
 
 /// How long a node that failed (connection error, timeout) is skipped before it is tried
-/// again: a dead node then costs one node timeout per second instead of one per call.
+/// again: a dead node then costs one node timeout per second instead of one per call. Nodes
+/// cooling off are asked all the same when the others are too few for a quorum.
 pub const NODE_COOL_OFF: Duration = Duration::from_secs(1);
 
 struct Node {
@@ -377,17 +378,24 @@ impl Redlock {
         self.quorum
     }
 
-    /// Runs `op` on every node at once, each bounded by the node timeout; a node that failed
-    /// within the last [`NODE_COOL_OFF`] is skipped (it counts as failed).
+    /// Runs `op` on every node at once, each bounded by the node timeout. A node that failed
+    /// within the last [`NODE_COOL_OFF`] is skipped (it counts as failed), unless the nodes not
+    /// cooling off are too few for a quorum: then every node is asked. Skipped, a node that had
+    /// one slow answer, beside one that is down, would fail every call of the next second
+    /// (and a lease renewed in that second would be lost) while a quorum could answer.
     async fn on_all<'a, T, F, Fut>(&'a self, op: F) -> Vec<Result<T, Error>>
     where
         F: Fn(RedisLocks) -> Fut,
         Fut: Future<Output = Result<T, Error>> + 'a,
     {
-        join_all(self.nodes.iter().map(|node| {
+        let cooling: Vec<Option<Duration>> =
+            self.nodes.iter().map(|node| node.skipped_for()).collect();
+        let ready = cooling.iter().filter(|c| c.is_none()).count();
+        let skip = ready >= self.quorum;
+        join_all(self.nodes.iter().zip(cooling).map(|(node, cooling)| {
             let op = &op;
             async move {
-                if let Some(left) = node.skipped_for() {
+                if let Some(left) = cooling.filter(|_| skip) {
                     return Err(node.down(left));
                 }
                 self.on_node(node, op).await

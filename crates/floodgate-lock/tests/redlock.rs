@@ -208,6 +208,44 @@ fn a_failed_attempt_releases_on_a_node_that_timed_out_too() {
     });
 }
 
+/// Of 3 nodes, one is down and one answered once too late: while the late one cools off, the
+/// two that answer are still a quorum, and are both asked. Skipping the late one for its
+/// cool-off would fail every call of that second with `NoQuorum` (and lose a lease due for
+/// renewal in it).
+#[test]
+fn a_node_cooling_off_is_asked_when_a_quorum_needs_it() {
+    let servers = servers(3);
+    run(Duration::from_secs(60), async {
+        let redlock = redlock(&servers).await;
+        let warm = redlock
+            .try_lock(b"warm", b"mine", TTL)
+            .await
+            .expect("all up");
+        assert!(matches!(warm, floodgate_lock::LockAttempt::Acquired { .. }));
+        redlock.unlock(b"warm", b"mine").await.expect("unlock");
+        servers.servers()[2].kill().expect("kill");
+        // Node 1 answers too late once: it cools off for a second.
+        servers.servers()[1].pause().expect("pause");
+        let slow = redlock.try_lock(b"slow", b"mine", TTL).await;
+        servers.servers()[1].resume().expect("resume");
+        assert!(
+            matches!(slow, Err(Error::NoQuorum { .. })),
+            "one node of three answered: {slow:?}"
+        );
+        // At once, well inside node 1's cool-off.
+        let started = Instant::now();
+        let attempt = redlock
+            .try_lock(b"next", b"mine", TTL)
+            .await
+            .expect("nodes 0 and 1 answer");
+        assert!(
+            matches!(attempt, floodgate_lock::LockAttempt::Acquired { .. }),
+            "{attempt:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(1));
+    });
+}
+
 /// How many scripts `server` has run (`EVALSHA` and `EVAL`).
 fn scripts_run(server: &floodgate_testkit::RedisServer) -> u64 {
     let info = server.cmd(&["INFO", "commandstats"]).expect("INFO");
