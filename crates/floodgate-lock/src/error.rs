@@ -96,6 +96,23 @@ pub enum Error {
         retry_in: Duration,
     },
 
+    /// The store granted the lock, but its answer came when the lease (less the clock drift
+    /// allowance) was over: the lock may be someone else's by now, and it is given back. Slow
+    /// answers pass (acquiring tries again until its deadline); a lease shorter than the store
+    /// usually takes to answer needs lengthening.
+    #[error(
+        "lock {name}: the store answered after {took:?}, past the lease of {ttl:?} (less its \
+         clock drift allowance); the grant was given back"
+    )]
+    AnsweredTooLate {
+        /// The lock name, as [`floodgate_redis::display_key`] shows it.
+        name: String,
+        /// How long the store took to answer.
+        took: Duration,
+        /// The lease asked for.
+        ttl: Duration,
+    },
+
     /// The operating system gave no random bytes for an owner token.
     #[error("cannot draw a random owner token: {0}")]
     Random(String),
@@ -123,7 +140,10 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Redis(e) => e.is_timeout() || e.is_connection() || e.is_migrating(),
-            Self::NoQuorum { .. } | Self::NodeTimeout { .. } | Self::NodeDown { .. } => true,
+            Self::NoQuorum { .. }
+            | Self::NodeTimeout { .. }
+            | Self::NodeDown { .. }
+            | Self::AnsweredTooLate { .. } => true,
             _ => false,
         }
     }
@@ -138,6 +158,7 @@ impl Error {
                 | Self::NoQuorum { .. }
                 | Self::NodeTimeout { .. }
                 | Self::NodeDown { .. }
+                | Self::AnsweredTooLate { .. }
                 | Self::Store(_)
         )
     }

@@ -160,7 +160,8 @@ where
     /// One attempt: the guard if the lock was free, `None` if another owner holds it.
     ///
     /// # Errors
-    /// A store error.
+    /// A store error; [`Error::AnsweredTooLate`] when the store granted the lock after the
+    /// lease was over (the grant is given back).
     pub async fn try_acquire(&self) -> Result<Option<LockGuard<S>>, Error> {
         let token = Token::random()?;
         // Until the store has answered, this attempt may have taken the lock for us: if it is
@@ -316,10 +317,19 @@ where
         {
             LockAttempt::Acquired { fence } => {
                 let deadline = started + (self.ttl - self.drift);
-                if Instant::now() >= deadline {
+                let answered = Instant::now();
+                if answered >= deadline {
                     // The answer took longer than the lease: it may already be someone else's.
-                    let _ = self.store.unlock(&self.name, token.as_bytes()).await;
-                    return Ok(Attempt::Busy(Duration::ZERO));
+                    // Given back here; should that fail, the caller's pending attempt, still
+                    // armed by the error, gives it back in the background.
+                    if let Err(e) = self.store.unlock(&self.name, token.as_bytes()).await {
+                        tracing::debug!(error = %Error::from(e), "giving back a late grant failed");
+                    }
+                    return Err(Error::AnsweredTooLate {
+                        name: floodgate_redis::display_key(&self.name),
+                        took: answered - started,
+                        ttl: self.ttl,
+                    });
                 }
                 let held = Held {
                     store: self.store.clone(),

@@ -348,6 +348,57 @@ fn fault_a_cancelled_release_still_releases() {
     });
 }
 
+/// A grant that comes back after its lease (less the clock drift allowance) is over may be
+/// someone else's lock already: it is given back at once, and reported as a transient
+/// `AnsweredTooLate`, not as a lock another owner holds. Acquiring tries again.
+#[test]
+fn fault_a_grant_answered_after_its_lease_is_given_back_and_said_so() {
+    let server = std::sync::Arc::new(server());
+    run(Duration::from_secs(20), async {
+        let locks = redis_locks(&server.url()).await;
+        let key = locks.lock_key(b"late");
+        let lock = Lock::new(locks, "late", Duration::from_millis(30)).expect("valid");
+        // The scripts are loaded: the paused server runs the acquisition when it wakes.
+        let warm = lock.try_acquire().await.expect("ok").expect("free");
+        warm.release().await.expect("release");
+        let pause_for = |ms: u64| {
+            server.pause().expect("pause");
+            let server = std::sync::Arc::clone(&server);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(ms));
+                server.resume().expect("resume");
+            })
+        };
+
+        let waking = pause_for(100);
+        let late = lock.try_acquire().await;
+        waking.join().expect("resumed");
+        match late {
+            Err(e @ Error::AnsweredTooLate { .. }) => {
+                assert!(e.is_transient() && e.is_store(), "{e}");
+                assert!(e.to_string().contains("given back"), "{e}");
+            }
+            other => panic!("not the late answer it was: {other:?}"),
+        }
+        // Given back before the error: nobody holds it, though its 30 ms have not run out.
+        let exists = server
+            .cmd(&[&b"EXISTS"[..], key.as_slice()])
+            .expect("EXISTS")
+            .as_int();
+        assert_eq!(exists, Some(0));
+
+        // Acquiring rides one late answer out.
+        let waking = pause_for(100);
+        let guard = lock.acquire(Duration::from_secs(3)).await;
+        waking.join().expect("resumed");
+        guard
+            .expect("acquired on a later attempt")
+            .release()
+            .await
+            .ok();
+    });
+}
+
 /// An acquisition whose caller gives up while its attempt is in flight may still take the lock
 /// when the store gets to it; nobody would know the token, so the lock is given back in the
 /// background instead of blocking everyone for its lease.
