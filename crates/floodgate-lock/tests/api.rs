@@ -11,7 +11,9 @@ use floodgate_lock::{
     Backoff, Error, Lock, LockAttempt, LockStore, MAX_LOCK_NAME, MAX_TTL, MemoryLocks, Redlock,
 };
 use floodgate_redis::{RedisConfig, RedisConn};
-use support::{redis_locks, redis_locks_silent, redis_locks_with, run, server, servers};
+use support::{
+    redis_locks, redis_locks_silent, redis_locks_with, run, scripts_run, server, servers,
+};
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(10);
@@ -331,10 +333,21 @@ fn fault_a_cancelled_release_still_releases() {
         let lock = Lock::new(locks, "cancelled-release", TTL).expect("valid");
         let guard = lock.try_acquire().await.expect("ok").expect("free");
         // The scripts are loaded (by the acquisition): the release's script runs on resume.
+        let scripts_before = scripts_run(&server);
         server.pause().expect("pause");
         let gave_up = tokio::time::timeout(Duration::from_millis(50), guard.release()).await;
         assert!(gave_up.is_err(), "the paused server answered: {gave_up:?}");
         server.resume().expect("resume");
+        // The release already sent would free it on its own: the guard's drop sends one of its
+        // own all the same, since nobody saw the first answered.
+        let started = Instant::now();
+        while scripts_run(&server) < scripts_before + 2 {
+            assert!(
+                started.elapsed() < Duration::from_secs(2),
+                "the dropped guard sent no release of its own"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         // Free well before its 10 s lease runs out.
         let other = redis_locks(&server.url()).await;
         let other = Lock::new(other, "cancelled-release", TTL).expect("valid");

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use floodgate_lock::{Error, Lock, LockStore, Redlock};
 use floodgate_testkit::RedisServers;
-use support::{redis_locks_with, run, servers};
+use support::{redis_locks_with, run, scripts_run, servers};
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(5);
@@ -244,18 +244,6 @@ fn a_node_cooling_off_is_asked_when_a_quorum_needs_it() {
         );
         assert!(started.elapsed() < Duration::from_secs(1));
     });
-}
-
-/// How many scripts `server` has run (`EVALSHA` and `EVAL`).
-fn scripts_run(server: &floodgate_testkit::RedisServer) -> u64 {
-    let info = server.cmd(&["INFO", "commandstats"]).expect("INFO");
-    let text = info.as_str().map(str::to_owned).unwrap_or_default();
-    text.lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| l.split("calls=").nth(1))
-        .filter_map(|rest| rest.split(',').next())
-        .filter_map(|n| n.parse::<u64>().ok())
-        .sum()
 }
 
 #[test]

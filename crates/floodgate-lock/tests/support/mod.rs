@@ -139,3 +139,15 @@ pub fn assert_exclusive(log: &[Section], expected: usize) {
         );
     }
 }
+
+/// How many scripts `server` has run (`EVALSHA` and `EVAL`).
+pub fn scripts_run(server: &floodgate_testkit::RedisServer) -> u64 {
+    let info = server.cmd(&["INFO", "commandstats"]).expect("INFO");
+    let text = info.as_str().map(str::to_owned).unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| l.split("calls=").nth(1))
+        .filter_map(|rest| rest.split(',').next())
+        .filter_map(|n| n.parse::<u64>().ok())
+        .sum()
+}
