@@ -24,6 +24,17 @@ async fn redlock(servers: &RedisServers) -> Redlock {
         .expect("timeout")
 }
 
+/// Takes and gives back a lock on every node: each node's connection is open and its scripts
+/// are loaded, so that a node paused next has only the next call's commands pending.
+async fn warm_up(redlock: &Redlock) {
+    let warm = redlock
+        .try_lock(b"warm", b"mine", TTL)
+        .await
+        .expect("all up");
+    assert!(matches!(warm, floodgate_lock::LockAttempt::Acquired { .. }));
+    redlock.unlock(b"warm", b"mine").await.expect("unlock");
+}
+
 /// Someone else's lock `name` on nodes 0, 1 and 2 (a quorum of 5); its Redis key.
 async fn held_by_other(servers: &RedisServers, name: &[u8]) -> Vec<u8> {
     let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
@@ -166,14 +177,7 @@ fn a_failed_attempt_releases_on_a_node_that_timed_out_too() {
     let servers = servers(5);
     run(Duration::from_secs(60), async {
         let redlock = redlock(&servers).await;
-        // Warm every node's connection and script cache, so that the paused node's only
-        // pending commands are this attempt's.
-        let warm = redlock
-            .try_lock(b"warm", b"mine", TTL)
-            .await
-            .expect("all up");
-        assert!(matches!(warm, floodgate_lock::LockAttempt::Acquired { .. }));
-        redlock.unlock(b"warm", b"mine").await.expect("unlock");
+        warm_up(&redlock).await;
         let key = held_by_other(&servers, b"slow").await;
         // Node 3 answers too late: it cools off, yet it takes our lock when it wakes up.
         let scripts_before = scripts_run(&servers.servers()[3]);
@@ -217,12 +221,7 @@ fn a_node_cooling_off_is_asked_when_a_quorum_needs_it() {
     let servers = servers(3);
     run(Duration::from_secs(60), async {
         let redlock = redlock(&servers).await;
-        let warm = redlock
-            .try_lock(b"warm", b"mine", TTL)
-            .await
-            .expect("all up");
-        assert!(matches!(warm, floodgate_lock::LockAttempt::Acquired { .. }));
-        redlock.unlock(b"warm", b"mine").await.expect("unlock");
+        warm_up(&redlock).await;
         servers.servers()[2].kill().expect("kill");
         // Node 1 answers too late once: it cools off for a second.
         servers.servers()[1].pause().expect("pause");
