@@ -22,8 +22,17 @@ pub(crate) fn utc_offset(s: &str) -> Result<i32, String> {
     parse::parse_utc_offset(s).map_err(message)
 }
 
-/// An algorithm name or alias (`gcra`, `funnel`, `sliding_log`, ...).
+/// An algorithm name or alias (`gcra`, `funnel`, `sliding_log`, ...). Not `calendar`: as a
+/// flag it would name a fixed window that `--window` makes rolling, while `calendar:` in a
+/// policy string means windows aligned to the calendar.
 pub(crate) fn algorithm(s: &str) -> Result<AlgorithmKind, String> {
+    if s.trim().eq_ignore_ascii_case("calendar") {
+        return Err(
+            "for windows aligned to the calendar, use --algorithm fixed_window with \
+                    --calendar UNIT (or --policy \"calendar:10/day\")"
+                .into(),
+        );
+    }
     s.parse().map_err(message)
 }
 
@@ -50,6 +59,8 @@ mod tests {
         assert_eq!(utc_offset("+08:00"), Ok(8 * 3600));
         assert_eq!(algorithm("funnel"), Ok(AlgorithmKind::LeakyBucket));
         assert!(algorithm("nope").is_err());
+        let calendar = algorithm("Calendar").expect_err("ambiguous");
+        assert!(calendar.contains("--calendar UNIT"), "{calendar}");
         assert_eq!(calendar_unit("day"), Ok(CalendarUnit::Day));
     }
 

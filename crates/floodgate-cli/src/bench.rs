@@ -151,15 +151,20 @@ pub(crate) struct BenchArgs {
     no_batching: bool,
 
     /// Batching: the longest a check waits for others while a batch is in flight (e.g. 50us, 0s).
-    #[arg(long, value_name = "DURATION", value_parser = crate::args::duration)]
+    #[arg(
+        long,
+        value_name = "DURATION",
+        value_parser = crate::args::duration,
+        conflicts_with = "no_batching"
+    )]
     batch_window: Option<std::time::Duration>,
 
     /// Batching: the most checks in one script call.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", conflicts_with = "no_batching")]
     batch_max: Option<usize>,
 
     /// Batching: the most script calls in flight at once.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", conflicts_with = "no_batching")]
     batch_in_flight: Option<usize>,
 
     /// Commands per pipeline in the pipelined baselines and redis-benchmark (-P).
@@ -368,9 +373,9 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), CliError> {
     let report = runtime.block_on(bench(&args, set))?;
     if args.json {
         let text = serde_json::to_string(&report).map_err(|e| CliError::Failed(e.to_string()))?;
-        println!("{text}");
+        crate::error::print(&format!("{text}\n"))?;
     } else {
-        print!("{}", table(&report));
+        crate::error::print(&table(&report))?;
     }
     if report.floodgate.ops == 0 && !report.interrupted {
         return Err(CliError::Failed(format!(

@@ -120,8 +120,7 @@ pub(crate) fn run(args: CheckArgs) -> Result<(), CliError> {
         decide(&limiter, &set, args.key.as_bytes(), args.cost).await
     })?;
     let text = serde_json::to_string(&json).map_err(|e| CliError::Failed(e.to_string()))?;
-    println!("{text}");
-    Ok(())
+    crate::error::print(&format!("{text}\n"))
 }
 
 async fn decide(

@@ -60,6 +60,16 @@ pub(crate) enum CliError {
     Failed(String),
 }
 
+/// Writes `text` to stdout: a closed stdout (`floodgate reset ... | true`) is an I/O error,
+/// which [`CliError::report`] takes quietly, not a panic of `print!`.
+pub(crate) fn print(text: &str) -> Result<(), CliError> {
+    use io::Write as _;
+    let mut out = io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| CliError::io("cannot write to stdout", e))
+}
+
 impl CliError {
     /// A usage error.
     pub(crate) fn usage(message: impl Into<String>) -> Self {

@@ -202,7 +202,7 @@ pub(crate) fn run(args: InspectArgs) -> Result<(), CliError> {
         .map_err(|e| CliError::Failed(e.to_string()))?;
         Ok::<_, CliError>((text, failure))
     })?;
-    println!("{text}");
+    crate::error::print(&format!("{text}\n"))?;
     failure.map_or(Ok(()), Err)
 }
 
@@ -352,7 +352,15 @@ struct ListJson {
 /// `floodgate inspect --pattern`.
 fn list(args: &InspectArgs, pattern: &str) -> Result<(), CliError> {
     let pattern = if pattern.is_empty() {
-        format!("{}:*", args.redis.prefix)
+        // The prefix as it is: a prefix may hold the pattern's own metacharacters.
+        let mut escaped = String::with_capacity(args.redis.prefix.len() + 2);
+        for c in args.redis.prefix.chars() {
+            if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+                escaped.push('\\');
+            }
+            escaped.push(c);
+        }
+        escaped + ":*"
     } else {
         pattern.to_owned()
     };
@@ -417,8 +425,7 @@ fn list(args: &InspectArgs, pattern: &str) -> Result<(), CliError> {
         );
     }
     let text = serde_json::to_string(&out).map_err(|e| CliError::Failed(e.to_string()))?;
-    println!("{text}");
-    Ok(())
+    crate::error::print(&format!("{text}\n"))
 }
 
 /// A plain connection to one node, bounded like floodgate's own.

@@ -211,8 +211,7 @@ pub(crate) fn run(args: PlotArgs) -> Result<(), CliError> {
         traffic.len(),
         short_duration(Duration::from_micros(duration)),
     );
-    println!("{summary}");
-    print!("{}", table(&lanes, &window_name));
+    crate::error::print(&format!("{summary}\n{}", table(&lanes, &window_name)))?;
 
     let boundaries = boundaries(&lanes, calendar.is_some(), window, duration);
     let title = format!(

@@ -30,6 +30,9 @@ Algorithms and their flags (DUR is a duration: 500ms, 1s, 1.5s, 30m, 2h, 1d):
   shaper          --count N --period DUR [--burst N] [--max-wait DUR]
                     requests wait up to --max-wait for their turn (adds \"wait_ms\")
   concurrency     --limit N --lease-ttl DUR     at most N in flight (adds \"lease\")
+  --name NAME     the policy's name (one per policy), as the service named it: its state's
+                  Redis key carries the name, so reset, check and inspect need it to reach
+                  the state of a named policy
   --policy STR    any policy string: \"10/minute\", \"funnel:1/30m\", \"calendar:10/day@+08:00\",
                   \"log:100/h\", \"token:10/s intervally\", \"shaper:5/s burst 2\",
                   \"concurrency:2 ttl 30s\"; repeat --policy to check all-or-nothing (adds
@@ -51,6 +54,11 @@ pub(crate) struct PolicyArgs {
     /// separate with ';') to check several policies all-or-nothing.
     #[arg(long, short = 'p', value_name = "POLICY", conflicts_with = "algorithm")]
     pub(crate) policy: Vec<String>,
+
+    /// The policy's name, which its state's Redis key carries: the name the service gave it
+    /// (`Policy::named`), to reach that state. One per policy, in order.
+    #[arg(long, value_name = "NAME")]
+    pub(crate) name: Vec<String>,
 
     /// gcra: requests admitted at once beyond the first (redis-cell's max_burst).
     #[arg(long, value_name = "N", help_heading = "Policy flags")]
@@ -200,6 +208,37 @@ impl PolicyArgs {
     }
 
     fn build_with(&self, missing: Missing) -> Result<PolicySet, CliError> {
+        let mut set = self.build_unnamed(missing)?;
+        if !self.name.is_empty() && self.name.len() != set.policies.len() {
+            return Err(CliError::usage(format!(
+                "{} --name given for {} {}: give one name per policy, in order",
+                self.name.len(),
+                set.policies.len(),
+                if set.policies.len() == 1 {
+                    "policy"
+                } else {
+                    "policies"
+                }
+            )));
+        }
+        for (policy, name) in set.policies.iter_mut().zip(&self.name) {
+            *policy = policy.clone().named(name)?;
+        }
+        for (i, policy) in set.policies.iter().enumerate() {
+            if set.policies[..i]
+                .iter()
+                .any(|p| p.ident() == policy.ident())
+            {
+                return Err(CliError::usage(format!(
+                    "policy {policy} is given twice; give each policy once, or each its own \
+                     --name"
+                )));
+            }
+        }
+        Ok(set)
+    }
+
+    fn build_unnamed(&self, missing: Missing) -> Result<PolicySet, CliError> {
         let given = self.given_flags();
         let max_wait = self.max_wait.unwrap_or(Duration::ZERO);
         if !self.policy.is_empty() {
@@ -211,14 +250,7 @@ impl PolicyArgs {
             }
             let mut policies: Vec<Policy> = Vec::with_capacity(self.policy.len());
             for text in &self.policy {
-                for policy in Policy::parse_many(text)? {
-                    if policies.iter().any(|p| p.ident() == policy.ident()) {
-                        return Err(CliError::usage(format!(
-                            "policy {policy} is given twice in --policy; give each policy once"
-                        )));
-                    }
-                    policies.push(policy);
-                }
+                policies.extend(Policy::parse_many(text)?);
             }
             let set = PolicySet { policies, max_wait };
             if self.max_wait.is_some() && !set.shaping() {
@@ -461,5 +493,49 @@ mod tests {
             .build()
             .expect_err("twice");
         assert!(err.to_string().contains("given twice"), "{err}");
+    }
+
+    #[test]
+    fn names_go_to_the_policies_in_order() {
+        let set = args(|a| {
+            a.policy = vec!["funnel:1/30m; 10/day".into()];
+            a.name = vec!["phone".into(), "phone-daily".into()];
+        })
+        .build()
+        .expect("valid");
+        let names: Vec<&str> = set.policies.iter().map(|p| p.name()).collect();
+        assert_eq!(names, ["phone", "phone-daily"]);
+        // The same parameters twice, named apart: two policies.
+        let set = args(|a| {
+            a.policy = vec!["5/s".into(), "5/s".into()];
+            a.name = vec!["per-ip".into(), "per-user".into()];
+        })
+        .build()
+        .expect("valid");
+        assert_eq!(set.policies.len(), 2);
+        let named = args(|a| {
+            a.algorithm = Some(AlgorithmKind::Gcra);
+            a.name = vec!["bench".into()];
+        })
+        .build_or_default()
+        .expect("valid");
+        assert_eq!(named.policies[0].name(), "bench");
+
+        let err = |f: fn(&mut PolicyArgs)| args(f).build().expect_err("refused").to_string();
+        let miscount = err(|a| {
+            a.policy = vec!["5/s; 10/m".into()];
+            a.name = vec!["one".into()];
+        });
+        assert!(miscount.contains("one name per policy"), "{miscount}");
+        let same = err(|a| {
+            a.policy = vec!["5/s".into(), "10/m".into()];
+            a.name = vec!["x".into(), "x".into()];
+        });
+        assert!(same.contains("given twice"), "{same}");
+        let invalid = err(|a| {
+            a.policy = vec!["5/s".into()];
+            a.name = vec!["Not A Name".into()];
+        });
+        assert!(invalid.contains("name"), "{invalid}");
     }
 }

@@ -88,13 +88,13 @@ pub(crate) fn run(args: ResetArgs) -> Result<(), CliError> {
         // trace.
         if !out.keys.is_empty() {
             if let Ok(text) = serde_json::to_string(&out) {
-                println!("{text}");
+                let _ = crate::error::print(&format!("{text}\n"));
             }
         }
         return Err(e);
     }
     let text = serde_json::to_string(&out).map_err(|e| CliError::Failed(e.to_string()))?;
-    println!("{text}");
+    crate::error::print(&format!("{text}\n"))?;
     if out.deleted == 0 {
         eprintln!(
             "note: key \"{}\" had no state for {} (nothing to delete)",

@@ -351,6 +351,52 @@ fn reset_deletes_the_state() {
     assert!(none.stderr.contains("nothing to delete"), "{none:#?}");
 }
 
+/// A service names its policies (the SMS gateway's per-phone funnel is `phone`), and the name
+/// is part of the state's key: `--name` reaches that state; without it, the default name's
+/// state is another key, and nothing is deleted.
+#[test]
+fn reset_reaches_the_state_of_a_named_policy() {
+    let server = server();
+    let url = server.url();
+    let named = [
+        "--prefix",
+        "sms",
+        "--policy",
+        "funnel:1/30m",
+        "--name",
+        "phone",
+        "+8613800000000",
+    ];
+    assert_eq!(json(&run("check", &url, &named))["allowed"], true);
+    assert_eq!(json(&run("check", &url, &named))["allowed"], false);
+    let key = "sms:lb:phone:{+8613800000000}";
+    let held = server.cmd(&["EXISTS", key]).expect("EXISTS");
+    assert_eq!(held.as_int(), Some(1));
+    let unnamed = [
+        "--prefix",
+        "sms",
+        "--policy",
+        "funnel:1/30m",
+        "+8613800000000",
+    ];
+    assert_eq!(int(&json(&run("reset", &url, &unnamed)), "deleted"), 0);
+    let reset = json(&run("reset", &url, &named));
+    assert_eq!(int(&reset, "deleted"), 1, "{reset}");
+    assert_eq!(reset["keys"][0]["key"], key);
+    assert_eq!(json(&run("check", &url, &named))["allowed"], true);
+    // One name per policy.
+    let miscount = run(
+        "reset",
+        &url,
+        &["--policy", "1/m; 5/h", "--name", "one", "+8613800000000"],
+    );
+    miscount.failure(2);
+    assert!(
+        miscount.stderr.contains("one name per policy"),
+        "{miscount:#?}"
+    );
+}
+
 #[test]
 fn check_inspect_and_reset_on_a_cluster() {
     let cluster = RedisCluster::builder()
