@@ -96,10 +96,10 @@ impl CliError {
     ///
     /// A closed stdout (`floodgate simulate ... | head`) is not an error worth reporting.
     pub(crate) fn report(&self) -> ExitCode {
-        if let CliError::Io { source, .. } = self {
-            if source.kind() == io::ErrorKind::BrokenPipe {
-                return ExitCode::SUCCESS;
-            }
+        if let CliError::Io { source, .. } = self
+            && source.kind() == io::ErrorKind::BrokenPipe
+        {
+            return ExitCode::SUCCESS;
         }
         eprintln!("error: {self}");
         let code = match self {

@@ -234,15 +234,15 @@ fn micros(d: Duration) -> u64 {
 
 /// The calendar windows of the same length as `window_us`, when there are any.
 fn calendar_of(window_us: u64) -> Option<(u32, CalendarUnit)> {
-    if window_us == 0 || window_us % 1_000_000 != 0 {
+    if window_us == 0 || !window_us.is_multiple_of(1_000_000) {
         return None;
     }
     let s = window_us / 1_000_000;
     let (n, unit) = if s < 60 && 60 % s == 0 {
         (s, CalendarUnit::Second)
-    } else if s % 60 == 0 && s < 3_600 && 60 % (s / 60) == 0 {
+    } else if s.is_multiple_of(60) && s < 3_600 && 60 % (s / 60) == 0 {
         (s / 60, CalendarUnit::Minute)
-    } else if s % 3_600 == 0 && s < 86_400 && 24 % (s / 3_600) == 0 {
+    } else if s.is_multiple_of(3_600) && s < 86_400 && 24 % (s / 3_600) == 0 {
         (s / 3_600, CalendarUnit::Hour)
     } else if s == 86_400 {
         (1, CalendarUnit::Day)

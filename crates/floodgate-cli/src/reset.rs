@@ -86,10 +86,10 @@ pub(crate) fn run(args: ResetArgs) -> Result<(), CliError> {
     if let Some(e) = failed {
         // The states already deleted are printed all the same: nothing is lost without a
         // trace.
-        if !out.keys.is_empty() {
-            if let Ok(text) = serde_json::to_string(&out) {
-                let _ = crate::error::print(&format!("{text}\n"));
-            }
+        if !out.keys.is_empty()
+            && let Ok(text) = serde_json::to_string(&out)
+        {
+            let _ = crate::error::print(&format!("{text}\n"));
         }
         return Err(e);
     }

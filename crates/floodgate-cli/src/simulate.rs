@@ -268,13 +268,13 @@ impl Simulator {
         let Some(event) = parse_event(line)? else {
             return Ok(None);
         };
-        if let Some(previous) = self.previous_t {
-            if event.t_ms < previous {
-                return Err(format!(
-                    "time {} goes backwards (previous {previous})",
-                    event.t_ms
-                ));
-            }
+        if let Some(previous) = self.previous_t
+            && event.t_ms < previous
+        {
+            return Err(format!(
+                "time {} goes backwards (previous {previous})",
+                event.t_ms
+            ));
         }
         let now_ms = self
             .start_ms

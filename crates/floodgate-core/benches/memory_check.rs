@@ -193,7 +193,7 @@ fn full_store_flood(c: &mut Criterion) {
     let mut check = || {
         n += 1;
         clock.advance(step);
-        if n % MAX_KEYS == 0 {
+        if n.is_multiple_of(MAX_KEYS) {
             keyed.retain_recent();
         }
         keyed.check_key(&n).is_ok()

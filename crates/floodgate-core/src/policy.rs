@@ -738,7 +738,7 @@ pub(crate) fn short_duration(us: u64) -> String {
         (1, "us"),
     ];
     for (size, suffix) in UNITS {
-        if us >= size && us % size == 0 {
+        if us >= size && us.is_multiple_of(size) {
             return format!("{}{suffix}", us / size);
         }
     }

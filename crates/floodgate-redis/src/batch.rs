@@ -271,12 +271,12 @@ pub(crate) async fn run_within(
     // The call may have run on the server before it failed (a timeout, a connection lost
     // mid-reply): a concurrency lease it granted would be held for nobody until it expires.
     // (The GCRA batch script above takes no leases.)
-    if let Err(e) = &result {
-        if may_have_run(e) {
-            for group in groups {
-                // Given back when dropped unclaimed.
-                drop(Unclaimed::of(conn, group));
-            }
+    if let Err(e) = &result
+        && may_have_run(e)
+    {
+        for group in groups {
+            // Given back when dropped unclaimed.
+            drop(Unclaimed::of(conn, group));
         }
     }
     result

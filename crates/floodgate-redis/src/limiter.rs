@@ -410,26 +410,25 @@ impl RedisLimiter {
         let group = self.encode(checks, opts)?;
         let lease = group.lease;
         let slots = self.slots_of(&group);
-        if let Some((jobs, batcher_runtime)) = self.batcher_on() {
-            if slots.is_none() {
-                if let Ok(permit) = jobs.try_reserve() {
-                    let deadline = later(tokio::time::Instant::now(), timeout);
-                    let rx = queue(permit, group, deadline);
-                    // The batcher answers by the deadline while its runtime runs, which it
-                    // does whenever this check is awaited on that runtime. Awaited on another
-                    // (a runtime per thread, a test's own), the check keeps a timer of its own
-                    // in case that one is blocked or no longer driven.
-                    let patience = (here != *batcher_runtime).then(|| {
-                        let patience = later(deadline, PATIENCE_MARGIN);
-                        (Box::pin(tokio::time::sleep_until(patience)), timeout)
-                    });
-                    return Ok(CheckFuture::Batched {
-                        reply: rx,
-                        lease,
-                        patience,
-                    });
-                }
-            }
+        if let Some((jobs, batcher_runtime)) = self.batcher_on()
+            && slots.is_none()
+            && let Ok(permit) = jobs.try_reserve()
+        {
+            let deadline = later(tokio::time::Instant::now(), timeout);
+            let rx = queue(permit, group, deadline);
+            // The batcher answers by the deadline while its runtime runs, which it
+            // does whenever this check is awaited on that runtime. Awaited on another
+            // (a runtime per thread, a test's own), the check keeps a timer of its own
+            // in case that one is blocked or no longer driven.
+            let patience = (here != *batcher_runtime).then(|| {
+                let patience = later(deadline, PATIENCE_MARGIN);
+                (Box::pin(tokio::time::sleep_until(patience)), timeout)
+            });
+            return Ok(CheckFuture::Batched {
+                reply: rx,
+                lease,
+                patience,
+            });
         }
         // The limiter is cloned (an `Arc`) rather than borrowed: the future then borrows the
         // checks alone, and `check` can return it without holding its arguments.
@@ -976,18 +975,18 @@ impl Future for CheckFuture<'_> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        if let CheckFuture::Lazy(_) = this {
-            if let CheckFuture::Lazy(lazy) = std::mem::replace(this, CheckFuture::Done) {
-                let (limiter, checks, opts) = *lazy;
-                *this = match tokio::runtime::Handle::try_current() {
-                    Ok(here) => limiter
-                        .start(checks, opts, here.id())
-                        .unwrap_or_else(CheckFuture::Failed),
-                    Err(e) => CheckFuture::Failed(Error::Config(format!(
-                        "a rate-limit check was polled outside a tokio runtime: {e}"
-                    ))),
-                };
-            }
+        if let CheckFuture::Lazy(_) = this
+            && let CheckFuture::Lazy(lazy) = std::mem::replace(this, CheckFuture::Done)
+        {
+            let (limiter, checks, opts) = *lazy;
+            *this = match tokio::runtime::Handle::try_current() {
+                Ok(here) => limiter
+                    .start(checks, opts, here.id())
+                    .unwrap_or_else(CheckFuture::Failed),
+                Err(e) => CheckFuture::Failed(Error::Config(format!(
+                    "a rate-limit check was polled outside a tokio runtime: {e}"
+                ))),
+            };
         }
         let result = match this {
             CheckFuture::Batched {

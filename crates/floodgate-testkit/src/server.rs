@@ -550,15 +550,15 @@ impl RedisServer {
         let started = Instant::now();
         let deadline = started + self.startup_timeout;
         loop {
-            if let Some(child) = state.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    state.child = None;
-                    return Err(TestkitError::ServerExited {
-                        port: self.port,
-                        status: status.to_string(),
-                        log_tail: self.log_tail(),
-                    });
-                }
+            if let Some(child) = state.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                state.child = None;
+                return Err(TestkitError::ServerExited {
+                    port: self.port,
+                    status: status.to_string(),
+                    log_tail: self.log_tail(),
+                });
             }
             let last_error = match self.probe(pid) {
                 Ok(()) => return Ok(()),

@@ -25,10 +25,10 @@ pub fn crc16(bytes: &[u8]) -> u16 {
 pub fn hash_tag(key: &[u8]) -> &[u8] {
     if let Some(open) = key.iter().position(|&b| b == b'{') {
         let after = &key[open + 1..];
-        if let Some(close) = after.iter().position(|&b| b == b'}') {
-            if close > 0 {
-                return &after[..close];
-            }
+        if let Some(close) = after.iter().position(|&b| b == b'}')
+            && close > 0
+        {
+            return &after[..close];
         }
     }
     key

@@ -615,10 +615,10 @@ where
         } = job;
         // Keys from asynchronous extractors, awaited in a future of their own: most layers
         // have none, and this one is boxed per request.
-        if !pending.is_empty() {
-            if let Some(decided) = Box::pin(self.resolve(&mut job, pending)).await {
-                return decided;
-            }
+        if !pending.is_empty()
+            && let Some(decided) = Box::pin(self.resolve(&mut job, pending)).await
+        {
+            return decided;
         }
         let span = self.span(&job);
         // Limiters' futures are large, and this one is boxed per request: awaited here
@@ -1135,13 +1135,14 @@ where
             allowed.info = sh.not_limited();
             return Called::Allow;
         }
-        if job.pending.is_empty() && sh.mode == Mode::Reject {
-            if let Some(memory) = (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>() {
-                return match self.decide_sync(this, memory, &mut job.checks, req, allowed) {
-                    None => Called::Allow,
-                    Some(response) => Called::Reject(response),
-                };
-            }
+        if job.pending.is_empty()
+            && sh.mode == Mode::Reject
+            && let Some(memory) = (&self.limiter as &dyn Any).downcast_ref::<MemoryLimiter>()
+        {
+            return match self.decide_sync(this, memory, &mut job.checks, req, allowed) {
+                None => Called::Allow,
+                Some(response) => Called::Reject(response),
+            };
         }
         job.checks.grpc = req.is_grpc();
         Called::Deciding

@@ -129,18 +129,18 @@ pub(crate) fn render<'a>(
             out.push((Field::RateLimit, v));
         }
     }
-    if opts.legacy {
-        if let Some((d, unit)) = strictest {
-            out.push((Field::Limit, HeaderValue::from(d.limit / unit.max(1))));
-            out.push((
-                Field::Remaining,
-                HeaderValue::from(d.remaining / unit.max(1)),
-            ));
-            out.push((
-                Field::Reset,
-                HeaderValue::from(ceil_secs(effective_window(d))),
-            ));
-        }
+    if opts.legacy
+        && let Some((d, unit)) = strictest
+    {
+        out.push((Field::Limit, HeaderValue::from(d.limit / unit.max(1))));
+        out.push((
+            Field::Remaining,
+            HeaderValue::from(d.remaining / unit.max(1)),
+        ));
+        out.push((
+            Field::Reset,
+            HeaderValue::from(ceil_secs(effective_window(d))),
+        ));
     }
 }
 

@@ -485,14 +485,14 @@ impl Shared for MemoryShared {
     async fn idempotency_begin(&self, key: &str, request: &str) -> Result<Idempotency, StoreError> {
         let now = now_ms();
         let mut map = locked(&self.idempotency);
-        if let Some((expires, req, response)) = map.get(key) {
-            if *expires > now {
-                return Ok(match (req == request, response) {
-                    (false, _) => Idempotency::Mismatch,
-                    (true, Some(r)) => Idempotency::Replay(r.clone()),
-                    (true, None) => Idempotency::InProgress,
-                });
-            }
+        if let Some((expires, req, response)) = map.get(key)
+            && *expires > now
+        {
+            return Ok(match (req == request, response) {
+                (false, _) => Idempotency::Mismatch,
+                (true, Some(r)) => Idempotency::Replay(r.clone()),
+                (true, None) => Idempotency::InProgress,
+            });
         }
         if map.len() >= MAX_MEMORY_IDEMPOTENCY_KEYS {
             map.retain(|_, (expires, _, _)| *expires > now);
@@ -523,11 +523,11 @@ impl Shared for MemoryShared {
         response: &str,
     ) -> Result<(), StoreError> {
         let mut map = locked(&self.idempotency);
-        if let Some(entry) = map.get_mut(key) {
-            if entry.1 == request {
-                entry.0 = now_ms() + IDEMPOTENCY_TTL.as_millis() as u64;
-                entry.2 = Some(response.to_owned());
-            }
+        if let Some(entry) = map.get_mut(key)
+            && entry.1 == request
+        {
+            entry.0 = now_ms() + IDEMPOTENCY_TTL.as_millis() as u64;
+            entry.2 = Some(response.to_owned());
         }
         Ok(())
     }

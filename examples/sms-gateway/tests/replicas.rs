@@ -256,10 +256,10 @@ async fn killing_the_dispatching_replica_mid_campaign_still_completes_it_once() 
     let deadline = Instant::now() + Duration::from_secs(60);
     let (dispatcher, fence) = loop {
         let p = http.get(&a.url(&format!("/v1/campaigns/{id}"))).await.body;
-        if p["claimed"].as_u64().unwrap_or(0) >= 200 {
-            if let (Some(d), Some(f)) = (p["dispatcher"].as_str(), p["fence"].as_u64()) {
-                break (d.to_owned(), f);
-            }
+        if p["claimed"].as_u64().unwrap_or(0) >= 200
+            && let (Some(d), Some(f)) = (p["dispatcher"].as_str(), p["fence"].as_u64())
+        {
+            break (d.to_owned(), f);
         }
         assert!(Instant::now() < deadline, "the campaign did not start: {p}");
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -44,7 +44,7 @@ impl SlidingWindow {
         if w == 0 {
             return Err(PolicyError::Zero { field: "window" });
         }
-        if w % MS != 0 {
+        if !w.is_multiple_of(MS) {
             return Err(PolicyError::Invalid {
                 field: "window",
                 reason: format!("{window:?} is not a whole number of milliseconds"),

@@ -283,16 +283,16 @@ fn canonical_ipv4(text: &[u8]) -> Option<u32> {
         let mut octet = digit(i)?;
         i += 1;
         // A leading zero is the whole octet: a digit after it fails the dot test.
-        if octet != 0 {
+        if octet != 0
+            && let Some(d) = digit(i)
+        {
+            octet = octet * 10 + d;
+            i += 1;
             if let Some(d) = digit(i) {
                 octet = octet * 10 + d;
                 i += 1;
-                if let Some(d) = digit(i) {
-                    octet = octet * 10 + d;
-                    i += 1;
-                    if octet > 255 {
-                        return None;
-                    }
+                if octet > 255 {
+                    return None;
                 }
             }
         }

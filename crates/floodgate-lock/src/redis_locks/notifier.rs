@@ -113,10 +113,10 @@ impl Notifier {
     /// Wakes the task, starting it if it is not running (first use, or its runtime is gone).
     fn kick(&self) {
         let mut kick = self.kick.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(tx) = kick.as_ref() {
-            if tx.send(()).is_ok() {
-                return;
-            }
+        if let Some(tx) = kick.as_ref()
+            && tx.send(()).is_ok()
+        {
+            return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
