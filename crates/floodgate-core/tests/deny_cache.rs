@@ -226,6 +226,38 @@ async fn a_cancelled_probe_does_not_hold_up_the_next_caller() {
     );
 }
 
+/// A probe that stalls (its store call hangs, its caller still waiting) holds the others up
+/// for one second of patience, once: then they ask the store themselves.
+#[tokio::test]
+async fn a_stalled_probe_holds_the_others_up_once() {
+    let store = Store::new();
+    let cache = DenyCache::new(store.clone());
+    let p = Arc::new(Policy::per(1, Duration::from_millis(200)).expect("valid"));
+    let check = |cache: DenyCache<Store>, p: Arc<Policy>| async move {
+        cache
+            .check(&[Check::new(b"k", &p)], CheckOptions::default())
+            .await
+            .expect("ok")
+    };
+    assert!(check(cache.clone(), Arc::clone(&p)).await.allowed());
+    assert!(!check(cache.clone(), Arc::clone(&p)).await.allowed());
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    // The next caller probes, and its call hangs for 5 s; calls after it answer at once.
+    store.set_delay(Duration::from_secs(5));
+    let probe = tokio::spawn(check(cache.clone(), Arc::clone(&p)));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    store.set_delay(Duration::ZERO);
+    let started = Instant::now();
+    let next = check(cache.clone(), Arc::clone(&p)).await;
+    let waited = started.elapsed();
+    assert!(next.allowed());
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_millis(1_500),
+        "waited {waited:?} for a stalled probe"
+    );
+    probe.abort();
+}
+
 /// `max_hold` bounds how long a denial is answered locally: a refund made through another
 /// replica (another cache over the same store) is seen within it, and the verdicts answered
 /// locally meanwhile still report the whole retry time. Without it, the denial is held for

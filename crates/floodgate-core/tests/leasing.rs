@@ -147,6 +147,51 @@ async fn checks_that_cost_more_than_a_lease_go_to_the_store_and_waste_nothing() 
     assert_eq!(store.granted.load(Ordering::Relaxed), admitted);
 }
 
+/// A key that stays hot under a long window: what each lease leaves unspent goes back to the
+/// store when the next lease replaces it, so the store is charged what was admitted (and the
+/// lease held now), not a lease per lease period. Before, 100,000 a day at 120 requests a
+/// second lost about 1,000 units every 300 ms, and the day's quota was gone in minutes.
+#[tokio::test]
+async fn a_hot_key_under_a_long_window_is_charged_what_it_spent() {
+    use floodgate_core::{ManualClock, Timestamp};
+    // 100,000 a day: leases of 1,000 units.
+    let policy = Policy::fixed_window(100_000, Duration::from_secs(86_400)).expect("valid");
+    let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
+    let store = store();
+    let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
+    let check = [Check::new(b"hot", &policy)];
+    let mut admitted = 0;
+    // 40 lease periods of 36 checks, 300 ms apart: each lease ends with most of it unspent.
+    for _ in 0..40 {
+        for _ in 0..36 {
+            let v = leasing
+                .check(&check, CheckOptions::default())
+                .await
+                .expect("check");
+            assert!(v.allowed(), "{v:?}");
+            admitted += 1;
+        }
+        clock.advance(Duration::from_millis(300));
+    }
+    let stats = leasing.stats();
+    assert!(stats.leases >= 39 && stats.local > 0, "{stats:?}");
+    let peek = store
+        .inner
+        .check(
+            &[Check::new(b"hot", &policy).cost(0)],
+            CheckOptions::default(),
+        )
+        .await
+        .expect("peek");
+    let charged = 100_000 - peek.decisions[0].remaining;
+    assert!(
+        charged >= admitted && charged <= admitted + 1_000,
+        "charged {charged} for {admitted} admitted: {stats:?}"
+    );
+    assert_eq!(stats.wasted, 0, "{stats:?}");
+    assert!(stats.returned >= 38 * 900, "{stats:?}");
+}
+
 /// A check answered from a local lease reports the lease's decision aged by the time since it
 /// was granted: its reset time is when the store's state is full again, not a lease later.
 #[tokio::test]

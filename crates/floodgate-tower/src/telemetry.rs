@@ -49,8 +49,10 @@ pub const LEASING_LOCAL_TOTAL: &str = "floodgate_leasing_local_total";
 pub const LEASING_STORE_TOTAL: &str = "floodgate_leasing_store_total";
 /// Leases taken from the store.
 pub const LEASING_LEASES_TOTAL: &str = "floodgate_leasing_leases_total";
-/// Units taken in leases and never spent.
+/// Units taken in leases, neither spent nor given back.
 pub const LEASING_WASTED_UNITS_TOTAL: &str = "floodgate_leasing_wasted_units_total";
+/// Units of leases given back to the store unspent.
+pub const LEASING_RETURNED_UNITS_TOTAL: &str = "floodgate_leasing_returned_units_total";
 
 /// The outcome label of [`REQUESTS_TOTAL`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,7 +117,14 @@ fn describe() {
                 "Checks local leasing passed to the store",
             ),
             (LEASING_LEASES_TOTAL, "Leases taken from the store"),
-            (LEASING_WASTED_UNITS_TOTAL, "Leased units never spent"),
+            (
+                LEASING_WASTED_UNITS_TOTAL,
+                "Leased units neither spent nor given back",
+            ),
+            (
+                LEASING_RETURNED_UNITS_TOTAL,
+                "Leased units given back to the store unspent",
+            ),
         ] {
             metrics::describe_counter!(name, help);
         }
@@ -198,8 +207,8 @@ struct CacheMetrics {
     /// Hits, misses, coalesced.
     deny: [Counter; 3],
     entries: Gauge,
-    /// Local, store, leases, wasted.
-    leasing: [Counter; 4],
+    /// Local, store, leases, wasted, returned.
+    leasing: [Counter; 5],
 }
 
 impl LayerMetrics {
@@ -282,6 +291,7 @@ impl LayerMetrics {
                     metrics::counter!(LEASING_STORE_TOTAL),
                     metrics::counter!(LEASING_LEASES_TOTAL),
                     metrics::counter!(LEASING_WASTED_UNITS_TOTAL),
+                    metrics::counter!(LEASING_RETURNED_UNITS_TOTAL),
                 ],
             }
         });
@@ -296,7 +306,7 @@ impl LayerMetrics {
         }
         if let Some(l) = &stats.leasing {
             let was = copied.leasing.unwrap_or_default();
-            let counts = |s: &LeasingStats| [s.local, s.store, s.leases, s.wasted];
+            let counts = |s: &LeasingStats| [s.local, s.store, s.leases, s.wasted, s.returned];
             add_gains(&m.leasing, counts(l), counts(&was));
         }
         *copied = *stats;

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use super::{Algorithm, Ctx, Outcome, Undo};
+use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo};
 use crate::clock::duration_micros;
 use crate::error::PolicyError;
 
@@ -40,9 +40,24 @@ impl SlidingWindow {
         if limit == 0 {
             return Err(PolicyError::Zero { field: "limit" });
         }
+        // As every algorithm: every time and count stays exact in Lua's doubles (2^53).
+        if limit > MAX_LIMIT {
+            return Err(PolicyError::TooLarge {
+                field: "limit",
+                value: limit.to_string(),
+                max: MAX_LIMIT.to_string(),
+            });
+        }
         let w = duration_micros(window);
         if w == 0 {
             return Err(PolicyError::Zero { field: "window" });
+        }
+        if w > MAX_SPAN_US {
+            return Err(PolicyError::TooLarge {
+                field: "window",
+                value: format!("{window:?}"),
+                max: format!("{MAX_SPAN_US}us"),
+            });
         }
         if !w.is_multiple_of(MS) {
             return Err(PolicyError::Invalid {
@@ -234,5 +249,14 @@ mod tests {
         assert!(SlidingWindow::new(0, Duration::from_secs(1)).is_err());
         assert!(SlidingWindow::new(1, Duration::from_micros(1500)).is_err());
         assert!(SlidingWindow::new(1 << 40, Duration::from_secs(86_400)).is_err());
+        // A window past the span every algorithm keeps to (2^51 us, about 71 years), however
+        // small the limit: its times would not stay exact in Lua.
+        let week = Duration::from_secs(7 * 86_400);
+        let long = SlidingWindow::new(1, week * 100_000).expect_err("too long");
+        assert!(long.to_string().contains("window"), "{long}");
+        assert!(SlidingWindow::new(1, week * 3_000).is_ok());
+        let many = SlidingWindow::new((1 << 40) + 1, Duration::from_millis(1)).expect_err("limit");
+        assert!(many.to_string().contains("limit"), "{many}");
+        assert!("sliding:1/100000w".parse::<crate::Policy>().is_err());
     }
 }

@@ -389,8 +389,16 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
                 if patience.is_zero() {
                     break;
                 }
-                // Rare, and boxed so that the usual path's future stays small.
-                let _ = Box::pin(tokio::time::timeout(patience, notified)).await;
+                // Rare, and boxed so that the usual path's future stays small. Woken, the probe
+                // has answered: look again. Out of patience, the probe has stalled: ask the
+                // store (looking again would find the probe still pending, and wait as long
+                // once more).
+                if Box::pin(tokio::time::timeout(patience, notified))
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
             }
         }
         // Read before the store is asked: a reset made meanwhile makes this answer stale.

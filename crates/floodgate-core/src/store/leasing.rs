@@ -105,8 +105,11 @@ pub struct LeasingStats {
     pub store: u64,
     /// Leases taken.
     pub leases: u64,
-    /// Units taken in leases but never spent.
+    /// Units taken in leases but neither spent nor given back (a lease whose units could not
+    /// be given back, or that ran out while its key went quiet).
     pub wasted: u64,
+    /// Units of leases given back to the store unspent, when the next lease replaced them.
+    pub returned: u64,
 }
 
 /// One (policy, key)'s local state.
@@ -180,6 +183,7 @@ struct Shared<C> {
     store: AtomicU64,
     leases: AtomicU64,
     wasted: AtomicU64,
+    returned: AtomicU64,
 }
 
 /// A [`Limiter`] that leases slices of very hot keys' budgets.
@@ -198,9 +202,12 @@ struct Shared<C> {
 /// - **Over a single window, at most `replicas × n` over the limit.** Units taken just before a
 ///   window of the policy (its period, its calendar day, ...) may be spent just inside it: any
 ///   window can admit up to `n` extra units per replica (per lease taken before it started).
-/// - **At most `replicas × n` under-used per lease period.** Units left when a lease ends are not
-///   spent (they are not given back to the store either); with `n` at 1% of the limit, a
-///   replica strands at most 1% of the limit per lease period.
+/// - **Unspent units go back.** The units a lease leaves unspent (it ran out of time, or had
+///   fewer than a check's cost) are given back to the store when the key's next lease is taken
+///   (a refund, as of when the lease was counted), so a key that stays hot under-uses no more
+///   than the lease it holds, however long the policy's window: a `calendar:100000/day` key is
+///   not charged a lease per lease period. A lease whose key goes quiet is not given back: at
+///   most `replicas × n` stranded until the policy refills them.
 ///
 /// Leases only apply to checks of cost ≥ 1 against algorithms whose cost simply adds up (GCRA,
 /// funnel, token bucket, fixed and sliding windows, sliding log), and only when `n` would be at
@@ -259,6 +266,7 @@ impl<L, C: Clock> Leasing<L, C> {
                 store: AtomicU64::new(0),
                 leases: AtomicU64::new(0),
                 wasted: AtomicU64::new(0),
+                returned: AtomicU64::new(0),
             }),
         }
     }
@@ -276,6 +284,7 @@ impl<L, C: Clock> Leasing<L, C> {
             store: s.store.load(Ordering::Relaxed),
             leases: s.leases.load(Ordering::Relaxed),
             wasted: s.wasted.load(Ordering::Relaxed),
+            returned: s.returned.load(Ordering::Relaxed),
         }
     }
 
@@ -338,11 +347,10 @@ impl<L, C: Clock> Leasing<L, C> {
                 local.seen = 0;
             }
             local.seen = local.seen.saturating_add(1);
-            if local.until <= now && local.units > 0 {
-                self.shared.wasted.fetch_add(local.units, Ordering::Relaxed);
-                local.units = 0;
-            }
-            if local.units < c.cost {
+            // A lease that ended keeps its units until the next one replaces it and gives them
+            // back; none of them is spent.
+            let units = if local.until > now { local.units } else { 0 };
+            if units < c.cost {
                 enough = false;
                 if local.seen >= cfg.hot_after && now >= local.no_lease_until {
                     hot_without_units.push(i);
@@ -430,6 +438,9 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
     /// alone: the check then goes to the store as it is.
     async fn take_leases(&self, checks: &[Check<'_>], hot: &[usize]) {
         let map = &self.shared.map;
+        // What replaced leases left unspent, to give back once no lock is held: (check, units,
+        // the replaced lease's verdict).
+        let mut unspent_leases: SmallVec<[(usize, u64, Verdict); 1]> = SmallVec::new();
         for &i in hot {
             let c = &checks[i];
             let Some(n) = self.lease_size(c.policy) else {
@@ -485,9 +496,15 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
             let expires_at = until + duration_micros(self.shared.cfg.lease_for);
             let mut shard = map.lock(map.shard_of(hash));
             if let Some(slot) = shard.find_mut(hash, c.policy.ident(), c.key) {
+                let replaced = Verdict {
+                    decisions: smallvec::smallvec![slot.value.decision],
+                    wait: Duration::ZERO,
+                    lease: None,
+                    at: Timestamp::from_micros(slot.value.store_at),
+                };
                 let unspent = slot.value.take(n, until, &verdict, now);
                 if unspent > 0 {
-                    self.shared.wasted.fetch_add(unspent, Ordering::Relaxed);
+                    unspent_leases.push((i, unspent, replaced));
                 }
                 slot.set_expires_at(expires_at);
             } else {
@@ -506,6 +523,17 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
                     self.shared.wasted.fetch_add(n, Ordering::Relaxed);
                 }
             }
+        }
+        // The replaced leases' last units: their share of what the store counted for them,
+        // less what has drained since (a refund as of the lease's time, as for a check).
+        for (i, unspent, replaced) in unspent_leases {
+            let c = &checks[i];
+            let back = [Check::new(c.key, c.policy).cost(unspent)];
+            let counter = match self.inner.refund(&back, &replaced).await {
+                Ok(()) => &self.shared.returned,
+                Err(_) => &self.shared.wasted,
+            };
+            counter.fetch_add(unspent, Ordering::Relaxed);
         }
     }
 }
