@@ -34,7 +34,8 @@ Input (stdin), one event per line:
                          (default 1; 0 only peeks)
   <t_ms> <key> release   concurrency: release the key's oldest lease still held,
                          prints {\"released\":true} or {\"released\":false}
-  Blank lines are skipped, and so is the rest of a line from a word beginning with #. t=0 is --start (Unix ms, default 0: the Unix
+  Blank lines are skipped, and so is the rest of a line from a word beginning
+  with #. t=0 is --start (Unix ms, default 0: the Unix
   epoch, a midnight, so calendar windows line up the same way on every run).
 
 Output (stdout), one JSON object per event:

@@ -381,8 +381,11 @@ impl Redlock {
     /// Runs `op` on every node at once, each bounded by the node timeout. A node that failed
     /// within the last [`NODE_COOL_OFF`] is skipped (it counts as failed), unless the nodes not
     /// cooling off are too few for a quorum: then every node is asked. Skipped, a node that had
-    /// one slow answer, beside one that is down, would fail every call of the next second
-    /// (and a lease renewed in that second would be lost) while a quorum could answer.
+    /// one slow answer, beside one that is down, would fail every call of the next second (and
+    /// a lease renewed in that second would be lost) while a quorum could answer. (Asking only
+    /// some of the nodes cooling off would have to guess which one is merely slow.) The price,
+    /// while a majority is down: a call waits out the node timeout before failing, instead of
+    /// failing at once.
     async fn on_all<'a, T, F, Fut>(&'a self, op: F) -> Vec<Result<T, Error>>
     where
         F: Fn(RedisLocks) -> Fut,

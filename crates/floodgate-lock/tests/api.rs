@@ -393,7 +393,8 @@ fn fault_a_grant_answered_after_its_lease_is_given_back_and_said_so() {
             }
             other => panic!("not the late answer it was: {other:?}"),
         }
-        // Given back before the error: nobody holds it, though its 30 ms have not run out.
+        // Nobody holds it, though its 30 ms have not run out (given back before the error, as
+        // the grant was before; what is new is the error, above).
         let exists = server
             .cmd(&[&b"EXISTS"[..], key.as_slice()])
             .expect("EXISTS")

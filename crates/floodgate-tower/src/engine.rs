@@ -538,10 +538,21 @@ impl Shared {
         if !(self.headers.ietf || self.headers.legacy) || decisions.is_empty() {
             return;
         }
-        let strictest = strictest.and_then(|i| {
-            let unit = self.table[rules.clone().nth(i)?].unit;
-            Some((decisions.get(i)?, unit))
-        });
+        // The legacy headers' policy, in requests: a denying one, else the one with the fewest
+        // requests left (units compare only within one cost: 40 units at 30 a request are
+        // fewer requests than 3 at 1).
+        let strictest = if self.headers.legacy && decisions.iter().all(|d| d.allowed) {
+            rules
+                .clone()
+                .zip(decisions)
+                .map(|(r, d)| (d, self.table[r].unit))
+                .min_by_key(|(d, unit)| d.remaining / unit)
+        } else {
+            strictest.and_then(|i| {
+                let unit = self.table[rules.clone().nth(i)?].unit;
+                Some((decisions.get(i)?, unit))
+            })
+        };
         let items = rules.zip(decisions).map(|(i, d)| {
             let entry = &self.table[i];
             (entry.rule.policy(), &entry.policy_item, d, entry.unit)

@@ -5,7 +5,7 @@
 //! metadata (whole seconds) and as a `google.rpc.RetryInfo` in `grpc-status-details-bin`
 //! (a `google.rpc.Status` protobuf, the "richer error model").
 //!
-//! A gRPC-Web call (`application/grpc-web*`, from a browser that reaches the layer before any
+//! A gRPC-Web call (`application/grpc-web` or `application/grpc-web-text`, from a browser that reaches the layer before any
 //! gRPC-Web translation) gets the same trailers-only response in its own content type
 //! (`application/grpc-web+proto`, `application/grpc-web-text+proto`, or the message format the
 //! request named, as `+json`): gRPC-Web sends a

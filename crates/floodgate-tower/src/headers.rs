@@ -5,16 +5,16 @@
 //!
 //! - `RateLimit-Policy: "<name>";q=<limit>;w=<window secs>` — the quota and its window
 //!   (concurrency limits: `;qu="concurrent-requests"` and no window). Rendered once per rule.
+//! - `RateLimit: "<name>";r=<remaining>;t=<secs>` — what is left, and for how long: the time
+//!   until the key is back to full, or, for a policy that denied, until it admits again
+//!   (so that `Retry-After` never points before the end of a denied policy's `t`; a policy
+//!   that still allows may show a later `t`, its time to refill, which is not a wait).
 //!
 //! `q` and `r` count requests, the draft's default unit: under a rule whose requests cost `c`
 //! units each ([`crate::Rule::cost`]), they are the policy's units divided by `c`, rounded
 //! down, and so are the legacy limit and remaining. A rule with a cost function
 //! ([`crate::Rule::cost_fn`]) has no one cost per request: its headers count the policy's
 //! units.
-//! - `RateLimit: "<name>";r=<remaining>;t=<secs>` — what is left, and for how long: the time
-//!   until the key is back to full, or, for a policy that denied, until it admits again
-//!   (so that `Retry-After` never points before the end of a denied policy's `t`; a policy
-//!   that still allows may show a later `t`, its time to refill, which is not a wait).
 //!
 //! Legacy `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (seconds) are
 //! optional and describe the strictest policy.

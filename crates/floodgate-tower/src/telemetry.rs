@@ -49,9 +49,9 @@ pub const LEASING_LOCAL_TOTAL: &str = "floodgate_leasing_local_total";
 pub const LEASING_STORE_TOTAL: &str = "floodgate_leasing_store_total";
 /// Leases taken from the store.
 pub const LEASING_LEASES_TOTAL: &str = "floodgate_leasing_leases_total";
-/// Units taken in leases, neither spent nor given back.
+/// Units taken in leases that could not be given back (see `LeasingStats::wasted`).
 pub const LEASING_WASTED_UNITS_TOTAL: &str = "floodgate_leasing_wasted_units_total";
-/// Units of leases given back to the store unspent.
+/// Units of leases offered back to the store unspent (see `LeasingStats::returned`).
 pub const LEASING_RETURNED_UNITS_TOTAL: &str = "floodgate_leasing_returned_units_total";
 
 /// The outcome label of [`REQUESTS_TOTAL`].
@@ -119,11 +119,11 @@ fn describe() {
             (LEASING_LEASES_TOTAL, "Leases taken from the store"),
             (
                 LEASING_WASTED_UNITS_TOTAL,
-                "Leased units neither spent nor given back",
+                "Leased units that could not be given back",
             ),
             (
                 LEASING_RETURNED_UNITS_TOTAL,
-                "Leased units given back to the store unspent",
+                "Leased units offered back to the store unspent",
             ),
         ] {
             metrics::describe_counter!(name, help);

@@ -98,6 +98,7 @@ impl Default for LeasingConfig {
 
 /// Counters of a [`Leasing`] limiter.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LeasingStats {
     /// Checks answered from a lease, without the store.
     pub local: u64,
@@ -105,10 +106,13 @@ pub struct LeasingStats {
     pub store: u64,
     /// Leases taken.
     pub leases: u64,
-    /// Units taken in leases but neither spent nor given back (a lease whose units could not
-    /// be given back, or that ran out while its key went quiet).
+    /// Units taken in leases that could not be given back: the refund failed, or the lease
+    /// had no room to be tracked. (A lease whose key goes quiet is neither spent nor given
+    /// back, and not counted: see the "Bounds" of [`Leasing`].)
     pub wasted: u64,
-    /// Units of leases given back to the store unspent, when the next lease replaced them.
+    /// Units of leases offered back to the store unspent, before the key's next lease: the
+    /// store takes back what of them it still counts (a window that has ended, or GCRA water
+    /// that has drained, takes nothing).
     pub returned: u64,
 }
 
@@ -203,11 +207,12 @@ struct Shared<C> {
 ///   window of the policy (its period, its calendar day, ...) may be spent just inside it: any
 ///   window can admit up to `n` extra units per replica (per lease taken before it started).
 /// - **Unspent units go back.** The units a lease leaves unspent (it ran out of time, or had
-///   fewer than a check's cost) are given back to the store when the key's next lease is taken
-///   (a refund, as of when the lease was counted), so a key that stays hot under-uses no more
-///   than the lease it holds, however long the policy's window: a `calendar:100000/day` key is
-///   not charged a lease per lease period. A lease whose key goes quiet is not given back: at
-///   most `replicas × n` stranded until the policy refills them.
+///   fewer than a check's cost) are given back to the store before the key asks for its next
+///   lease (a refund, as of when the lease was counted), whether or not the store grants it: a
+///   key that stays hot under-uses no more than the lease it holds, however long the policy's
+///   window, and a `calendar:100000/day` key is not charged a lease per lease period. That
+///   costs the check that asks for the next lease a second store call. A lease whose key goes
+///   quiet is not given back: at most `replicas × n` stranded until the policy refills them.
 ///
 /// Leases only apply to checks of cost ≥ 1 against algorithms whose cost simply adds up (GCRA,
 /// funnel, token bucket, fixed and sliding windows, sliding log), and only when `n` would be at
@@ -438,9 +443,6 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
     /// alone: the check then goes to the store as it is.
     async fn take_leases(&self, checks: &[Check<'_>], hot: &[usize]) {
         let map = &self.shared.map;
-        // What replaced leases left unspent, to give back once no lock is held: (check, units,
-        // the replaced lease's verdict).
-        let mut unspent_leases: SmallVec<[(usize, u64, Verdict); 1]> = SmallVec::new();
         for &i in hot {
             let c = &checks[i];
             let Some(n) = self.lease_size(c.policy) else {
@@ -462,6 +464,36 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
                 });
             if settled {
                 continue;
+            }
+            // What the key's last lease left unspent (it ended, or holds less than this check's
+            // cost) goes back to the store first, whether or not a new lease is granted: the
+            // store then has those units for the new lease, or for the key's checks if it is
+            // refused one. Taken out under the shard's lock, so no check spends them meanwhile.
+            let leftover = map
+                .lock(map.shard_of(hash))
+                .find_mut(hash, c.policy.ident(), c.key)
+                .and_then(|slot| {
+                    let local = &mut slot.value;
+                    let unspent = std::mem::take(&mut local.units);
+                    (unspent > 0).then(|| {
+                        let lease = Verdict {
+                            decisions: smallvec::smallvec![local.decision],
+                            wait: Duration::ZERO,
+                            lease: None,
+                            at: Timestamp::from_micros(local.store_at),
+                        };
+                        (unspent, lease)
+                    })
+                });
+            if let Some((unspent, lease)) = leftover {
+                // As a check's refund, as of the lease's time: the units' share of what the
+                // store counted for the lease, less what has drained since.
+                let back = [Check::new(c.key, c.policy).cost(unspent)];
+                let counter = match self.inner.refund(&back, &lease).await {
+                    Ok(()) => &self.shared.returned,
+                    Err(_) => &self.shared.wasted,
+                };
+                counter.fetch_add(unspent, Ordering::Relaxed);
             }
             self.shared.store.fetch_add(1, Ordering::Relaxed);
             let lease = [Check::new(c.key, c.policy).cost(n)];
@@ -496,15 +528,11 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
             let expires_at = until + duration_micros(self.shared.cfg.lease_for);
             let mut shard = map.lock(map.shard_of(hash));
             if let Some(slot) = shard.find_mut(hash, c.policy.ident(), c.key) {
-                let replaced = Verdict {
-                    decisions: smallvec::smallvec![slot.value.decision],
-                    wait: Duration::ZERO,
-                    lease: None,
-                    at: Timestamp::from_micros(slot.value.store_at),
-                };
+                // Given back above; units put back since (by a check that fell short) belong
+                // to the lease they came from: wasted.
                 let unspent = slot.value.take(n, until, &verdict, now);
                 if unspent > 0 {
-                    unspent_leases.push((i, unspent, replaced));
+                    self.shared.wasted.fetch_add(unspent, Ordering::Relaxed);
                 }
                 slot.set_expires_at(expires_at);
             } else {
@@ -523,17 +551,6 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
                     self.shared.wasted.fetch_add(n, Ordering::Relaxed);
                 }
             }
-        }
-        // The replaced leases' last units: their share of what the store counted for them,
-        // less what has drained since (a refund as of the lease's time, as for a check).
-        for (i, unspent, replaced) in unspent_leases {
-            let c = &checks[i];
-            let back = [Check::new(c.key, c.policy).cost(unspent)];
-            let counter = match self.inner.refund(&back, &replaced).await {
-                Ok(()) => &self.shared.returned,
-                Err(_) => &self.shared.wasted,
-            };
-            counter.fetch_add(unspent, Ordering::Relaxed);
         }
     }
 }

@@ -101,8 +101,8 @@ impl<'a> RequestView<'a> {
     }
 
     /// Whether this is a gRPC request: a `POST` (as every gRPC and gRPC-Web call is) whose
-    /// `content-type` starts with `application/grpc` (`application/grpc`,
-    /// `application/grpc+proto`, `application/grpc-web`, ...). Another method with that
+    /// `content-type` is gRPC's or gRPC-Web's (`application/grpc`, `application/grpc+proto`,
+    /// `application/grpc-web`, ...; see [`crate::grpc::is_grpc`]). Another method with that
     /// content type is an HTTP request, turned away with an HTTP status: a client that sends
     /// `GET /app.js` with it does not turn its 429 into gRPC's `200 OK` with an empty body,
     /// which a cache in front could keep and serve to everyone.
@@ -283,7 +283,8 @@ impl From<Vec<u8>> for Key {
 }
 
 impl From<IpAddr> for Key {
-    /// The address itself (IPv6 not grouped; see [`Key::from_ip`]).
+    /// The address itself (IPv6 not grouped; an address that stands for an IPv4 host, such
+    /// as an IPv4-mapped or a Teredo one, is that host's IPv4 address: see [`Key::from_ip`]).
     fn from(ip: IpAddr) -> Self {
         Key::from_ip(ip, 128)
     }
