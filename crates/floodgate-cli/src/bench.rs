@@ -372,8 +372,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), CliError> {
         .map_err(|e| CliError::io("cannot start the async runtime", e))?;
     let report = runtime.block_on(bench(&args, set))?;
     if args.json {
-        let text = serde_json::to_string(&report).map_err(|e| CliError::Failed(e.to_string()))?;
-        crate::error::print(&format!("{text}\n"))?;
+        crate::error::print_json(&report)?;
     } else {
         crate::error::print(&table(&report))?;
     }

@@ -119,8 +119,7 @@ pub(crate) fn run(args: CheckArgs) -> Result<(), CliError> {
         let limiter = args.redis.connect().await?;
         decide(&limiter, &set, args.key.as_bytes(), args.cost).await
     })?;
-    let text = serde_json::to_string(&json).map_err(|e| CliError::Failed(e.to_string()))?;
-    crate::error::print(&format!("{text}\n"))
+    crate::error::print_json(&json)
 }
 
 async fn decide(

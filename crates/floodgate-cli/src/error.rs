@@ -70,6 +70,13 @@ pub(crate) fn print(text: &str) -> Result<(), CliError> {
         .map_err(|e| CliError::io("cannot write to stdout", e))
 }
 
+/// Writes `value` to stdout as one line of JSON (see [`print`]).
+pub(crate) fn print_json(value: &impl serde::Serialize) -> Result<(), CliError> {
+    let mut text = serde_json::to_string(value).map_err(|e| CliError::Failed(e.to_string()))?;
+    text.push('\n');
+    print(&text)
+}
+
 impl CliError {
     /// A usage error.
     pub(crate) fn usage(message: impl Into<String>) -> Self {

@@ -424,8 +424,7 @@ fn list(args: &InspectArgs, pattern: &str) -> Result<(), CliError> {
             out.without_ttl.join(", ")
         );
     }
-    let text = serde_json::to_string(&out).map_err(|e| CliError::Failed(e.to_string()))?;
-    crate::error::print(&format!("{text}\n"))
+    crate::error::print_json(&out)
 }
 
 /// A plain connection to one node, bounded like floodgate's own.

@@ -86,15 +86,12 @@ pub(crate) fn run(args: ResetArgs) -> Result<(), CliError> {
     if let Some(e) = failed {
         // The states already deleted are printed all the same: nothing is lost without a
         // trace.
-        if !out.keys.is_empty()
-            && let Ok(text) = serde_json::to_string(&out)
-        {
-            let _ = crate::error::print(&format!("{text}\n"));
+        if !out.keys.is_empty() {
+            let _ = crate::error::print_json(&out);
         }
         return Err(e);
     }
-    let text = serde_json::to_string(&out).map_err(|e| CliError::Failed(e.to_string()))?;
-    crate::error::print(&format!("{text}\n"))?;
+    crate::error::print_json(&out)?;
     if out.deleted == 0 {
         eprintln!(
             "note: key \"{}\" had no state for {} (nothing to delete)",

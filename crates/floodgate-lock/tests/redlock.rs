@@ -213,7 +213,7 @@ fn a_failed_attempt_releases_on_a_node_that_timed_out_too() {
 }
 
 /// Of 3 nodes, one is down and one answered once too late: while the late one cools off, the
-/// two that answer are still a quorum, and are both asked. Skipping the late one for its
+/// two that answer are still a quorum, and are both asked. Passing the late one over for its
 /// cool-off would fail every call of that second with `NoQuorum` (and lose a lease due for
 /// renewal in it).
 #[test]
