@@ -69,6 +69,10 @@ pub struct Cli {
     /// Key prefix in Redis.
     #[arg(long, env = "REDIS_PREFIX")]
     pub redis_prefix: Option<String>,
+    /// Without Redis: the most limit states kept in memory (per phone, per client IP). A full
+    /// store refuses new numbers (503) rather than forget a phone's limit.
+    #[arg(long, env = "MEMORY_MAX_KEYS")]
+    pub memory_max_keys: Option<u64>,
 }
 
 /// The file form of the settings: every key optional.
@@ -90,6 +94,7 @@ struct FileConfig {
     campaign_retention: Option<String>,
     instance_id: Option<String>,
     redis_prefix: Option<String>,
+    memory_max_keys: Option<u64>,
 }
 
 /// The gateway's settings, validated.
@@ -110,6 +115,8 @@ pub struct Config {
     pub campaign_retention: Duration,
     pub instance_id: String,
     pub redis_prefix: String,
+    /// Without Redis: the most limit states kept in memory.
+    pub memory_max_keys: usize,
 }
 
 impl Default for Config {
@@ -130,6 +137,7 @@ impl Default for Config {
             campaign_retention: Duration::from_secs(7 * 24 * 3600),
             instance_id: format!("sms-gateway-{}", std::process::id()),
             redis_prefix: "sms".into(),
+            memory_max_keys: floodgate::DEFAULT_MAX_KEYS,
         }
     }
 }
@@ -252,6 +260,15 @@ impl Config {
                 .redis_prefix
                 .or(file.redis_prefix)
                 .unwrap_or(d.redis_prefix),
+            memory_max_keys: match cli.memory_max_keys.or(file.memory_max_keys) {
+                None => d.memory_max_keys,
+                // A store smaller than this would refuse numbers under ordinary traffic.
+                Some(n) if n < 1_000 => {
+                    return Err(bad("memory_max_keys", "must be at least 1000"));
+                }
+                Some(n) => usize::try_from(n)
+                    .map_err(|_| bad("memory_max_keys", format!("{n} is too large")))?,
+            },
         };
         // Redis takes a TTL of at most 2^63 - 1 ms; a year is plenty for a report.
         if config.campaign_retention > Duration::from_secs(366 * 24 * 3600) {

@@ -46,7 +46,8 @@ async fn start(config: Config) -> Result<(), String> {
     };
     match config.redis_url.clone() {
         None => {
-            let shared = MemoryShared::new().map_err(|e| e.to_string())?;
+            let shared =
+                MemoryShared::with_max_keys(config.memory_max_keys).map_err(|e| e.to_string())?;
             serve(config, shared, provider, metrics).await
         }
         Some(url) => {

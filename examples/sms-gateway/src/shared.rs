@@ -11,7 +11,7 @@ use floodgate::lock::{FenceCheck, Lock, RedisLocks};
 use floodgate::redis::{RedisBloom, RedisConn, RedisLimiter};
 use floodgate::{
     BloomFilter, BloomParams, DenyCache, Limiter, LockStore, MemoryBloom, MemoryLimiter,
-    MemoryLocks,
+    MemoryLocks, OnFull,
 };
 use serde::Serialize;
 use serde_json::json;
@@ -450,9 +450,20 @@ impl MemoryCampaign {
 }
 
 impl MemoryShared {
+    /// A store of the default size ([`floodgate::DEFAULT_MAX_KEYS`] limit states).
     pub fn new() -> Result<Self, StoreError> {
+        Self::with_max_keys(floodgate::DEFAULT_MAX_KEYS)
+    }
+
+    /// A store keeping at most `max_keys` limit states. Full, it refuses new keys (so their
+    /// checks fail, and the gateway fails closed) rather than evict live ones: an evicted
+    /// phone would start over, and could be sent a second message inside its interval.
+    pub fn with_max_keys(max_keys: usize) -> Result<Self, StoreError> {
         Ok(MemoryShared {
-            limiter: MemoryLimiter::new(),
+            limiter: MemoryLimiter::builder()
+                .max_keys(max_keys)
+                .on_full(OnFull::Reject)
+                .build(),
             locks: MemoryLocks::new(),
             idempotency: Mutex::new(HashMap::new()),
             bloom: MemoryBloom::create(optout_params()).map_err(err)?,
@@ -1694,6 +1705,42 @@ mod tests {
     async fn a_stale_dispatcher_cannot_reopen_a_campaign_in_redis() {
         let (_server, store) = redis_store("stale").await;
         stale_progress_is_ignored(&store).await;
+    }
+
+    #[tokio::test]
+    async fn a_full_memory_store_keeps_every_phone_s_limit() {
+        // A store of 64 limit states, filled by other numbers after the first one's message:
+        // the first number must stay limited (an evicted state would start over and allow a
+        // second message inside its 30 minutes).
+        let store = MemoryShared::with_max_keys(64).expect("store");
+        let limits =
+            crate::app::Limits::from_config(&crate::config::Config::default()).expect("limits");
+        let check = |phone: String| {
+            let store = &store;
+            let limits = &limits;
+            async move {
+                let checks = [
+                    floodgate::Check::new(phone.as_bytes(), &limits.phone),
+                    floodgate::Check::new(phone.as_bytes(), &limits.phone_daily),
+                ];
+                store
+                    .limiter()
+                    .check(&checks, floodgate::CheckOptions::default())
+                    .await
+            }
+        };
+        let first = "+8613800000000".to_owned();
+        let verdict = check(first.clone()).await.expect("the first number");
+        assert!(verdict.allowed());
+        let mut refused = 0;
+        for i in 1..=500 {
+            if check(format!("+86138{i:08}")).await.is_err() {
+                refused += 1;
+            }
+        }
+        assert!(refused > 0, "the store never filled up");
+        let again = check(first).await.expect("a held number is checked");
+        assert!(!again.allowed(), "the first number's limit was forgotten");
     }
 
     #[tokio::test]
