@@ -256,6 +256,32 @@ async fn a_stalled_probe_holds_the_others_up_once() {
     probe.abort();
 }
 
+/// A denial the store answered before a refund, and reaching the cache after it, is not
+/// cached: the refund gave the unit back, and the next check must reach the store.
+#[tokio::test]
+async fn a_denial_answered_before_a_refund_is_not_cached_after_it() {
+    let store = Store::new();
+    let cache = DenyCache::new(store.clone());
+    // A sliding log caches nothing on an allowed check: only the denial below could.
+    let p = Arc::new(Policy::sliding_log(1, Duration::from_secs(1_800)).expect("valid"));
+    let first = check(cache.clone(), Arc::clone(&p)).await;
+    assert!(first.allowed());
+    // A second check is denied by the store, and its answer is slow to come back.
+    store.set_reply_delay(Duration::from_millis(200));
+    let second = tokio::spawn(check(cache.clone(), Arc::clone(&p)));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    store.set_reply_delay(Duration::ZERO);
+    // Meanwhile the first message failed: its unit is given back.
+    cache
+        .refund(&[Check::new(b"k", &p)], &first)
+        .await
+        .expect("refund");
+    assert!(!second.await.expect("task").allowed());
+    // The store has the unit back: the next check is allowed, not denied from the cache.
+    assert!(check(cache.clone(), Arc::clone(&p)).await.allowed());
+    assert_eq!(cache.stats().hits, 0, "{:?}", cache.stats());
+}
+
 /// `max_hold` bounds how long a denial is answered locally: a refund made through another
 /// replica (another cache over the same store) is seen within it, and the verdicts answered
 /// locally meanwhile still report the whole retry time. Without it, the denial is held for

@@ -433,6 +433,45 @@ fn a_full_store_refuses_an_all_or_nothing_check_whole_when_an_expired_key_return
     assert!(limiter.check_key(b"soon", &short, 1).allowed);
 }
 
+/// A full shard whose sweep is deferred (refusing, a batch of keys has not expired yet): an
+/// all-or-nothing check of keys it holds, one of them expired, needs no room and is counted in
+/// place, as each of them alone would be.
+#[test]
+fn a_full_store_counts_an_all_or_nothing_check_of_held_keys_in_place() {
+    let clock = clock();
+    let limiter = refusing(&clock, 16, 1);
+    let short = Policy::per(1, Duration::from_secs(10)).expect("valid");
+    let long = Policy::per_hour(100).expect("valid");
+    assert!(limiter.check_key(b"k", &short, 1).allowed);
+    assert!(limiter.check_key(b"k", &long, 1).allowed);
+    for i in 0..14 {
+        assert!(
+            limiter
+                .check_key(format!("f{i}").as_bytes(), &long, 1)
+                .allowed
+        );
+    }
+    clock.advance(Duration::from_secs(1));
+    // Full, nothing expired: refused, and the next sweep deferred until a batch has expired.
+    let refused = limiter.check_sync(&[Check::new(b"new", &long)], CheckOptions::default());
+    assert!(
+        matches!(refused, Err(MemoryError::Full { .. })),
+        "{refused:?}"
+    );
+    // "k" under `short` has expired (not yet swept); both of its states are held.
+    clock.advance(Duration::from_secs(14));
+    let verdict = limiter
+        .check_sync(
+            &[Check::new(b"k", &short), Check::new(b"k", &long)],
+            CheckOptions::default(),
+        )
+        .expect("no new key: nothing to make room for");
+    assert!(verdict.allowed());
+    assert_eq!(limiter.stats().keys, 16);
+    // Counted: the short policy is spent again.
+    assert!(!limiter.check_key(b"k", &short, 1).allowed);
+}
+
 /// Evicting the soonest-expiring keys looks at both tables together.
 #[test]
 fn eviction_takes_the_soonest_keys_from_either_table() {

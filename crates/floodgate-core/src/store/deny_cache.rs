@@ -55,6 +55,9 @@ struct Shared<C> {
     coalesced: AtomicU64,
     /// Resets made through this cache (see [`Entry::resets`]).
     resets: AtomicU64,
+    /// Refunds made through this cache: a denial answered before a refund and stored after it
+    /// may be the one the refund made wrong, and is not stored (see [`DenyCache::remember`]).
+    refunds: AtomicU64,
 }
 
 /// A [`Limiter`] in front of another that remembers denials.
@@ -122,6 +125,7 @@ impl<L, C: Clock> DenyCache<L, C> {
                 misses: AtomicU64::new(0),
                 coalesced: AtomicU64::new(0),
                 resets: AtomicU64::new(0),
+                refunds: AtomicU64::new(0),
             }),
             max_hold_us: u64::MAX,
         }
@@ -197,11 +201,17 @@ impl<L, C: Clock> DenyCache<L, C> {
         map.lock(map.shard_of(hash)).remove(hash, 0, &key);
     }
 
-    fn remember(&self, fp: &[u64; 2], now: u64, entry: Entry) {
+    /// Stores `entry`, unless a refund was made through this cache since its check was sent
+    /// (`refunds`, the count read then). Compared under the shard's lock, which a refund's
+    /// `forget` takes after counting itself: the denial is either not stored or forgotten.
+    fn remember(&self, fp: &[u64; 2], now: u64, entry: Entry, refunds: u64) {
         let key = fp_bytes(fp);
         let map = &self.shared.map;
         let hash = map.hash(0, &key);
         let mut shard = map.lock(map.shard_of(hash));
+        if self.shared.refunds.load(Ordering::Acquire) != refunds {
+            return;
+        }
         let expires_at = entry.until + PROBE_GRACE_US;
         if let Some(slot) = shard.find_mut(hash, 0, &key) {
             slot.value = entry;
@@ -403,6 +413,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
         }
         // Read before the store is asked: a reset made meanwhile makes this answer stale.
         let resets = self.shared.resets.load(Ordering::Acquire);
+        let refunds = self.shared.refunds.load(Ordering::Acquire);
         let result = self.inner.check(checks, opts).await;
         if let (Some(fp), Ok(verdict)) = (fp, &result) {
             // Measured from the reply: a denial may outlast the store's by the reply's trip
@@ -424,7 +435,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             // denial ran out, callers of this check keep coming one at a time, so a crowd
             // that was waiting does not all reach the store at once.
             if let Some(entry) = entry {
-                self.remember(&fp, now, entry);
+                self.remember(&fp, now, entry, refunds);
             }
         }
         // The leader's guard, dropped here (or with this future, if it is cancelled before
@@ -452,10 +463,13 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
 
     /// Refunds in the store, then forgets the cached denial of the same checks (made without a
     /// wait), which the refund makes wrong: a check that spent a key's last unit leaves one
-    /// behind. Cached denials of other checks on the same keys run out at their time.
+    /// behind. Cached denials of other checks on the same keys run out at their time. A denial
+    /// the store answered before the refund and not yet stored is not stored (of any check: a
+    /// store call each for the few in flight).
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), L::Error> {
         self.inner.refund(checks, verdict).await?;
         if verdict.allowed() {
+            self.shared.refunds.fetch_add(1, Ordering::AcqRel);
             self.forget(&self.fingerprint(checks, &CheckOptions::default()));
         }
         Ok(())

@@ -398,17 +398,23 @@ impl<C: Clock> MemoryLimiter<C> {
                 at: Timestamp::from_micros(now),
             });
         }
-        // Make room for the new keys first, so that committing cannot fail half-way.
+        // Make room for the new keys first, so that committing cannot fail half-way. A key
+        // held but expired is counted in place unless a sweep is needed for the absent ones,
+        // which would drop it (it then comes back as new).
         for (gi, &shard) in order.iter().enumerate() {
-            let new = checks
-                .iter()
-                .zip(&located)
-                .filter(|(c, (loc, s))| {
-                    *s == shard && c.cost > 0 && !holds(&guards[gi], c, *loc, now)
-                })
-                .count();
-            if new > 0 {
-                map.ensure_room(&mut guards[gi], new, now)?;
+            let (mut absent, mut expired) = (0, 0);
+            for (c, (loc, s)) in checks.iter().zip(&located) {
+                if *s != shard || c.cost == 0 {
+                    continue;
+                }
+                match held(&guards[gi], c, *loc) {
+                    None => absent += 1,
+                    Some(expires_at) if expires_at <= now => expired += 1,
+                    Some(_) => {}
+                }
+            }
+            if absent > 0 && !map.has_room(&guards[gi], absent) {
+                map.ensure_room(&mut guards[gi], absent + expired, now)?;
             }
         }
         for (c, &(loc, shard)) in checks.iter().zip(&located) {
@@ -733,14 +739,14 @@ fn decide_at(g: &Shard<State>, c: &Check<'_>, loc: Loc<'_>, ctx: &Ctx) -> Outcom
     }
 }
 
-/// Whether the shard holds a live state for `c` at `loc`. An expired one counts as absent: making
-/// room may sweep it, and then committing inserts it anew.
-fn holds(g: &Shard<State>, c: &Check<'_>, loc: Loc<'_>, now: u64) -> bool {
+/// When the state the shard holds for `c` at `loc` expires; `None` when it holds none. An
+/// expired state is still updated in place, unless a sweep drops it first.
+fn held(g: &Shard<State>, c: &Check<'_>, loc: Loc<'_>) -> Option<u64> {
     match loc {
         Loc::Slot { hash } => g
             .find(hash, c.policy.ident(), c.key)
-            .is_some_and(|s| s.expires_at() > now),
-        Loc::Compact { hash, key, .. } => g.find_compact(hash, key).is_some_and(|e| e.tat() > now),
+            .map(|s| s.expires_at()),
+        Loc::Compact { hash, key, .. } => g.find_compact(hash, key).map(|e| e.tat()),
     }
 }
 

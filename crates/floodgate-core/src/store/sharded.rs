@@ -558,6 +558,11 @@ impl<V> ShardedMap<V> {
         Ok(())
     }
 
+    /// Whether a locked shard takes `n` new keys without a sweep.
+    pub(crate) fn has_room(&self, shard: &Shard<V>, n: usize) -> bool {
+        shard.len() + n <= self.cap
+    }
+
     /// Makes room for `n` new keys in a locked shard: sweeps expired keys, then evicts or
     /// refuses as configured.
     pub(crate) fn ensure_room(

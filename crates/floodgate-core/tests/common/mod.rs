@@ -21,6 +21,8 @@ pub struct Store {
     pub most_at_once: Arc<AtomicU64>,
     in_flight: Arc<AtomicU64>,
     delay_us: Arc<AtomicU64>,
+    /// How long an answer is held after the store decided (a reply on its way back).
+    reply_delay_us: Arc<AtomicU64>,
 }
 
 impl Store {
@@ -33,6 +35,7 @@ impl Store {
             most_at_once: Arc::new(AtomicU64::new(0)),
             in_flight: Arc::new(AtomicU64::new(0)),
             delay_us: Arc::new(AtomicU64::new(0)),
+            reply_delay_us: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -41,6 +44,13 @@ impl Store {
         let store = Store::new();
         store.set_delay(delay);
         store
+    }
+
+    /// From now on, checks are decided at once and answered `delay` later (also for the
+    /// clones of this store).
+    pub fn set_reply_delay(&self, delay: Duration) {
+        let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.reply_delay_us.store(us, Ordering::Relaxed);
     }
 
     /// From now on, calls take `delay` (also for the clones of this store).
@@ -67,6 +77,10 @@ impl Limiter for Store {
         }
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
         let verdict = self.inner.check(checks, opts).await?;
+        let reply_delay = self.reply_delay_us.load(Ordering::Relaxed);
+        if reply_delay > 0 {
+            tokio::time::sleep(Duration::from_micros(reply_delay)).await;
+        }
         if verdict.allowed() {
             self.granted
                 .fetch_add(checks.iter().map(|c| c.cost).sum(), Ordering::Relaxed);
