@@ -617,15 +617,44 @@ impl Drop for Unclaimed {
             self.now,
         );
         runtime.spawn(async move {
-            if let Err(e) = release_keys(&conn, &keys, lease, now).await {
-                tracing::debug!(
-                    error = %e,
-                    "giving back a concurrency lease failed; it lapses after its TTL"
-                );
+            // The call that failed may be what opened the circuit breaker, which then refuses
+            // this release at once: it is tried again while Redis is down or failing fast (a
+            // release is idempotent), for up to `RELEASE_PATIENCE`.
+            let give_up = tokio::time::Instant::now() + RELEASE_PATIENCE;
+            let mut pause = RELEASE_RETRY_MIN;
+            loop {
+                let e = match release_keys(&conn, &keys, lease, now).await {
+                    Ok(_) => return,
+                    Err(e) => e,
+                };
+                let wait = match &e {
+                    Error::Unavailable { retry_in, .. } => (*retry_in).max(RELEASE_RETRY_MIN),
+                    e if e.is_timeout() || e.is_connection() => pause,
+                    _ => Duration::MAX,
+                };
+                if tokio::time::Instant::now()
+                    .checked_add(wait)
+                    .is_none_or(|at| at >= give_up)
+                {
+                    tracing::debug!(
+                        error = %e,
+                        "giving back a concurrency lease failed; it lapses after its TTL"
+                    );
+                    return;
+                }
+                tokio::time::sleep(wait).await;
+                pause = (pause * 2).min(RELEASE_RETRY_MAX);
             }
         });
     }
 }
+
+/// How long the release of a lease nobody holds is tried again while Redis is down or failing
+/// fast; then the lease lapses after its TTL.
+const RELEASE_PATIENCE: Duration = Duration::from_secs(30);
+/// The first and longest pause between two tries of such a release.
+const RELEASE_RETRY_MIN: Duration = Duration::from_millis(50);
+const RELEASE_RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// Releases `lease` (at `now`, or the server's time) on each of `keys`, one call per key: they
 /// may live in different slots. How many still held it; after trying every key, the first

@@ -1166,7 +1166,12 @@ impl Limiter for RedisLimiter {
     }
 }
 
+/// How long the undo of a check across slots dropped half-way is tried again while the circuit
+/// breaker refuses it (see `Counted::spawn_undo`).
+const UNDO_PATIENCE: Duration = Duration::from_secs(30);
+
 /// One call of `lua/undo.lua`, owned: it can outlive the check it gives back.
+#[derive(Clone)]
 struct UndoCall {
     keys: Vec<Vec<u8>>,
     args: Vec<Vec<u8>>,
@@ -1198,7 +1203,7 @@ impl<'a> Counted<'a, '_> {
     /// of their own, awaited here: dropped meanwhile, this leaves them running.
     async fn undo_now(&mut self) -> Vec<&'a Vec<usize>> {
         let parts = self.parts.iter().map(|(p, _)| *p).collect();
-        if let Some(task) = self.spawn_undo() {
+        if let Some(task) = self.spawn_undo(Duration::ZERO) {
             // A task that panicked has logged it; there is nothing more to do.
             let _ = task.await;
         }
@@ -1212,7 +1217,10 @@ impl<'a> Counted<'a, '_> {
 
     /// Spawns one task that gives back every counted part (none are left counted here), on the
     /// current tokio runtime; `None` when there is nothing to give back or no runtime.
-    fn spawn_undo(&mut self) -> Option<tokio::task::JoinHandle<()>> {
+    /// `patience`: how long a call refused by an open circuit breaker (nothing sent) is tried
+    /// again; the failure that dropped the check may be what opened it. Other failures are not
+    /// tried again: the undo may have run.
+    fn spawn_undo(&mut self, patience: Duration) -> Option<tokio::task::JoinHandle<()>> {
         if self.parts.is_empty() {
             return None;
         }
@@ -1223,8 +1231,20 @@ impl<'a> Counted<'a, '_> {
         let limiter = self.limiter.clone();
         let undo = async move {
             for call in calls {
-                if let Err(e) = limiter.undo(call).await {
-                    tracing::warn!(error = %e, "could not give back a cross-slot check's units");
+                let give_up = tokio::time::Instant::now() + patience;
+                loop {
+                    match limiter.undo(call.clone()).await {
+                        Err(Error::Unavailable { retry_in, .. })
+                            if tokio::time::Instant::now() + retry_in < give_up =>
+                        {
+                            tokio::time::sleep(retry_in.max(Duration::from_millis(50))).await;
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not give back a cross-slot check's units");
+                            break;
+                        }
+                        Ok(()) => break,
+                    }
                 }
             }
         };
@@ -1247,7 +1267,7 @@ impl Drop for Counted<'_, '_> {
     /// current-thread runtime runs it when next driven; one shutting down drops it, and the
     /// parts come back when their states expire).
     fn drop(&mut self) {
-        drop(self.spawn_undo());
+        drop(self.spawn_undo(UNDO_PATIENCE));
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate_core::{Check, CheckOptions, ConcurrencyLease, Limiter, Policy};
-use floodgate_redis::{BatchConfig, ConnectionKind, RedisLimiter};
+use floodgate_redis::{BatchConfig, BreakerConfig, ConnectionKind, RedisLimiter};
 use support::{cluster, cluster_limiter, keys_on_two_nodes, limiter, run, server};
 
 /// Loads the script and checks Redis answers (a call that met NOSCRIPT would prove nothing).
@@ -21,13 +21,18 @@ async fn warm_up(limiter: &RedisLimiter, p: &Policy) {
     limiter.release(&other, id).await.expect("release");
 }
 
-/// Waits (3 s at most) for the one slot of `p` on key `slot` to be free again.
+/// Waits (3 s at most) for the one slot of `p` on key `slot` to be free again (through a circuit
+/// breaker that may still be failing fast).
 async fn slot_comes_back(limiter: &RedisLimiter, p: &Policy, held_by: &str) {
     let started = tokio::time::Instant::now();
     loop {
-        let d = limiter.check_one(b"slot", p, 1).await.expect("up");
-        if d.allowed {
-            return;
+        match limiter.check_one(b"slot", p, 1).await {
+            Ok(d) if d.allowed => return,
+            Ok(_) => {}
+            Err(e) => assert!(
+                matches!(e, floodgate_redis::Error::Unavailable { .. }),
+                "{e}"
+            ),
         }
         assert!(
             started.elapsed() < Duration::from_secs(3),
@@ -100,7 +105,24 @@ fn fault_a_lease_granted_to_a_call_that_timed_out_is_given_back() {
     let server = Arc::new(server());
     run(Duration::from_secs(30), async {
         for batching in [BatchConfig::default(), BatchConfig::disabled()] {
-            lease_of_a_timed_out_call_comes_back(&server, batching).await;
+            lease_of_a_timed_out_call_comes_back(&server, batching, BreakerConfig::default()).await;
+        }
+    });
+}
+
+/// The call that times out can be the one that opens the circuit breaker, which then refuses
+/// the lease's release at once: the release is tried again, and the slot comes back once
+/// Redis answers, not after the lease's 30 s.
+#[test]
+fn fault_a_lease_granted_to_the_call_that_opened_the_breaker_is_given_back() {
+    let server = Arc::new(server());
+    let breaker = BreakerConfig {
+        failures: 1,
+        ..BreakerConfig::default()
+    };
+    run(Duration::from_secs(30), async {
+        for batching in [BatchConfig::default(), BatchConfig::disabled()] {
+            lease_of_a_timed_out_call_comes_back(&server, batching, breaker.clone()).await;
         }
     });
 }
@@ -108,10 +130,12 @@ fn fault_a_lease_granted_to_a_call_that_timed_out_is_given_back() {
 async fn lease_of_a_timed_out_call_comes_back(
     server: &floodgate_testkit::RedisServer,
     batching: BatchConfig,
+    breaker: BreakerConfig,
 ) {
     let config = floodgate_redis::RedisConfig::new(&server.url())
         .expect("valid URL")
-        .timeout(Duration::from_millis(100));
+        .timeout(Duration::from_millis(100))
+        .circuit_breaker(breaker);
     let limiter = support::limiter_batching(&config, batching).await;
     let p = Policy::concurrency(1, Duration::from_secs(30)).expect("valid");
     warm_up(&limiter, &p).await;
@@ -129,6 +153,8 @@ async fn lease_of_a_timed_out_call_comes_back(
     let d = limiter.check_one(b"slot", &p, 1).await.expect("up");
     assert!(!d.allowed, "the one slot is ours now");
     server.cmd(&[b"FLUSHALL".as_slice()]).expect("flush");
+    // The breaker sees Redis answer again before the next round.
+    let _ = limiter.check_one(b"other", &p, 0).await;
 }
 
 /// A limiter outlives the runtime it was first used on (say a `static` shared by several
