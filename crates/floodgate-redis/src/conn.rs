@@ -137,6 +137,8 @@ struct Inner {
     breakers: Breakers,
     /// When the connections were last closed for a server that answered `READONLY`.
     left_demoted: std::sync::Mutex<Option<Instant>>,
+    /// When a pool's idle connections were last dropped after a connection error.
+    dropped_idle: std::sync::Mutex<Option<Instant>>,
 }
 
 /// What a lazy connection connects to, and its attempt under way or last made.
@@ -309,6 +311,7 @@ impl RedisConn {
                 redis_cell: OnceCell::new(),
                 breakers: Breakers::new(config.get_breaker(), kind == ConnectionKind::Cluster),
                 left_demoted: std::sync::Mutex::new(None),
+                dropped_idle: std::sync::Mutex::new(None),
             }),
         }
     }
@@ -652,7 +655,16 @@ impl RedisConn {
             Err(e) if e.is_timeout() && !probe && after < self.inner.timeout / SHORT_BUDGET => {
                 return result;
             }
-            Err(e) => (e.is_timeout() || e.is_connection(), e.is_demoted()),
+            Err(e) => {
+                // Not refused by the breaker nor answered by a server that does not serve: a
+                // connection that failed.
+                if e.is_connection()
+                    && !matches!(e, Error::Unavailable { .. } | Error::NotServing { .. })
+                {
+                    self.after_connection_error();
+                }
+                (e.is_timeout() || e.is_connection(), e.is_demoted())
+            }
         };
         if demoted {
             self.leave_demoted();
@@ -707,21 +719,35 @@ impl RedisConn {
                     let _ = tokio::time::timeout(timeout, ping.exec_async(&mut manager)).await;
                 });
             }
-            Backend::Pool(pool) => {
-                let pool = pool.clone();
-                runtime.spawn(async move {
-                    for _ in 0..pool.state().idle_connections {
-                        let idle = tokio::time::timeout(Duration::from_millis(10), pool.get());
-                        match idle.await {
-                            // Dropped as broken: bb8 makes another.
-                            Ok(Ok(mut conn)) => conn.broken = true,
-                            _ => break,
-                        }
-                    }
-                });
-            }
+            Backend::Pool(pool) => drop_idle(&runtime, pool),
             Backend::Cluster(_) => {}
         }
+    }
+
+    /// A pooled connection failed with a connection error: the server may have restarted, and
+    /// every idle connection is dead. Each would fail one call (and with the circuit breaker
+    /// open after a few, one probe per open period): the idle ones are dropped at once, at most
+    /// every [`DROP_IDLE_EVERY`], and bb8 makes new ones.
+    fn after_connection_error(&self) {
+        let Some(Backend::Pool(pool)) = self.inner.backend.get() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        {
+            let mut last = self
+                .inner
+                .dropped_idle
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if last.is_some_and(|t| t.elapsed() < DROP_IDLE_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        tracing::debug!(addr = %self.inner.addr, "a pooled connection failed: dropping the idle ones");
+        drop_idle(&runtime, pool);
     }
 
     /// Whether the circuit breaker is open or probing: Redis was unreachable just now.
@@ -1071,6 +1097,24 @@ fn install_crypto_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
         let _ = rustls::crypto::ring::default_provider().install_default();
     }
+}
+
+/// How often, at most, a pool's idle connections are dropped after a connection error.
+const DROP_IDLE_EVERY: Duration = Duration::from_millis(200);
+
+/// Drops the idle connections of `pool` (in a task on `runtime`): bb8 makes new ones.
+fn drop_idle(runtime: &tokio::runtime::Handle, pool: &bb8::Pool<PoolManager>) {
+    let pool = pool.clone();
+    runtime.spawn(async move {
+        for _ in 0..pool.state().idle_connections {
+            let idle = tokio::time::timeout(Duration::from_millis(10), pool.get());
+            match idle.await {
+                // Dropped as broken: bb8 makes another.
+                Ok(Ok(mut conn)) => conn.broken = true,
+                _ => break,
+            }
+        }
+    });
 }
 
 /// Creates the pool's connections; flags broken ones so bb8 drops them.

@@ -647,6 +647,29 @@ fn fault_kill_and_restart_recovers_without_reconnecting_by_hand() {
     });
 }
 
+/// A quick restart while the pool sits idle: every idle connection is dead, and each would fail
+/// one call (with the circuit breaker open after three, one probe per open period) if the pool
+/// did not drop its idle connections at the first connection error.
+#[test]
+fn fault_a_quick_restart_under_an_idle_pool_recovers_at_once() {
+    let server = RedisServer::start().expect("start redis-server");
+    run(async {
+        let kind = ConnectionKind::Pool { size: 16 };
+        let conn = connect(&server.url(), kind, Duration::from_millis(250)).await;
+        let script = incr();
+        // Sixteen at once: the pool has all its connections up.
+        let calls = (0..16).map(|_| conn.invoke_script(&script, &[b"before"], &[]));
+        for result in futures_util::future::join_all(calls).await {
+            result.expect("before the restart");
+        }
+        server.kill().expect("kill");
+        server.restart().expect("restart on the same port");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let took = time_to_recover(&conn, &script, Duration::from_secs(10)).await;
+        assert!(took < Duration::from_millis(1500), "recovery took {took:?}");
+    });
+}
+
 #[test]
 fn fault_pause_and_resume_never_hangs() {
     let server = RedisServer::start().expect("start redis-server");
