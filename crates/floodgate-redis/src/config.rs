@@ -329,9 +329,11 @@ impl RedisConfig {
                 if self.tls_insecure {
                     url.set_fragment(Some("insecure"));
                 }
-                url.into_connection_info().map_err(|e| {
-                    Error::Config(format!("invalid Redis URL `{}`: {e}", node.redacted))
-                })
+                url.into_connection_info()
+                    .map(|info| info.set_tcp_settings(tcp_settings()))
+                    .map_err(|e| {
+                        Error::Config(format!("invalid Redis URL `{}`: {e}", node.redacted))
+                    })
             })
             .collect()
     }
@@ -488,6 +490,22 @@ pub(crate) fn validate_key_prefix(prefix: &str) -> Result<(), Error> {
         )));
     }
     Ok(())
+}
+
+/// How long data sent to Redis may go unacknowledged before the kernel drops the connection
+/// (Linux's `TCP_USER_TIMEOUT`): a server gone silent (its host down, its packets dropped after
+/// a failover) is then an I/O error, which makes redis-rs connect again, instead of every call
+/// timing out on the dead connection for the ~15 minutes of the kernel's retransmissions.
+const TCP_USER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The TCP settings of every connection: no Nagle delay (redis-rs leaves it on), whose wait
+/// for an acknowledgement holds back a small pipeline written while another is in flight; and
+/// [`TCP_USER_TIMEOUT`] where the platform has it.
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    let settings = redis::io::tcp::TcpSettings::default().set_nodelay(true);
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    let settings = settings.set_user_timeout(TCP_USER_TIMEOUT);
+    settings
 }
 
 #[cfg(test)]
