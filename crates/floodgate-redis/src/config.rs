@@ -501,7 +501,7 @@ const TCP_USER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10)
 /// The TCP settings of every connection: no Nagle delay (redis-rs leaves it on), whose wait
 /// for an acknowledgement holds back a small pipeline written while another is in flight; and
 /// [`TCP_USER_TIMEOUT`] where the platform has it.
-fn tcp_settings() -> redis::io::tcp::TcpSettings {
+pub(crate) fn tcp_settings() -> redis::io::tcp::TcpSettings {
     let settings = redis::io::tcp::TcpSettings::default().set_nodelay(true);
     #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
     let settings = settings.set_user_timeout(TCP_USER_TIMEOUT);

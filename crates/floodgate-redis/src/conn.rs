@@ -1011,7 +1011,9 @@ fn client(config: &RedisConfig) -> Result<Client, Opened> {
             .response_timeout(config.get_timeout())
             .retries(CLUSTER_RETRIES)
             .min_retry_wait(min_wait)
-            .max_retry_wait(max_wait);
+            .max_retry_wait(max_wait)
+            // The nodes' own connection infos are not used for the connections it makes.
+            .tcp_settings(crate::config::tcp_settings());
         #[cfg(feature = "tls")]
         let builder = match config.tls_certificates() {
             Some(certs) => builder.certs(certs),

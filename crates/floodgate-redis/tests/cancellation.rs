@@ -153,8 +153,6 @@ async fn lease_of_a_timed_out_call_comes_back(
     let d = limiter.check_one(b"slot", &p, 1).await.expect("up");
     assert!(!d.allowed, "the one slot is ours now");
     server.cmd(&[b"FLUSHALL".as_slice()]).expect("flush");
-    // The breaker sees Redis answer again before the next round.
-    let _ = limiter.check_one(b"other", &p, 0).await;
 }
 
 /// A limiter outlives the runtime it was first used on (say a `static` shared by several

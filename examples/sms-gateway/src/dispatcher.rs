@@ -263,8 +263,10 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
             metrics::counter!("sms_rejected_total", "limit" => "campaign-phone").increment(1);
             return Step::Done(Outcome::Limited);
         }
-        // The store is down or hung: the number waits for it.
-        Err(e) if <S::Limiter as Limiter>::is_unavailable(&e) => return Step::Unsure,
+        // The store is down or hung, or (in memory) full: the number waits for it.
+        Err(e) if <S::Limiter as Limiter>::is_unavailable(&e) || is_full(&e) => {
+            return Step::Unsure;
+        }
         // One key's problem (a corrupted state): it would fail the same way on every pass,
         // and hold back every number after it.
         Err(e) => {
@@ -295,4 +297,11 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
             Step::Done(Outcome::Failed)
         }
     }
+}
+
+/// Whether `e` is the in-memory store refusing a new key because it is full: it makes room as
+/// states expire, so the number waits rather than failing for good.
+fn is_full(e: &(dyn std::any::Any + 'static)) -> bool {
+    e.downcast_ref::<floodgate::MemoryError>()
+        .is_some_and(|e| matches!(e, floodgate::MemoryError::Full { .. }))
 }

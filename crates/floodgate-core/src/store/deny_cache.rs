@@ -39,7 +39,7 @@ struct Entry {
     /// Denied until this time (local clock, µs).
     until: u64,
     /// The cache's count of resets when the check was sent: a reset since makes it stale.
-    resets: u64,
+    resets: u32,
     /// When the verdict was cached.
     at: u64,
     verdict: Verdict,
@@ -53,11 +53,11 @@ struct Shared<C> {
     hits: AtomicU64,
     misses: AtomicU64,
     coalesced: AtomicU64,
-    /// Resets made through this cache (see [`Entry::resets`]).
-    resets: AtomicU64,
-    /// Refunds made through this cache: a denial answered before a refund and stored after it
-    /// may be the one the refund made wrong, and is not stored (see [`DenyCache::remember`]).
-    refunds: AtomicU64,
+    /// Resets (high half, see [`Entry::resets`]) and refunds (low half, see
+    /// [`DenyCache::remember`]) made through this cache: one word, read once per check (the
+    /// check's future holds it across the store's call, and is boxed per request). A count
+    /// that wraps is one more stale answer, never a stale answer kept.
+    counts: AtomicU64,
 }
 
 /// A [`Limiter`] in front of another that remembers denials.
@@ -124,8 +124,7 @@ impl<L, C: Clock> DenyCache<L, C> {
                 hits: AtomicU64::new(0),
                 misses: AtomicU64::new(0),
                 coalesced: AtomicU64::new(0),
-                resets: AtomicU64::new(0),
-                refunds: AtomicU64::new(0),
+                counts: AtomicU64::new(0),
             }),
             max_hold_us: u64::MAX,
         }
@@ -181,7 +180,7 @@ impl<L, C: Clock> DenyCache<L, C> {
         let map = &self.shared.map;
         let hash = map.hash(0, &key);
         let shard = map.lock(map.shard_of(hash));
-        let resets = self.shared.resets.load(Ordering::Acquire);
+        let resets = resets_of(self.shared.counts.load(Ordering::Acquire));
         match shard.find(hash, 0, &key) {
             // Cached before a reset: as if absent (the store is asked until the check is
             // cached again; resets are rare).
@@ -202,14 +201,14 @@ impl<L, C: Clock> DenyCache<L, C> {
     }
 
     /// Stores `entry`, unless a refund was made through this cache since its check was sent
-    /// (`refunds`, the count read then). Compared under the shard's lock, which a refund's
+    /// (`counts`, the counts read then). Compared under the shard's lock, which a refund's
     /// `forget` takes after counting itself: the denial is either not stored or forgotten.
-    fn remember(&self, fp: &[u64; 2], now: u64, entry: Entry, refunds: u64) {
+    fn remember(&self, fp: &[u64; 2], now: u64, entry: Entry, counts: u64) {
         let key = fp_bytes(fp);
         let map = &self.shared.map;
         let hash = map.hash(0, &key);
         let mut shard = map.lock(map.shard_of(hash));
-        if self.shared.refunds.load(Ordering::Acquire) != refunds {
+        if refunds_of(self.shared.counts.load(Ordering::Acquire)) != refunds_of(counts) {
             return;
         }
         let expires_at = entry.until + PROBE_GRACE_US;
@@ -239,6 +238,18 @@ enum Lookup {
     Denied(Box<Verdict>),
     Probe,
     Miss,
+}
+
+/// A reset and a refund in `Shared::counts`.
+const ONE_RESET: u64 = 1 << 32;
+const ONE_REFUND: u64 = 1;
+
+fn resets_of(counts: u64) -> u32 {
+    (counts >> 32) as u32
+}
+
+fn refunds_of(counts: u64) -> u32 {
+    counts as u32
 }
 
 fn fp_bytes(fp: &[u64; 2]) -> [u8; 16] {
@@ -412,8 +423,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             }
         }
         // Read before the store is asked: a reset made meanwhile makes this answer stale.
-        let resets = self.shared.resets.load(Ordering::Acquire);
-        let refunds = self.shared.refunds.load(Ordering::Acquire);
+        let counts = self.shared.counts.load(Ordering::Acquire);
         let result = self.inner.check(checks, opts).await;
         if let (Some(fp), Ok(verdict)) = (fp, &result) {
             // Measured from the reply: a denial may outlast the store's by the reply's trip
@@ -423,7 +433,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             let now = self.shared.clock.now().as_micros();
             let entry = denial_for(checks, verdict).map(|d| Entry {
                 until: now.saturating_add(duration_micros(d).min(self.max_hold_us)),
-                resets,
+                resets: resets_of(counts),
                 at: now,
                 verdict: if verdict.allowed() {
                     synthesized_denial(checks, verdict, d)
@@ -435,7 +445,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             // denial ran out, callers of this check keep coming one at a time, so a crowd
             // that was waiting does not all reach the store at once.
             if let Some(entry) = entry {
-                self.remember(&fp, now, entry, refunds);
+                self.remember(&fp, now, entry, counts);
             }
         }
         // The leader's guard, dropped here (or with this future, if it is cancelled before
@@ -469,7 +479,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), L::Error> {
         self.inner.refund(checks, verdict).await?;
         if verdict.allowed() {
-            self.shared.refunds.fetch_add(1, Ordering::AcqRel);
+            self.shared.counts.fetch_add(ONE_REFUND, Ordering::AcqRel);
             self.forget(&self.fingerprint(checks, &CheckOptions::default()));
         }
         Ok(())
@@ -481,7 +491,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
     async fn reset(&self, key: &[u8], policy: &Policy) -> Result<(), L::Error> {
         self.inner.reset(key, policy).await?;
         // After the store's reset: a check asked before it and cached after it is stale too.
-        self.shared.resets.fetch_add(1, Ordering::AcqRel);
+        self.shared.counts.fetch_add(ONE_RESET, Ordering::AcqRel);
         Ok(())
     }
 }
