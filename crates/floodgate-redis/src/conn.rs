@@ -692,16 +692,8 @@ impl RedisConn {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        {
-            let mut last = self
-                .inner
-                .left_demoted
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if last.is_some_and(|t| t.elapsed() < LEAVE_DEMOTED_EVERY) {
-                return;
-            }
-            *last = Some(Instant::now());
+        if !due(&self.inner.left_demoted, LEAVE_DEMOTED_EVERY) {
+            return;
         }
         tracing::warn!(
             addr = %self.inner.addr,
@@ -735,16 +727,8 @@ impl RedisConn {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        {
-            let mut last = self
-                .inner
-                .dropped_idle
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if last.is_some_and(|t| t.elapsed() < DROP_IDLE_EVERY) {
-                return;
-            }
-            *last = Some(Instant::now());
+        if !due(&self.inner.dropped_idle, DROP_IDLE_EVERY) {
+            return;
         }
         tracing::debug!(addr = %self.inner.addr, "a pooled connection failed: dropping the idle ones");
         drop_idle(&runtime, pool);
@@ -1099,6 +1083,18 @@ fn install_crypto_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
         let _ = rustls::crypto::ring::default_provider().install_default();
     }
+}
+
+/// Whether `every` has passed since `last` (then it is now), for work done at most that often.
+fn due(last: &std::sync::Mutex<Option<Instant>>, every: Duration) -> bool {
+    let mut last = last
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if last.is_some_and(|t| t.elapsed() < every) {
+        return false;
+    }
+    *last = Some(Instant::now());
+    true
 }
 
 /// How often, at most, a pool's idle connections are dropped after a connection error.
