@@ -154,9 +154,16 @@ impl ManualClock {
         }
     }
 
-    /// Moves the clock forward by `d`.
+    /// Moves the clock forward by `d`, stopping at the last microsecond a `Timestamp` holds
+    /// rather than wrapping around to 1970.
     pub fn advance(&self, d: Duration) {
-        self.micros.fetch_add(duration_micros(d), Ordering::SeqCst);
+        let by = duration_micros(d);
+        // `fetch_update` retries only on a race; the closure always returns `Some`.
+        let _ = self
+            .micros
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |t| {
+                Some(t.saturating_add(by))
+            });
     }
 
     /// Sets the clock to `t` (which may go backwards: use with care).
@@ -203,5 +210,14 @@ mod tests {
         assert_eq!(clock.now(), Timestamp::from_millis(1_000));
         shared.advance(Duration::from_millis(250));
         assert_eq!(clock.now(), Timestamp::from_micros(1_250_000));
+    }
+
+    #[test]
+    fn a_manual_clock_advanced_past_the_end_of_time_stops_there() {
+        let clock = ManualClock::new(Timestamp::from_micros(u64::MAX - 10));
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(clock.now(), Timestamp::from_micros(u64::MAX));
+        clock.advance(Duration::MAX);
+        assert_eq!(clock.now(), Timestamp::from_micros(u64::MAX));
     }
 }

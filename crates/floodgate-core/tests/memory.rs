@@ -620,6 +620,37 @@ fn renewing_a_lease_extends_it_and_never_revives_it() {
     assert!(!limiter.renew_at(&checks, lease, ms(2_000)), "released");
 }
 
+/// A renewal past the year 2106 renews nothing (its expiry would wrap around to the past) and
+/// leaves the lease as it was; a release then still gives the slot back.
+#[test]
+fn a_lease_renewed_beyond_the_year_2106_is_not_renewed_and_can_still_be_released() {
+    use floodgate_core::{Check, CheckOptions, MemoryLimiter, Policy, Timestamp};
+    let last = Timestamp::from_micros((u64::from(u32::MAX) - 60) * 1_000_000);
+    let limiter = MemoryLimiter::new();
+    let one = Policy::concurrency(1, std::time::Duration::from_secs(3_600)).expect("valid");
+    let checks = [Check::new(b"worker", &one)];
+    let lease = limiter
+        .check_sync(&checks, CheckOptions::at(last))
+        .expect("checks")
+        .lease
+        .expect("a lease");
+    for far in [u64::from(u32::MAX) * 1_000_000, 1 << 56, u64::MAX] {
+        assert!(
+            !limiter.renew_at(&checks, lease, Timestamp::from_micros(far)),
+            "renewed at {far}us"
+        );
+    }
+    let held = limiter
+        .check_sync(&checks, CheckOptions::at(last))
+        .expect("checks");
+    assert!(!held.allowed(), "the refused renewals lost the lease");
+    assert!(limiter.release_at(&checks, lease, Timestamp::from_micros(u64::MAX)));
+    let freed = limiter
+        .check_sync(&checks, CheckOptions::at(last))
+        .expect("checks");
+    assert!(freed.allowed(), "the release did not give the slot back");
+}
+
 /// A GCRA state more than twice the tolerance ahead reads as no state: after the clock stepped
 /// back, or under a policy whose period was cut (same name), a key is not locked out for more
 /// than twice what its policy allows; a smaller step back grants no burst. Short keys (the

@@ -102,7 +102,7 @@ impl SlidingWindow {
     /// Whether `prev * (W - e) + used * W <= limit * W`, all in milliseconds.
     fn fits(&self, prev: u64, elapsed_ms: u64, used: u64) -> bool {
         let w = self.window_ms;
-        used <= self.limit && prev * (w - elapsed_ms) <= (self.limit - used) * w
+        used <= self.limit && weigh(prev, w - elapsed_ms) <= (self.limit - used) * w
     }
 
     /// Milliseconds into a window from which `prev` weighs at most `room` units.
@@ -110,6 +110,13 @@ impl SlidingWindow {
         let w = self.window_ms;
         w.saturating_sub(room * w / prev)
     }
+}
+
+/// `prev * weight_ms`, saturated. The product stays below 2^51 for counts this policy admitted,
+/// but a state can come from another policy of the same name with a much larger limit (or a
+/// store's value): such a count saturates, and reads as a full window, instead of overflowing.
+fn weigh(prev: u64, weight_ms: u64) -> u64 {
+    prev.saturating_mul(weight_ms)
 }
 
 impl Algorithm for SlidingWindow {
@@ -123,7 +130,7 @@ impl Algorithm for SlidingWindow {
         let w_us = self.window_us();
         let (start, curr, prev) = self.roll(state, ctx.now);
         let elapsed_ms = (ctx.now.saturating_sub(start) / MS).min(self.window_ms);
-        let weighted_prev_x_w = prev * (self.window_ms - elapsed_ms);
+        let weighted_prev_x_w = weigh(prev, self.window_ms - elapsed_ms);
         let used_after = curr.saturating_add(ctx.cost);
         let allowed = self.fits(prev, elapsed_ms, used_after);
         let counted = if allowed { used_after } else { curr };
@@ -157,7 +164,7 @@ impl Algorithm for SlidingWindow {
         let (start, curr, prev) = self.roll(state, ctx.now);
         *state = State {
             start,
-            curr: curr + ctx.cost,
+            curr: curr.saturating_add(ctx.cost),
             prev,
         };
     }
@@ -242,6 +249,30 @@ mod tests {
                 .decision
                 .allowed
         );
+    }
+
+    #[test]
+    fn a_previous_count_too_large_for_this_policy_denies_instead_of_overflowing() {
+        // Counted under a policy of the same name with a far larger limit: 2^51 units in the
+        // previous window, weighed over a window of 10^9 ms.
+        let sw = SlidingWindow::new(10, Duration::from_secs(1_000_000)).expect("valid");
+        let w = sw.window_us();
+        let start = T0 - T0 % w;
+        let mut st = State {
+            start: start - w,
+            curr: 1 << 51,
+            prev: 0,
+        };
+        let d = sw.check(&mut st, &Ctx::new(start + 1, 1)).decision;
+        assert!(!d.allowed, "{d:?}");
+        assert_eq!(d.remaining, 0);
+        let mut st = State {
+            start,
+            curr: u64::MAX,
+            prev: 0,
+        };
+        sw.commit(&mut st, &Ctx::new(start + 1, 1));
+        assert_eq!(st.curr, u64::MAX);
     }
 
     #[test]

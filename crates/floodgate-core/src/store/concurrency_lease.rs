@@ -176,12 +176,18 @@ where
     /// it had already lapsed (or was released) on some key, and is not held there any more.
     /// What it finds moves [`lost`](ConcurrencyLease::lost) on, or resolves it.
     ///
+    /// A lease already [lost](ConcurrencyLease::is_lost) is not renewed: `Ok(false)`, without
+    /// asking the store. Its holder was told the slot is gone; a renewal the store still
+    /// accepted would hold a slot nobody counts on.
+    ///
     /// # Errors
     /// The limiter's error.
     pub async fn renew(&self) -> Result<bool, L::Error> {
         match &self.held {
-            Some(held) => renew(&held.limiter, &held.checks, self.id, held.ttl, &held.clock).await,
-            None => Ok(false),
+            Some(held) if !held.clock.is_lost() => {
+                renew(&held.limiter, &held.checks, self.id, held.ttl, &held.clock).await
+            }
+            _ => Ok(false),
         }
     }
 
@@ -565,5 +571,24 @@ mod tests {
             lease.is_lost(),
             "a renewal that found it gone did not lose it"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_lease_is_not_renewed_by_hand_though_the_store_still_holds_it() {
+        // The store counts real time, the lease's clock Tokio's: paused and moved past the
+        // TTL, the holder has lost the lease while the store still holds it.
+        let (limiter, policy) = (MemoryLimiter::new(), one_of(Duration::from_secs(10)));
+        let lease = take(&limiter, &policy).await.expect("admitted");
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert!(lease.is_lost(), "past its TTL on the lease's clock");
+        assert!(
+            take(&limiter, &policy).await.is_none(),
+            "still held in the store"
+        );
+        assert!(
+            !lease.renew().await.expect("renew"),
+            "a lost lease was renewed"
+        );
+        assert!(lease.is_lost(), "once lost, it stays lost");
     }
 }

@@ -482,8 +482,10 @@ impl<C: Clock> MemoryLimiter<C> {
     }
 
     /// [`MemoryLimiter::release_sync`] as of `now` (simulations).
+    /// A time past what the store can hold (the year 2106) is taken as that last time: the
+    /// lease is still released.
     pub fn release_at(&self, checks: &[Check<'_>], lease: LeaseId, now: Timestamp) -> bool {
-        let now = now.as_micros();
+        let now = now.as_micros().min(MAX_NOW_US);
         self.each_lease(checks, now, |conc, st| conc.release(st, lease.0, now))
             .contains(&true)
     }
@@ -628,8 +630,12 @@ impl<C: Clock> MemoryLimiter<C> {
     }
 
     /// [`MemoryLimiter::renew_sync`] as of `now` (simulations).
+    /// A time past what the store can hold (the year 2106) renews nothing: `false`, as for a
+    /// lease that lapsed, rather than an expiry that wraps around to the past.
     pub fn renew_at(&self, checks: &[Check<'_>], lease: LeaseId, now: Timestamp) -> bool {
-        let now = now.as_micros();
+        let Ok(now) = checked_now(now.as_micros()) else {
+            return false;
+        };
         !self
             .each_lease(checks, now, |conc, st| conc.renew(st, lease.0, now))
             .contains(&false)
