@@ -20,7 +20,10 @@ use std::fmt;
 use std::future::Future;
 use std::io;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
 
 use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, Shared, join_all};
@@ -67,6 +70,11 @@ const CLUSTER_RETRIES: u32 = 6;
 const NOSCRIPT_ROUNDS: usize = 3;
 /// How often the connections to a server that answers `READONLY` are made again, at most.
 const LEAVE_DEMOTED_EVERY: Duration = Duration::from_secs(1);
+/// Calls timed out in a row, with no answer between them, after which the multiplexed
+/// connection is taken for dead and made again (see `RedisConn::after_timeout`).
+const SILENT_TIMEOUTS: u32 = 2;
+/// How often, at most, a silent multiplexed connection is made again.
+const REPLACE_SILENT_EVERY: Duration = Duration::from_secs(1);
 
 /// One script call for [`RedisConn::pipeline_scripts`].
 #[derive(Clone)]
@@ -191,10 +199,33 @@ impl Lazy {
     }
 }
 
+// One per connection, set once and never moved: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Backend {
-    Multiplexed(ConnectionManager),
+    Multiplexed(Multiplexed),
     Pool(bb8::Pool<PoolManager>),
     Cluster(ClusterConnection),
+}
+
+/// The one multiplexed connection (redis-rs' `ConnectionManager`, which connects again after a
+/// connection error), and what it takes to make a new one when it goes silent without an error.
+struct Multiplexed {
+    current: ArcSwap<ConnectionManager>,
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    connect_timeout: Duration,
+    /// Calls that timed out on it in a row, since its last answer.
+    silent: AtomicU32,
+    /// When it was last made again (or tried) for going silent.
+    replaced: std::sync::Mutex<Option<Instant>>,
+}
+
+impl Multiplexed {
+    /// The connection for one call.
+    #[inline]
+    fn get(&self) -> ConnectionManager {
+        ConnectionManager::clone(&self.current.load())
+    }
 }
 
 /// Where a command goes on a cluster (ignored on a single node).
@@ -647,6 +678,7 @@ impl RedisConn {
             .unwrap_or_else(|_| Err(Error::Timeout { after, op }));
         let (unreachable, demoted) = match &result {
             Ok(answer) => {
+                self.answered();
                 let code = refused(answer);
                 (code.is_some(), code == Some("READONLY"))
             }
@@ -662,6 +694,9 @@ impl RedisConn {
                     && !matches!(e, Error::Unavailable { .. } | Error::NotServing { .. })
                 {
                     self.after_connection_error();
+                }
+                if e.is_timeout() {
+                    self.after_timeout();
                 }
                 (e.is_timeout() || e.is_connection(), e.is_demoted())
             }
@@ -701,8 +736,8 @@ impl RedisConn {
         );
         let timeout = self.inner.timeout;
         match backend {
-            Backend::Multiplexed(manager) => {
-                let mut manager = manager.clone();
+            Backend::Multiplexed(multiplexed) => {
+                let mut manager = multiplexed.get();
                 runtime.spawn(async move {
                     // The server closes the connection after its reply; the next command finds
                     // it closed, and the manager connects again.
@@ -732,6 +767,66 @@ impl RedisConn {
         }
         tracing::debug!(addr = %self.inner.addr, "a pooled connection failed: dropping the idle ones");
         drop_idle(&runtime, pool);
+    }
+
+    /// A call was answered: the multiplexed connection is not silent.
+    #[inline]
+    fn answered(&self) {
+        if let Some(Backend::Multiplexed(m)) = self.inner.backend.get()
+            && m.silent.load(Ordering::Relaxed) != 0
+        {
+            m.silent.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// A call timed out (one given its whole budget, or the breaker's probe). Calls that time
+    /// out one after the other on the multiplexed connection, with no answer between them, may
+    /// be stuck on a connection gone silent without an error (a proxy or load balancer lost its
+    /// backend, a NAT its entry: the kernel still acknowledges what is sent, so neither
+    /// redis-rs nor `TCP_USER_TIMEOUT` ever sees it fail). After [`SILENT_TIMEOUTS`] such calls
+    /// a new connection is made, at most every [`REPLACE_SILENT_EVERY`], within the connect
+    /// timeout, and takes the old one's place once it is up; calls under way finish (or time
+    /// out) on the old one. A server that is only slow, or hung as a whole, costs a connection
+    /// attempt a second (one that does not come up leaves the old connection in place).
+    /// A pool drops a connection whose call timed out by itself, and a cluster client makes
+    /// its own.
+    fn after_timeout(&self) {
+        let Some(Backend::Multiplexed(m)) = self.inner.backend.get() else {
+            return;
+        };
+        if m.silent.fetch_add(1, Ordering::Relaxed) + 1 < SILENT_TIMEOUTS {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !due(&m.replaced, REPLACE_SILENT_EVERY) {
+            return;
+        }
+        tracing::warn!(
+            addr = %self.inner.addr,
+            "no answer on the Redis connection for {SILENT_TIMEOUTS} calls in a row: connecting again"
+        );
+        let conn = self.clone();
+        runtime.spawn(async move {
+            let Some(Backend::Multiplexed(m)) = conn.inner.backend.get() else {
+                return;
+            };
+            let connect = ConnectionManager::new_with_config(m.client.clone(), m.config.clone());
+            match tokio::time::timeout(m.connect_timeout, connect).await {
+                Ok(Ok(manager)) => {
+                    m.current.store(Arc::new(manager));
+                    m.silent.store(0, Ordering::Relaxed);
+                    tracing::info!(addr = %conn.inner.addr, "connected to Redis again");
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(addr = %conn.inner.addr, error = %e, "cannot connect to Redis again yet");
+                }
+                Err(_) => {
+                    tracing::debug!(addr = %conn.inner.addr, "connecting to Redis again timed out");
+                }
+            }
+        });
     }
 
     /// Whether the circuit breaker is open or probing: Redis was unreachable just now.
@@ -764,7 +859,7 @@ impl RedisConn {
     /// Sends one command; an error reply comes back as `Err`.
     async fn send(&self, cmd: &Cmd, target: Target) -> RedisResult<Value> {
         let value = match self.backend().await? {
-            Backend::Multiplexed(manager) => manager.clone().send_packed_command(cmd).await,
+            Backend::Multiplexed(multiplexed) => multiplexed.get().send_packed_command(cmd).await,
             Backend::Pool(pool) => {
                 let mut conn = pool.get().await.map_err(pool_error)?;
                 let result = conn.begin().send_packed_command(cmd).await;
@@ -793,8 +888,8 @@ impl RedisConn {
         target: Target,
     ) -> RedisResult<Vec<Value>> {
         match self.backend().await? {
-            Backend::Multiplexed(manager) => {
-                manager.clone().send_packed_commands(pipe, 0, count).await
+            Backend::Multiplexed(multiplexed) => {
+                multiplexed.get().send_packed_commands(pipe, 0, count).await
             }
             Backend::Pool(pool) => {
                 let mut conn = pool.get().await.map_err(pool_error)?;
@@ -819,7 +914,7 @@ impl RedisConn {
     /// `SCRIPT LOAD` where `target` says (on a single node: that node).
     async fn load_script(&self, script: &Script, target: Target) -> RedisResult<()> {
         match self.backend().await? {
-            Backend::Multiplexed(manager) => script.load_async(&mut manager.clone()).await,
+            Backend::Multiplexed(multiplexed) => script.load_async(&mut multiplexed.get()).await,
             Backend::Pool(pool) => {
                 let mut conn = pool.get().await.map_err(pool_error)?;
                 let result = script.load_async(conn.begin()).await;
@@ -1070,8 +1165,16 @@ async fn open(config: &RedisConfig, client: Client) -> Result<Backend, Opened> {
                 .set_min_delay(RECONNECT_MIN_DELAY)
                 .set_max_delay(RECONNECT_MAX_DELAY)
                 .set_number_of_retries(RECONNECT_RETRIES);
-            let manager = ConnectionManager::new_with_config(client, manager_config).await?;
-            Ok(Backend::Multiplexed(manager))
+            let manager =
+                ConnectionManager::new_with_config(client.clone(), manager_config.clone()).await?;
+            Ok(Backend::Multiplexed(Multiplexed {
+                current: ArcSwap::from_pointee(manager),
+                client,
+                config: manager_config,
+                connect_timeout,
+                silent: AtomicU32::new(0),
+                replaced: std::sync::Mutex::new(None),
+            }))
         }
     }
 }

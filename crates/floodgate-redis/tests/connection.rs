@@ -10,7 +10,7 @@ use floodgate_redis::{
     BatchConfig, ConnectionKind, DEFAULT_SINGLE_NODE_KIND, Error, RedisConfig, RedisConn,
     RedisLimiter, ScriptCall, display_key,
 };
-use floodgate_testkit::{RedisCluster, RedisServer};
+use floodgate_testkit::{RedisCluster, RedisServer, TcpProxy};
 use redis::{Script, Value};
 
 /// No test may run longer than this.
@@ -667,6 +667,34 @@ fn fault_a_quick_restart_under_an_idle_pool_recovers_at_once() {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let took = time_to_recover(&conn, &script, Duration::from_secs(10)).await;
         assert!(took < Duration::from_millis(1500), "recovery took {took:?}");
+    });
+}
+
+/// A connection that goes silent without an error (a proxy or load balancer in front of Redis
+/// lost its backend, a NAT dropped its entry: the kernel still acknowledges what is sent, so
+/// neither an error nor `TCP_USER_TIMEOUT` ever comes) while Redis itself is fine: calls time
+/// out on it for as long as it stays open unless the client gives up on it and connects again.
+#[test]
+fn fault_a_connection_gone_silent_is_replaced_while_redis_answers_new_ones() {
+    let server = RedisServer::start().expect("start redis-server");
+    let proxy = TcpProxy::start(server.addr()).expect("proxy");
+    run(async {
+        for kind in SINGLE_KINDS {
+            let conn = connect(&proxy.url(), kind, Duration::from_millis(200)).await;
+            let script = incr();
+            conn.invoke_script(&script, &[b"before"], &[])
+                .await
+                .expect("before the freeze");
+            let before = proxy.connections();
+            proxy.freeze_open_connections();
+            let took = time_to_recover(&conn, &script, Duration::from_secs(10)).await;
+            println!("{kind}: calls succeed again {took:?} after the freeze");
+            assert!(
+                took < Duration::from_secs(3),
+                "{kind}: recovery took {took:?}"
+            );
+            assert!(proxy.connections() > before, "{kind}: no new connection");
+        }
     });
 }
 

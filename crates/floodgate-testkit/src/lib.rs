@@ -38,6 +38,7 @@ mod binary;
 mod cluster;
 mod error;
 mod harness;
+mod proxy;
 mod resp;
 mod server;
 mod servers;
@@ -48,6 +49,7 @@ pub use binary::{REDIS_CLI_ENV, REDIS_SERVER_ENV, redis_cli_binary, redis_server
 pub use cluster::{FailoverMode, RedisCluster, RedisClusterBuilder, Role};
 pub use error::TestkitError;
 pub use harness::{cluster, run, server, servers};
+pub use proxy::TcpProxy;
 pub use resp::{Connection, DEFAULT_CONNECT_TIMEOUT, DEFAULT_IO_TIMEOUT, Resp, encode_command};
 pub use server::{
     DEFAULT_CLUSTER_NODE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, RedisServer, RedisServerBuilder,
