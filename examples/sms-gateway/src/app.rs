@@ -564,6 +564,27 @@ async fn create_campaign<S: Shared>(
             phones.push(phone.as_str().to_owned());
         }
     }
+    // Campaigns wait for the dispatcher with their numbers stored: their count is bounded, or
+    // clients could fill the store (a hundred thousand numbers a campaign). Checked before
+    // creating, across replicas: creations racing past it overshoot by their number at most.
+    let pending = app
+        .shared
+        .campaigns_pending()
+        .await
+        .map_err(|e| ApiError::unavailable("the campaign store", e))?
+        .len();
+    let most = app.config.max_pending_campaigns;
+    if pending >= most {
+        metrics::counter!("sms_campaigns_refused_total").increment(1);
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_campaigns",
+            format!(
+                "{pending} campaigns are pending, the most this gateway holds is {most}; \
+                 try again when one completes"
+            ),
+        ));
+    }
     let campaign = Campaign {
         id: message_id(),
         status: "pending".into(),

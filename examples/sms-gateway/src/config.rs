@@ -73,6 +73,11 @@ pub struct Cli {
     /// store refuses new numbers (503) rather than forget a phone's limit.
     #[arg(long, env = "MEMORY_MAX_KEYS")]
     pub memory_max_keys: Option<u64>,
+    /// The most campaigns pending at once (created, not completed), across replicas: one more
+    /// is refused (503) until one completes. Bounds what campaigns hold (up to 100,000 numbers
+    /// each).
+    #[arg(long, env = "MAX_PENDING_CAMPAIGNS")]
+    pub max_pending_campaigns: Option<u64>,
 }
 
 /// The file form of the settings: every key optional.
@@ -95,6 +100,7 @@ struct FileConfig {
     instance_id: Option<String>,
     redis_prefix: Option<String>,
     memory_max_keys: Option<u64>,
+    max_pending_campaigns: Option<u64>,
 }
 
 /// The gateway's settings, validated.
@@ -117,6 +123,8 @@ pub struct Config {
     pub redis_prefix: String,
     /// Without Redis: the most limit states kept in memory.
     pub memory_max_keys: usize,
+    /// The most campaigns pending at once.
+    pub max_pending_campaigns: usize,
 }
 
 impl Default for Config {
@@ -138,6 +146,7 @@ impl Default for Config {
             instance_id: format!("sms-gateway-{}", std::process::id()),
             redis_prefix: "sms".into(),
             memory_max_keys: floodgate::DEFAULT_MAX_KEYS,
+            max_pending_campaigns: 100,
         }
     }
 }
@@ -268,6 +277,16 @@ impl Config {
                 }
                 Some(n) => usize::try_from(n)
                     .map_err(|_| bad("memory_max_keys", format!("{n} is too large")))?,
+            },
+            max_pending_campaigns: match cli.max_pending_campaigns.or(file.max_pending_campaigns) {
+                None => d.max_pending_campaigns,
+                Some(0) => return Err(bad("max_pending_campaigns", "must be at least 1")),
+                // Counting the pending campaigns reads them all: a few thousand at most.
+                Some(n) if n > 10_000 => {
+                    return Err(bad("max_pending_campaigns", "must be at most 10000"));
+                }
+                Some(n) => usize::try_from(n)
+                    .map_err(|_| bad("max_pending_campaigns", format!("{n} is too large")))?,
             },
         };
         // Redis takes a TTL of at most 2^63 - 1 ms; a year is plenty for a report.

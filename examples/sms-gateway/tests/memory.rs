@@ -359,3 +359,47 @@ async fn a_message_the_provider_refused_does_not_count() {
     assert_eq!(replayed.headers["idempotent-replayed"], "true");
     assert_eq!(taken.load(Ordering::SeqCst), 1, "sent again");
 }
+
+/// Pending campaigns are bounded: one more than `MAX_PENDING_CAMPAIGNS` is refused with 503,
+/// naming why, and nothing of it is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn campaigns_beyond_the_pending_bound_are_refused() {
+    let dir = temp_dir("pending");
+    let gw = Gateway::start(
+        &dir,
+        "pending",
+        &[
+            ("GLOBAL_PER_SECOND", "10"),
+            ("IP_PER_MINUTE", "1000"),
+            ("MAX_PENDING_CAMPAIGNS", "2"),
+        ],
+    );
+    let http = Http::new();
+    // 300 numbers each, sent at 8 a second: both stay pending for the rest of the test.
+    let campaign = |n: u32| {
+        let phones: Vec<String> = (0..300)
+            .map(|i| format!("\"+86139{n:02}{i:06}\""))
+            .collect();
+        format!(r#"{{"text":"sale","phones":[{}]}}"#, phones.join(","))
+    };
+    let mut ids = Vec::new();
+    for n in 0..2 {
+        let created = http.post(&gw.url("/v1/campaigns"), &campaign(n)).await;
+        assert_eq!(created.status, 202, "campaign {n}: {}", created.body);
+        ids.push(created.body["id"].as_str().expect("id").to_owned());
+    }
+    let refused = http.post(&gw.url("/v1/campaigns"), &campaign(2)).await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(
+        refused.body["error"]["code"], "too_many_campaigns",
+        "{}",
+        refused.body
+    );
+    // The two pending campaigns are the ones created, and still there.
+    for id in &ids {
+        let got = http.get(&gw.url(&format!("/v1/campaigns/{id}"))).await;
+        assert_eq!(got.status, 200, "{}", got.body);
+        assert_eq!(got.body["total"], 300, "{}", got.body);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
