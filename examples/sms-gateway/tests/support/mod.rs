@@ -22,6 +22,21 @@ pub struct Gateway {
     pub instance: String,
 }
 
+/// The `instance` that `/healthz` on `port` names, if something there answers it.
+fn healthz_instance(port: u16) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    stream
+        .write_all(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .ok()?;
+    let mut reply = Vec::new();
+    stream.read_to_end(&mut reply).ok()?;
+    let at = reply.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let body: Value = serde_json::from_slice(&reply[at + 4..]).ok()?;
+    body["instance"].as_str().map(str::to_owned)
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -30,45 +45,62 @@ fn free_port() -> u16 {
 }
 
 impl Gateway {
-    /// Starts the binary with `env` on a free port, its outbox in `dir`.
+    /// Starts the binary with `env` on a free port, its outbox in `dir`. A port taken between
+    /// finding it free and the gateway binding it (by another test's process) makes the
+    /// gateway exit: it is started again on another port, up to five times.
     pub fn start(dir: &Path, instance: &str, env: &[(&str, &str)]) -> Gateway {
-        let port = free_port();
         let outbox = dir.join(format!("outbox-{instance}.jsonl"));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sms-gateway"));
-        cmd.env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .env("RUST_LOG", "warn")
-            .env("LISTEN", format!("127.0.0.1:{port}"))
-            .env("OUTBOX_PATH", &outbox)
-            .env("INSTANCE_ID", instance)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-        for (k, v) in env {
-            cmd.env(k, v);
+        let mut last = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_sms-gateway"));
+            cmd.env_clear()
+                .env("PATH", std::env::var("PATH").unwrap_or_default())
+                .env("RUST_LOG", "warn")
+                .env("LISTEN", format!("127.0.0.1:{port}"))
+                .env("OUTBOX_PATH", &outbox)
+                .env("INSTANCE_ID", instance)
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit());
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            let child = cmd.spawn().expect("start sms-gateway");
+            let mut gw = Gateway {
+                child: Some(child),
+                port,
+                outbox: outbox.clone(),
+                instance: instance.to_owned(),
+            };
+            match gw.wait_ready() {
+                Ok(()) => return gw,
+                // Dropped: killed if still running.
+                Err(why) => last = why,
+            }
         }
-        let child = cmd.spawn().expect("start sms-gateway");
-        let gw = Gateway {
-            child: Some(child),
-            port,
-            outbox,
-            instance: instance.to_owned(),
-        };
-        gw.wait_ready();
-        gw
+        panic!("sms-gateway {instance} did not start: {last}");
     }
 
-    fn wait_ready(&self) {
+    /// Waits until this process answers `/healthz` as this instance (not another test's
+    /// gateway on the same port); an error if it exits first or takes too long.
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return;
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                self.child = None;
+                return Err(format!(
+                    "exited ({status}) before listening on {}",
+                    self.port
+                ));
+            }
+            if healthz_instance(self.port).as_deref() == Some(self.instance.as_str()) {
+                return Ok(());
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!(
-            "sms-gateway {} did not listen on {} in time",
-            self.instance, self.port
-        );
+        Err(format!("did not answer on {} in time", self.port))
     }
 
     pub fn url(&self, path: &str) -> String {
