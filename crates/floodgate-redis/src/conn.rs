@@ -20,7 +20,7 @@ use std::fmt;
 use std::future::Future;
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -70,9 +70,11 @@ const CLUSTER_RETRIES: u32 = 6;
 const NOSCRIPT_ROUNDS: usize = 3;
 /// How often the connections to a server that answers `READONLY` are made again, at most.
 const LEAVE_DEMOTED_EVERY: Duration = Duration::from_secs(1);
-/// Calls timed out in a row, with no answer between them, after which the multiplexed
-/// connection is taken for dead and made again (see `RedisConn::after_timeout`).
+/// Calls timed out with no answer between them after which the multiplexed connection may be
+/// taken for dead and made again (see `RedisConn::after_timeout`)...
 const SILENT_TIMEOUTS: u32 = 2;
+/// ...once it has been silent for this long at least (and two call timeouts).
+const SILENT_FOR: Duration = Duration::from_secs(1);
 /// How often, at most, a silent multiplexed connection is made again.
 const REPLACE_SILENT_EVERY: Duration = Duration::from_secs(1);
 
@@ -214,10 +216,30 @@ struct Multiplexed {
     client: redis::Client,
     config: ConnectionManagerConfig,
     connect_timeout: Duration,
-    /// Calls that timed out on it in a row, since its last answer.
-    silent: AtomicU32,
-    /// When it was last made again (or tried) for going silent.
-    replaced: std::sync::Mutex<Option<Instant>>,
+    /// Where it was made: a new one is made there too (its I/O task runs there).
+    runtime: Option<tokio::runtime::Handle>,
+    /// Whether a call timed out since the last answer (read with every answer).
+    silent: AtomicBool,
+    silence: std::sync::Mutex<Silence>,
+}
+
+/// Calls timing out on the multiplexed connection with no answer between them.
+#[derive(Default)]
+struct Silence {
+    /// When the first of them timed out.
+    since: Option<Instant>,
+    /// How many did.
+    timeouts: u32,
+    /// When the connection was last made again (or tried) for going silent.
+    replaced: Option<Instant>,
+}
+
+impl Silence {
+    /// Forgets the silence: an answer came, or a new connection is up.
+    fn end(&mut self) {
+        self.since = None;
+        self.timeouts = 0;
+    }
 }
 
 impl Multiplexed {
@@ -773,57 +795,95 @@ impl RedisConn {
     #[inline]
     fn answered(&self) {
         if let Some(Backend::Multiplexed(m)) = self.inner.backend.get()
-            && m.silent.load(Ordering::Relaxed) != 0
+            && m.silent.load(Ordering::Relaxed)
         {
-            m.silent.store(0, Ordering::Relaxed);
+            m.silent.store(false, Ordering::Relaxed);
+            m.silence
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .end();
         }
     }
 
-    /// A call timed out (one given its whole budget, or the breaker's probe). Calls that time
-    /// out one after the other on the multiplexed connection, with no answer between them, may
-    /// be stuck on a connection gone silent without an error (a proxy or load balancer lost its
-    /// backend, a NAT its entry: the kernel still acknowledges what is sent, so neither
-    /// redis-rs nor `TCP_USER_TIMEOUT` ever sees it fail). After [`SILENT_TIMEOUTS`] such calls
-    /// a new connection is made, at most every [`REPLACE_SILENT_EVERY`], within the connect
-    /// timeout, and takes the old one's place once it is up; calls under way finish (or time
-    /// out) on the old one. A server that is only slow, or hung as a whole, costs a connection
-    /// attempt a second (one that does not come up leaves the old connection in place).
-    /// A pool drops a connection whose call timed out by itself, and a cluster client makes
-    /// its own.
+    /// A call timed out (one given its whole budget, or the breaker's probe). Calls timing out
+    /// on the multiplexed connection with no answer between them may be stuck on a connection
+    /// gone silent without an error (a proxy or load balancer lost its backend, a NAT its
+    /// entry: the kernel still acknowledges what is sent, so neither redis-rs nor
+    /// `TCP_USER_TIMEOUT` ever sees it fail). Once [`SILENT_TIMEOUTS`] have, and nothing was
+    /// answered for [`SILENT_FOR`] and two call timeouts at least, a new connection is made,
+    /// at most every [`REPLACE_SILENT_EVERY`], within the connect timeout, and takes the old
+    /// one's place once it is up; calls under way finish (or time out) on the old one.
+    ///
+    /// A server that is only slow, or hung as a whole, costs a connection attempt a second
+    /// (one that does not come up leaves the old connection in place). When a slow one answers
+    /// again, commands sent on the new connection may have run before those still queued on
+    /// the old one: a lock released after its acquisition timed out may then be taken after
+    /// all, and held until its lease ends, as when Redis cannot be reached to release it.
+    ///
+    /// A pool drops a connection whose call timed out by itself. A cluster client's
+    /// connections are not made again for this (redis-rs only replaces them after a
+    /// connection error or a slot refresh).
     fn after_timeout(&self) {
         let Some(Backend::Multiplexed(m)) = self.inner.backend.get() else {
             return;
         };
-        if m.silent.fetch_add(1, Ordering::Relaxed) + 1 < SILENT_TIMEOUTS {
+        m.silent.store(true, Ordering::Relaxed);
+        let now = Instant::now();
+        let mut silence = m
+            .silence
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        silence.timeouts = silence.timeouts.saturating_add(1);
+        // The first call that timed out was sent a call timeout before it timed out: nothing
+        // has been answered since.
+        let silent_for = now.duration_since(*silence.since.get_or_insert(now)) + self.inner.timeout;
+        if silence.timeouts < SILENT_TIMEOUTS
+            || silent_for < SILENT_FOR.max(self.inner.timeout * 2)
+            || silence
+                .replaced
+                .is_some_and(|at| now.duration_since(at) < REPLACE_SILENT_EVERY)
+        {
             return;
         }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        let Some(runtime) = m
+            .runtime
+            .clone()
+            .or_else(|| tokio::runtime::Handle::try_current().ok())
+        else {
             return;
         };
-        if !due(&m.replaced, REPLACE_SILENT_EVERY) {
-            return;
-        }
+        silence.replaced = Some(now);
+        drop(silence);
         tracing::warn!(
             addr = %self.inner.addr,
-            "no answer on the Redis connection for {SILENT_TIMEOUTS} calls in a row: connecting again"
+            "no answer on the Redis connection for {silent_for:?}: connecting again"
         );
-        let conn = self.clone();
+        let connect = ConnectionManager::new_with_config(m.client.clone(), m.config.clone());
+        let (within, inner) = (m.connect_timeout, Arc::downgrade(&self.inner));
         runtime.spawn(async move {
-            let Some(Backend::Multiplexed(m)) = conn.inner.backend.get() else {
+            let made = tokio::time::timeout(within, connect).await;
+            // Not kept alive by the attempt: dropped meanwhile, it needs no new connection.
+            let Some(inner) = inner.upgrade() else {
                 return;
             };
-            let connect = ConnectionManager::new_with_config(m.client.clone(), m.config.clone());
-            match tokio::time::timeout(m.connect_timeout, connect).await {
+            let Some(Backend::Multiplexed(m)) = inner.backend.get() else {
+                return;
+            };
+            match made {
                 Ok(Ok(manager)) => {
                     m.current.store(Arc::new(manager));
-                    m.silent.store(0, Ordering::Relaxed);
-                    tracing::info!(addr = %conn.inner.addr, "connected to Redis again");
+                    m.silent.store(false, Ordering::Relaxed);
+                    m.silence
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .end();
+                    tracing::info!(addr = %inner.addr, "connected to Redis again");
                 }
                 Ok(Err(e)) => {
-                    tracing::debug!(addr = %conn.inner.addr, error = %e, "cannot connect to Redis again yet");
+                    tracing::debug!(addr = %inner.addr, error = %e, "cannot connect to Redis again yet");
                 }
                 Err(_) => {
-                    tracing::debug!(addr = %conn.inner.addr, "connecting to Redis again timed out");
+                    tracing::debug!(addr = %inner.addr, "connecting to Redis again timed out");
                 }
             }
         });
@@ -1172,8 +1232,9 @@ async fn open(config: &RedisConfig, client: Client) -> Result<Backend, Opened> {
                 client,
                 config: manager_config,
                 connect_timeout,
-                silent: AtomicU32::new(0),
-                replaced: std::sync::Mutex::new(None),
+                runtime: tokio::runtime::Handle::try_current().ok(),
+                silent: AtomicBool::new(false),
+                silence: std::sync::Mutex::new(Silence::default()),
             }))
         }
     }

@@ -690,11 +690,48 @@ fn fault_a_connection_gone_silent_is_replaced_while_redis_answers_new_ones() {
             let took = time_to_recover(&conn, &script, Duration::from_secs(10)).await;
             println!("{kind}: calls succeed again {took:?} after the freeze");
             assert!(
-                took < Duration::from_secs(3),
+                took < Duration::from_secs(5),
                 "{kind}: recovery took {took:?}"
             );
             assert!(proxy.connections() > before, "{kind}: no new connection");
         }
+    });
+}
+
+/// A Redis that stalls for less than a second (a fork, a slow script) keeps its connection:
+/// the calls that time out meanwhile do not make it connect again, and commands are not
+/// reordered across two connections.
+#[test]
+fn fault_a_short_stall_keeps_the_multiplexed_connection() {
+    let server = RedisServer::start().expect("start redis-server");
+    let proxy = TcpProxy::start(server.addr()).expect("proxy");
+    run(async {
+        let kind = ConnectionKind::Multiplexed;
+        let conn = connect(&proxy.url(), kind, Duration::from_millis(100)).await;
+        let script = incr();
+        conn.invoke_script(&script, &[b"before"], &[])
+            .await
+            .expect("before the stall");
+        let before = proxy.connections();
+        server.pause().expect("SIGSTOP");
+        // Calls one after the other for 600 ms: several time out.
+        let started = Instant::now();
+        let mut timed_out = 0;
+        while started.elapsed() < Duration::from_millis(600) {
+            if let Err(e) = conn.invoke_script(&script, &[b"during"], &[]).await {
+                timed_out += usize::from(e.is_timeout());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        server.resume().expect("SIGCONT");
+        assert!(timed_out >= 2, "only {timed_out} calls timed out");
+        let took = time_to_recover(&conn, &script, Duration::from_secs(5)).await;
+        println!("calls succeed again {took:?} after SIGCONT");
+        assert_eq!(
+            proxy.connections(),
+            before,
+            "connected again for a short stall"
+        );
     });
 }
 

@@ -18,7 +18,8 @@ const POLL: Duration = Duration::from_millis(20);
 
 /// A TCP proxy on a free `127.0.0.1` port, forwarding every connection to `upstream`.
 ///
-/// Dropped, it closes every connection it holds, frozen ones included, within about 20 ms.
+/// Dropped, it closes every connection it holds, frozen ones included (a frozen connection
+/// holds its socket to the server until then), within about 20 ms.
 pub struct TcpProxy {
     addr: SocketAddr,
     shared: Arc<Shared>,
@@ -45,6 +46,10 @@ impl TcpProxy {
             .and_then(|l| l.local_addr().map(|a| (l, a)))
             .map_err(|source| TestkitError::NoFreePort { source })?;
         let (listener, addr) = listener;
+        // Polled, so that the accept loop sees `stop` without being woken.
+        listener
+            .set_nonblocking(true)
+            .map_err(|source| TestkitError::NoFreePort { source })?;
         let shared = Arc::new(Shared {
             upstream,
             frozen_below: AtomicU64::new(0),
@@ -90,8 +95,6 @@ impl TcpProxy {
 impl Drop for TcpProxy {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        // Wakes the accept loop, which then sees `stop`.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
         if let Some(accept) = self.accept.take() {
             let _ = accept.join();
         }
@@ -119,11 +122,19 @@ impl std::fmt::Debug for TcpProxy {
 }
 
 fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
-    for client in listener.incoming() {
-        if shared.stop.load(Ordering::SeqCst) {
-            return;
+    while !shared.stop.load(Ordering::SeqCst) {
+        let client = match listener.accept() {
+            Ok((client, _)) => client,
+            // Nothing to accept (or an error that will not go away by retrying at once).
+            Err(_) => {
+                thread::sleep(Duration::from_millis(5));
+                continue;
+            }
+        };
+        // Accepted sockets may inherit the listener's non-blocking mode.
+        if client.set_nonblocking(false).is_err() {
+            continue;
         }
-        let Ok(client) = client else { continue };
         let id = shared.accepted.fetch_add(1, Ordering::SeqCst);
         let Ok(server) = TcpStream::connect_timeout(&shared.upstream, Duration::from_secs(2))
         else {
@@ -149,7 +160,10 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
 /// Copies `from` to `to` until either closes, the proxy stops, or (frozen) forever holding
 /// both open.
 fn forward(mut from: TcpStream, mut to: TcpStream, id: u64, shared: &Shared) {
-    if from.set_read_timeout(Some(POLL)).is_err() {
+    // A peer that stops reading fails the write instead of blocking `Drop` for good.
+    if from.set_read_timeout(Some(POLL)).is_err()
+        || to.set_write_timeout(Some(Duration::from_secs(1))).is_err()
+    {
         return;
     }
     let mut buf = [0u8; 16 * 1024];

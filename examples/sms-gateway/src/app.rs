@@ -159,6 +159,9 @@ pub fn router<S: Shared>(app: Arc<App<S>>) -> Result<Router, floodgate::tower::C
                 .methods([http::Method::POST]),
         )
         .on_store_error(OnStoreError::FailClosed)
+        // A 503 did nothing (the store failed, or too many campaigns are pending): the units
+        // come back, so that clients retrying it do not spend the global budget of messages.
+        .refund_when(|status, _| status == http::StatusCode::SERVICE_UNAVAILABLE)
         // Clients see their remaining budget before they are turned away.
         .headers_on_allowed(true)
         // The shared limiter has its deny cache already (`POST /v1/sms` uses it too).
@@ -530,6 +533,30 @@ async fn create_campaign<S: Shared>(
     State(app): State<Arc<App<S>>>,
     raw: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    // Campaigns wait for the dispatcher with their numbers stored: their count is bounded, or
+    // clients could fill the store (a hundred thousand numbers a campaign). Checked first (a
+    // refused campaign costs no parsing; the layer gives back the units it took, as for every
+    // 503), across replicas: creations racing past it overshoot by their number at most.
+    let pending = app
+        .shared
+        .campaigns_pending()
+        .await
+        .map_err(|e| ApiError::unavailable("the campaign store", e))?
+        .len();
+    let most = app.config.max_pending_campaigns;
+    if pending >= most {
+        metrics::counter!("sms_campaigns_refused_total").increment(1);
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_campaigns",
+            format!(
+                "{pending} campaigns are pending, the most this gateway holds is {most}; \
+                 try again when one completes"
+            ),
+        )
+        // When one completes is not known: a minute is a guess a client can keep to.
+        .retry_after(60));
+    }
     let bytes = body(raw)?;
     let map = json_object(&bytes)?;
     let text = string_field(&map, "text")?;
@@ -563,27 +590,6 @@ async fn create_campaign<S: Shared>(
         if seen.insert(phone.as_str().to_owned()) {
             phones.push(phone.as_str().to_owned());
         }
-    }
-    // Campaigns wait for the dispatcher with their numbers stored: their count is bounded, or
-    // clients could fill the store (a hundred thousand numbers a campaign). Checked before
-    // creating, across replicas: creations racing past it overshoot by their number at most.
-    let pending = app
-        .shared
-        .campaigns_pending()
-        .await
-        .map_err(|e| ApiError::unavailable("the campaign store", e))?
-        .len();
-    let most = app.config.max_pending_campaigns;
-    if pending >= most {
-        metrics::counter!("sms_campaigns_refused_total").increment(1);
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too_many_campaigns",
-            format!(
-                "{pending} campaigns are pending, the most this gateway holds is {most}; \
-                 try again when one completes"
-            ),
-        ));
     }
     let campaign = Campaign {
         id: message_id(),

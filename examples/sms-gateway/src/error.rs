@@ -12,6 +12,8 @@ pub struct ApiError {
     pub code: &'static str,
     pub message: String,
     pub field: Option<String>,
+    /// Seconds for a `Retry-After` header, if any.
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -22,6 +24,7 @@ impl ApiError {
             code: "invalid_field",
             message: format!("{field} {}", message.into()),
             field: Some(field.to_owned()),
+            retry_after: None,
         }
     }
 
@@ -31,6 +34,7 @@ impl ApiError {
             code,
             message: message.into(),
             field: None,
+            retry_after: None,
         }
     }
 
@@ -43,6 +47,12 @@ impl ApiError {
             "unavailable",
             format!("{what} is unavailable; try again later"),
         )
+    }
+
+    /// With a `Retry-After` of `secs`.
+    pub fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
     }
 
     pub fn field(&self) -> Option<&str> {
@@ -63,6 +73,12 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }

@@ -361,7 +361,8 @@ async fn a_message_the_provider_refused_does_not_count() {
 }
 
 /// Pending campaigns are bounded: one more than `MAX_PENDING_CAMPAIGNS` is refused with 503,
-/// naming why, and nothing of it is stored.
+/// naming why, with a `Retry-After`; the units the layer took for it come back, so that clients
+/// retrying do not use up the global budget the pending campaigns need to complete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn campaigns_beyond_the_pending_bound_are_refused() {
     let dir = temp_dir("pending");
@@ -369,13 +370,15 @@ async fn campaigns_beyond_the_pending_bound_are_refused() {
         &dir,
         "pending",
         &[
-            ("GLOBAL_PER_SECOND", "10"),
+            // Campaigns send at 16 a second of it (their burst too), leaving the API 4 a
+            // second: the two creations and their campaigns' first burst fit in 20.
+            ("GLOBAL_PER_SECOND", "20"),
             ("IP_PER_MINUTE", "1000"),
             ("MAX_PENDING_CAMPAIGNS", "2"),
         ],
     );
     let http = Http::new();
-    // 300 numbers each, sent at 8 a second: both stay pending for the rest of the test.
+    // 300 numbers each, sent at 16 a second: both stay pending for the rest of the test.
     let campaign = |n: u32| {
         let phones: Vec<String> = (0..300)
             .map(|i| format!("\"+86139{n:02}{i:06}\""))
@@ -395,6 +398,13 @@ async fn campaigns_beyond_the_pending_bound_are_refused() {
         "{}",
         refused.body
     );
+    assert_eq!(refused.headers["retry-after"], "60");
+    // Retried at once, ten times: each is refused for the same reason, never by the global
+    // limit (which a refused creation spending its unit would reach after two or three).
+    for i in 0..10 {
+        let again = http.post(&gw.url("/v1/campaigns"), &campaign(2)).await;
+        assert_eq!(again.status, 503, "retry {i}: {}", again.body);
+    }
     // The two pending campaigns are the ones created, and still there.
     for id in &ids {
         let got = http.get(&gw.url(&format!("/v1/campaigns/{id}"))).await;

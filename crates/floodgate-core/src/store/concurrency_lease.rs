@@ -300,7 +300,9 @@ async fn renew<L: Limiter>(
         (true, None) => {}
         (false, _) => clock.lose(),
     }
-    Ok(held)
+    // A renewal the store accepted after the lease was lost (its TTL passed while the call
+    // was under way) does not bring it back: lost stays lost, and says so.
+    Ok(held && !clock.is_lost())
 }
 
 impl<L> Drop for ConcurrencyLease<L>

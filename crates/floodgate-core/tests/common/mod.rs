@@ -93,6 +93,10 @@ impl Limiter for Store {
     }
 
     async fn renew(&self, checks: &[Check<'_>], lease: LeaseId) -> Result<bool, MemoryError> {
+        let delay = self.delay_us.load(Ordering::Relaxed);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_micros(delay)).await;
+        }
         self.inner.renew(checks, lease).await
     }
 
