@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -58,7 +58,15 @@ struct Shared<C> {
     /// check's future holds it across the store's call, and is boxed per request). A count
     /// that wraps is one more stale answer, never a stale answer kept.
     counts: AtomicU64,
+    /// The refund count (low half of `counts`) of the last refund of a (policy, key) in each
+    /// stripe: a denial of other keys than those refunded meanwhile is still stored.
+    refunded: Box<[AtomicU32]>,
+    /// Refunds counted in `counts` whose stripes may not be written yet.
+    refunding: AtomicU32,
 }
+
+/// Stripes of `Shared::refunded`: keys refunded at once rarely share one.
+const REFUND_STRIPES: usize = 256;
 
 /// A [`Limiter`] in front of another that remembers denials.
 ///
@@ -125,6 +133,8 @@ impl<L, C: Clock> DenyCache<L, C> {
                 misses: AtomicU64::new(0),
                 coalesced: AtomicU64::new(0),
                 counts: AtomicU64::new(0),
+                refunded: (0..REFUND_STRIPES).map(|_| AtomicU32::new(0)).collect(),
+                refunding: AtomicU32::new(0),
             }),
             max_hold_us: u64::MAX,
         }
@@ -200,15 +210,43 @@ impl<L, C: Clock> DenyCache<L, C> {
         map.lock(map.shard_of(hash)).remove(hash, 0, &key);
     }
 
-    /// Stores `entry`, unless a refund was made through this cache since its check was sent
-    /// (`counts`, the counts read then). Compared under the shard's lock, which a refund's
-    /// `forget` takes after counting itself: the denial is either not stored or forgotten.
-    fn remember(&self, fp: &[u64; 2], now: u64, entry: Entry, counts: u64) {
+    /// The stripe of `Shared::refunded` that counts refunds of `check`'s policy and key.
+    fn stripe(&self, check: &Check<'_>) -> &AtomicU32 {
+        let h = self
+            .shared
+            .fingerprints
+            .hash_one((check.policy.ident(), check.key));
+        // `REFUND_STRIPES` is a power of two: the low bits.
+        &self.shared.refunded[(h as usize) & (REFUND_STRIPES - 1)]
+    }
+
+    /// Stores `entry`, the denial of `checks` by `verdict`, unless a refund of one of the keys
+    /// that deny was made through this cache since the check was sent (`counts`, the counts
+    /// read then). Compared under the shard's lock, which a refund's `forget` takes after
+    /// counting itself: a denial of the refunded check itself is either not stored or
+    /// forgotten.
+    fn remember(
+        &self,
+        fp: &[u64; 2],
+        now: u64,
+        entry: Entry,
+        counts: u64,
+        (checks, verdict): (&[Check<'_>], &Verdict),
+    ) {
         let key = fp_bytes(fp);
         let map = &self.shared.map;
         let hash = map.hash(0, &key);
         let mut shard = map.lock(map.shard_of(hash));
-        if refunds_of(self.shared.counts.load(Ordering::Acquire)) != refunds_of(counts) {
+        let asked = refunds_of(counts);
+        if refunds_of(self.shared.counts.load(Ordering::SeqCst)) != asked
+            // A refund counted and still writing its stripes: any of them may be ours.
+            && (self.shared.refunding.load(Ordering::SeqCst) > 0
+                || denying(checks, verdict).any(|c| {
+                    // Wrapping: a stripe refunded after the asking reads as ahead of it.
+                    let last = self.stripe(c).load(Ordering::SeqCst);
+                    (last.wrapping_sub(asked) as i32) > 0
+                }))
+        {
             return;
         }
         let expires_at = entry.until + PROBE_GRACE_US;
@@ -250,6 +288,26 @@ fn resets_of(counts: u64) -> u32 {
 
 fn refunds_of(counts: u64) -> u32 {
     counts as u32
+}
+
+/// The checks whose decisions make `verdict` a denial: those denied, or, for an allowed
+/// verdict, those it left without a unit (see [`denial_for`]).
+fn denying<'a, 'c>(
+    checks: &'a [Check<'c>],
+    verdict: &'a Verdict,
+) -> impl Iterator<Item = &'a Check<'c>> + 'a {
+    let allowed = verdict.allowed();
+    checks
+        .iter()
+        .zip(&verdict.decisions)
+        .filter(move |(c, d)| {
+            if allowed {
+                d.remaining < c.cost.max(1)
+            } else {
+                !d.allowed
+            }
+        })
+        .map(|(c, _)| c)
 }
 
 fn fp_bytes(fp: &[u64; 2]) -> [u8; 16] {
@@ -423,7 +481,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             }
         }
         // Read before the store is asked: a reset made meanwhile makes this answer stale.
-        let counts = self.shared.counts.load(Ordering::Acquire);
+        let counts = self.shared.counts.load(Ordering::SeqCst);
         let result = self.inner.check(checks, opts).await;
         if let (Some(fp), Ok(verdict)) = (fp, &result) {
             // Measured from the reply: a denial may outlast the store's by the reply's trip
@@ -445,7 +503,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             // denial ran out, callers of this check keep coming one at a time, so a crowd
             // that was waiting does not all reach the store at once.
             if let Some(entry) = entry {
-                self.remember(&fp, now, entry, counts);
+                self.remember(&fp, now, entry, counts, (checks, verdict));
             }
         }
         // The leader's guard, dropped here (or with this future, if it is cancelled before
@@ -474,12 +532,28 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
     /// Refunds in the store, then forgets the cached denial of the same checks (made without a
     /// wait), which the refund makes wrong: a check that spent a key's last unit leaves one
     /// behind. Cached denials of other checks on the same keys run out at their time. A denial
-    /// the store answered before the refund and not yet stored is not stored (of any check: a
-    /// store call each for the few in flight).
+    /// the store answered before the refund and not yet stored is not stored when one of the
+    /// keys that denied it was refunded (by policy and key, in 256 stripes: a key sharing a
+    /// stripe with a refunded one costs a store call); denials made by other keys, a global
+    /// policy's among the keys refunded or not, are stored.
     async fn refund(&self, checks: &[Check<'_>], verdict: &Verdict) -> Result<(), L::Error> {
         self.inner.refund(checks, verdict).await?;
         if verdict.allowed() {
-            self.shared.counts.fetch_add(ONE_REFUND, Ordering::AcqRel);
+            // Counted, then its stripes written, while `refunding` says so: a denial stored
+            // meanwhile (which sees the count) cannot miss the stripes (see `remember`).
+            let shared = &self.shared;
+            shared.refunding.fetch_add(1, Ordering::SeqCst);
+            let counts = shared.counts.fetch_add(ONE_REFUND, Ordering::SeqCst);
+            let refund = refunds_of(counts.wrapping_add(ONE_REFUND));
+            for c in checks {
+                // The latest refund of the stripe, however refunds race (wrapping).
+                let _ = self
+                    .stripe(c)
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |last| {
+                        ((refund.wrapping_sub(last) as i32) > 0).then_some(refund)
+                    });
+            }
+            shared.refunding.fetch_sub(1, Ordering::SeqCst);
             self.forget(&self.fingerprint(checks, &CheckOptions::default()));
         }
         Ok(())
