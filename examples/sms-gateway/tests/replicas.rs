@@ -192,7 +192,11 @@ fn campaign_phones(n: usize, base: u64) -> Vec<String> {
 async fn a_campaign_of_2000_is_sent_exactly_once_and_skips_opt_outs() {
     let redis = RedisServer::start().expect("redis-server");
     let dir = temp_dir("campaign");
-    let (a, b) = pair(&dir, &redis, &[("IP_PER_MINUTE", "100000")]);
+    let (a, b) = pair(
+        &dir,
+        &redis,
+        &[("IP_PER_MINUTE", "100000"), ("MAX_PENDING_CAMPAIGNS", "1")],
+    );
     let http = Http::new();
     let phones = campaign_phones(2_000, 13_500_000_000);
     // Some numbers opted out, through either replica.
@@ -212,7 +216,15 @@ async fn a_campaign_of_2000_is_sent_exactly_once_and_skips_opt_outs() {
         .await;
     assert_eq!(created.status, 202, "{}", created.body);
     let id = created.body["id"].as_str().expect("id").to_owned();
+    // One campaign pending at most, across replicas: the other one refuses a second.
+    let another = json!({"phones": ["+8613512345678"], "text": "later"}).to_string();
+    let refused = http.post(&b.url("/v1/campaigns"), &another).await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.body["error"]["code"], "too_many_campaigns");
     let progress = wait_campaign(&http, &[&a, &b], &id, Duration::from_secs(120)).await;
+    // Completed, it no longer counts.
+    let accepted = http.post(&b.url("/v1/campaigns"), &another).await;
+    assert_eq!(accepted.status, 202, "{}", accepted.body);
     assert_eq!(progress["total"], 2_000);
     assert_eq!(progress["opted_out"], opted.len());
     assert_eq!(progress["sent"], 2_000 - opted.len());
