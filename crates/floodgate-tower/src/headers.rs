@@ -233,10 +233,19 @@ pub fn insert_headers(
     }
 }
 
-/// Appends `block` to `headers`.
+/// Adds `block` to `headers`: the IETF fields appended (a list field may come in several
+/// lines, one per layer), the legacy single-value ones set (two layers, or an inner service
+/// that set them, would otherwise leave two `X-RateLimit-Limit` lines).
 pub(crate) fn apply(block: HeaderBlock, headers: &mut HeaderMap) {
     for (field, value) in block {
-        headers.append(field.name(), value);
+        match field {
+            Field::Policy | Field::RateLimit => {
+                headers.append(field.name(), value);
+            }
+            Field::Limit | Field::Remaining | Field::Reset => {
+                headers.insert(field.name(), value);
+            }
+        }
     }
 }
 
@@ -318,5 +327,26 @@ mod tests {
         assert_eq!(ceil_secs(Duration::ZERO), 0);
         assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
         assert_eq!(ceil_secs(Duration::from_secs(2)), 2);
+    }
+
+    #[test]
+    fn legacy_fields_are_set_and_ietf_fields_appended() {
+        // What an outer layer (or the inner service) wrote already.
+        let mut headers = HeaderMap::new();
+        headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(1000));
+        headers.insert(RATELIMIT, HeaderValue::from_static("\"outer\";r=999;t=0"));
+        apply(
+            vec![
+                (
+                    Field::RateLimit,
+                    HeaderValue::from_static("\"inner\";r=9;t=0"),
+                ),
+                (Field::Limit, HeaderValue::from(10)),
+            ],
+            &mut headers,
+        );
+        let limits: Vec<_> = headers.get_all(X_RATELIMIT_LIMIT).iter().collect();
+        assert_eq!(limits, [HeaderValue::from(10)]);
+        assert_eq!(headers.get_all(RATELIMIT).iter().count(), 2);
     }
 }

@@ -103,7 +103,8 @@ impl<'a> Rejection<'a> {
                 }
                 match self.retry_after {
                     Some(d) => {
-                        let _ = write!(s, "; retry in {} s", ceil_secs(d));
+                        // As `Retry-After`: never 0 while denied.
+                        let _ = write!(s, "; retry in {} s", ceil_secs(d).max(1));
                     }
                     None => s.push_str("; this request can never be admitted"),
                 }

@@ -1,6 +1,5 @@
 //! [`Rule`]: a policy, the key it counts, its cost, and the requests it applies to.
 
-use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -136,9 +135,11 @@ impl Rule {
     ///
     /// A path matches as it is sent or in its canonical form: percent-escapes decoded (but
     /// `%2F`, which stays a character of its segment), empty and `.` segments dropped, `..`
-    /// segments taking the one before them away. Routers and file servers decode paths before
-    /// they act on them (axum's path parameters, `ServeDir`), so `/v1/%73ms/send` and
-    /// `/v1/./sms//send` reach the handler of `/v1/sms/send` and count under `/v1/sms` too.
+    /// segments taking the one before them away. Some handlers decode paths before they act on
+    /// them (axum's path parameters, `ServeDir`, a proxy in front that normalises), so
+    /// `/v1/%73ms/send` and `/v1/./sms//send` count under `/v1/sms` too, whether or not the
+    /// router sends them to the same handler. A prefix given with escapes (`/%7Euser`) matches
+    /// either spelling of the path (`/~user`) as well.
     #[must_use]
     pub fn path_prefix(mut self, prefix: &str) -> Self {
         let trimmed = prefix.trim_end_matches('/');
@@ -261,10 +262,10 @@ impl Rule {
         {
             return true;
         }
+        // Against the canonical prefixes also when the path is canonical already: a prefix
+        // configured with escapes (`/%7Euser`) has a canonical form the path may be sent in.
         let canonical = canonical_path(path);
-        // A path that is canonical already was matched above.
-        !matches!(canonical, Cow::Borrowed(_))
-            && self.canonical_prefixes.iter().any(|p| under(&canonical, p))
+        self.canonical_prefixes.iter().any(|p| under(&canonical, p))
     }
 
     #[cfg(feature = "axum")]
@@ -383,5 +384,28 @@ mod tests {
         let all = Rule::new(p).path_prefix("/");
         let req = http::Request::get("/anything").body(()).expect("request");
         assert!(all.applies_to(&RequestView::from_request(&req)));
+    }
+
+    #[test]
+    fn a_prefix_configured_with_escapes_matches_the_plain_spelling_too() {
+        let p = Policy::per_second(1).expect("policy");
+        let rule = Rule::new(p)
+            .path_prefix("/v1/items%3AbatchGet")
+            .path_prefix("/%7Euser");
+        let check = |path: &str| {
+            let req = http::Request::get(path).body(()).expect("request");
+            rule.applies_to(&RequestView::from_request(&req))
+        };
+        for (path, under) in [
+            ("/v1/items%3AbatchGet", true),
+            ("/v1/items:batchGet", true),
+            ("/v1/items:batchGet/x", true),
+            ("/~user/x", true),
+            ("/%7euser", true),
+            ("/~users", false),
+            ("/v1/items", false),
+        ] {
+            assert_eq!(check(path), under, "{path}");
+        }
     }
 }

@@ -91,7 +91,14 @@ pub struct HeaderKey {
     binary: bool,
     /// The digest the value is keyed on, if any (see [`HeaderKey::hashed`]).
     digest: Option<Arc<Digest>>,
+    /// The longest value hashed (see [`HeaderKey::max_value_len`]).
+    max_value_len: usize,
 }
+
+/// The longest header value [`HeaderKey::hashed`] hashes by default: 8 KiB, room for the
+/// bearer tokens of identity providers (often 2 to 4 KiB with their claims), the most many
+/// proxies pass in one header line.
+pub const DEFAULT_MAX_HASHED_VALUE_LEN: usize = 8 * 1024;
 
 /// How [`HeaderKey`] digests a value: SHA-256, or HMAC-SHA-256 with the hasher states after
 /// the secret's inner and outer pads (RFC 2104), which each value's digest starts from.
@@ -166,6 +173,7 @@ impl HeaderKey {
             name,
             binary,
             digest: None,
+            max_value_len: DEFAULT_MAX_HASHED_VALUE_LEN,
         }
     }
 
@@ -176,9 +184,9 @@ impl HeaderKey {
     /// they are hashed.
     ///
     /// The layer's [`max_key_len`](crate::RateLimitLayerBuilder::max_key_len) applies to the
-    /// digest, so a value longer than [`DEFAULT_MAX_KEY_LEN`](super::DEFAULT_MAX_KEY_LEN)
-    /// (1 KiB) is refused as too long before it is hashed, as the plain key would be by
-    /// default: a client cannot make the layer hash whatever the HTTP server accepts.
+    /// digest (32 bytes). A value longer than [`HeaderKey::max_value_len`] (by default
+    /// [`DEFAULT_MAX_HASHED_VALUE_LEN`], 8 KiB) is refused as too long before it is hashed: a
+    /// client cannot make the layer hash whatever the HTTP server accepts.
     pub fn hashed(mut self) -> Self {
         self.digest = Some(Arc::new(Digest::Sha256));
         self
@@ -188,10 +196,19 @@ impl HeaderKey {
     /// digits): for values with little entropy, whose plain digest could be reversed by trying
     /// every value. Every replica must use the same secret, or each keeps its own counts; a
     /// new secret starts every client's counts afresh. Use at least 32 random bytes: an empty
-    /// or guessable secret protects nothing. Values are refused over 1 KiB, as with
-    /// [`HeaderKey::hashed`].
+    /// or guessable secret protects nothing. Values longer than
+    /// [`HeaderKey::max_value_len`] are refused, as with [`HeaderKey::hashed`].
     pub fn hashed_with(mut self, secret: &[u8]) -> Self {
         self.digest = Some(Arc::new(Digest::hmac(secret)));
+        self
+    }
+
+    /// The longest value [`HeaderKey::hashed`] and [`HeaderKey::hashed_with`] hash (default
+    /// [`DEFAULT_MAX_HASHED_VALUE_LEN`]); a longer one is [`KeyError::TooLong`]. A value keyed
+    /// as it is (not hashed) is bounded by the layer's
+    /// [`max_key_len`](crate::RateLimitLayerBuilder::max_key_len) instead.
+    pub fn max_value_len(mut self, max: usize) -> Self {
+        self.max_value_len = max;
         self
     }
 
@@ -229,9 +246,9 @@ impl KeyExtractor for HeaderKey {
             });
         }
         match &self.digest {
-            Some(_) if bytes.len() > super::DEFAULT_MAX_KEY_LEN => Err(KeyError::TooLong {
+            Some(_) if bytes.len() > self.max_value_len => Err(KeyError::TooLong {
                 len: bytes.len(),
-                max: super::DEFAULT_MAX_KEY_LEN,
+                max: self.max_value_len,
             }),
             Some(digest) => Ok(digest.key(bytes)),
             None => Ok(Key::new(bytes)),
@@ -607,17 +624,28 @@ mod tests {
         );
         let shown = format!("{:?}", named().hashed_with(b"s3cret-value"));
         assert!(!shown.contains("s3cret"), "{shown}");
-        // A value over 1 KiB is refused before it is hashed; 1 KiB itself is hashed.
-        let long = vec![b'k'; 1025];
+        // A value over 8 KiB is refused before it is hashed; 8 KiB itself (a large bearer
+        // token) is hashed. The bound can be set.
+        let long = vec![b'k'; 8 * 1024 + 1];
         let req = request("/", &[("authorization", &long)]);
         assert!(matches!(
             named().hashed().extract(&RequestView::from_request(&req)),
             Err(KeyError::TooLong {
-                len: 1025,
-                max: 1024
+                len: 8193,
+                max: 8192
             })
         ));
-        assert_eq!(keyed(named().hashed(), &long[..1024]).len(), 32);
+        assert_eq!(keyed(named().hashed(), &long[..8 * 1024]).len(), 32);
+        assert!(matches!(
+            named()
+                .hashed()
+                .max_value_len(100)
+                .extract(&RequestView::from_request(&request(
+                    "/",
+                    &[("authorization", &long[..101])]
+                ))),
+            Err(KeyError::TooLong { len: 101, max: 100 })
+        ));
         // Empty and missing values stay errors, not the digest of nothing.
         let req = request("/", &[("authorization", b" ")]);
         assert!(matches!(

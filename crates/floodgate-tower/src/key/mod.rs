@@ -28,7 +28,10 @@ use smallvec::SmallVec;
 #[cfg(feature = "axum")]
 pub use builtin::RouteKey;
 pub(crate) use builtin::canonical_path;
-pub use builtin::{Composite, GlobalKey, HeaderKey, MetadataKey, MethodKey, PathKey, PeerIp};
+pub use builtin::{
+    Composite, DEFAULT_MAX_HASHED_VALUE_LEN, GlobalKey, HeaderKey, MetadataKey, MethodKey, PathKey,
+    PeerIp,
+};
 pub use client_ip::{ClientIp, ForwardedHeader, TrustedProxies};
 
 /// The longest key accepted by default; longer keys count as missing, and are turned away
