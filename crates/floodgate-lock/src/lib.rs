@@ -73,6 +73,11 @@
 //!   as no node loses its counter. For locks whose double grant would be a disaster, use the
 //!   fencing token at the resource, or etcd/ZooKeeper.
 //!
+//! A Redis that holds locks needs `maxmemory-policy noeviction`: lock keys always have a TTL,
+//! so any `volatile-*` policy (`volatile-ttl` first of all) and every `allkeys-*` one may evict
+//! a held lock to make room, and hand it to a second client while the first learns of it only
+//! at its next renewal.
+//!
 //! Custom stores implement [`LockStore`] and convert their error
 //! into [`Error`] (`impl From<MyError> for floodgate_lock::Error`, e.g. to [`Error::Store`]).
 

@@ -244,7 +244,11 @@ impl Redlock {
                 Err(e) => {
                     tracing::warn!(node = %shown, error = %e, "Redlock node unreachable at start");
                     errors.push(e);
-                    OnceCell::new()
+                    // Connected later in a task of its own, within the connect timeout: made
+                    // inside a call, it would be cancelled at every node timeout (200 ms by
+                    // default), and a node slower than that to connect would never join.
+                    RedisLocks::connect_lazy(&url)
+                        .map_or_else(|_| OnceCell::new(), |locks| OnceCell::new_with(Some(locks)))
                 }
             };
             nodes.push(Node::new(shown, Some(url), locks));
@@ -587,8 +591,19 @@ impl LockStore for Redlock {
             .into_iter()
             .filter(|raised| *raised)
             .count();
-            if raised >= self.quorum && started.elapsed() + drift < ttl {
+            let took = started.elapsed();
+            if raised >= self.quorum && took + drift < ttl {
                 return Ok(LockAttempt::Acquired { fence });
+            }
+            if took + drift >= ttl {
+                // Granted, but too late to be held: not another holder's (a busy lock would
+                // make `try_acquire` answer `None`), a store too slow for this lease.
+                self.release_everywhere(name, token).await;
+                return Err(Error::AnsweredTooLate {
+                    name: floodgate_redis::display_key(name),
+                    took,
+                    ttl,
+                });
             }
         }
         self.release_everywhere(name, token).await;

@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use floodgate_lock::{Error, Lock, LockStore, Redlock};
-use floodgate_testkit::RedisServers;
+use floodgate_testkit::{RedisServers, TcpProxy};
 use support::{redis_locks_with, run, scripts_run, servers};
 use tokio::time::Instant;
 
@@ -79,6 +79,74 @@ fn keeps_working_with_two_of_five_nodes_down() {
             );
             guard.extend().await.expect("extended on the quorum");
             guard.release().await.expect("released on the quorum");
+        }
+    });
+}
+
+/// A node down at start, and slower to connect to than the node timeout once it is back (far
+/// away, or behind TLS), still joins: its connection is made in a task of its own, not inside
+/// calls that give up at the node timeout. With another node down, the quorum needs it.
+#[test]
+fn a_node_down_at_start_and_slow_to_connect_joins_later() {
+    let servers = servers(3);
+    let slow = TcpProxy::start(servers.servers()[2].addr()).expect("proxy");
+    run(Duration::from_secs(60), async {
+        servers.servers()[2].kill().expect("kill");
+        let urls = [
+            servers.servers()[0].url(),
+            servers.servers()[1].url(),
+            slow.url(),
+        ];
+        let redlock = Redlock::connect(&urls)
+            .await
+            .expect("a quorum of 2 at start")
+            .with_node_timeout(Duration::from_millis(300))
+            .expect("timeout");
+        servers.servers()[2].restart().expect("restart");
+        // Every new connection to it takes 600 ms to answer, twice the node timeout.
+        slow.delay_new_connections(Duration::from_millis(600));
+        let lock = Lock::new(redlock, "report", TTL).expect("valid");
+        // Asked now, node 2 times out (and starts connecting).
+        let guard = lock
+            .acquire(Duration::from_secs(5))
+            .await
+            .expect("nodes 0 and 1");
+        guard.release().await.expect("released");
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        servers.servers()[0].kill().expect("kill");
+        let guard = lock
+            .acquire(Duration::from_secs(5))
+            .await
+            .expect("nodes 1 and 2: node 2 joined");
+        guard.release().await.expect("released");
+    });
+}
+
+/// A quorum that grants the lock after the lease has run out (a node waited for up to the node
+/// timeout, longer than the lease) is a store too slow for the lease, not a lock someone holds:
+/// an error that says so, and the grant given back everywhere.
+#[test]
+fn a_grant_later_than_the_lease_is_answered_too_late_not_busy() {
+    let servers = servers(3);
+    run(Duration::from_secs(60), async {
+        let redlock = redlock(&servers).await;
+        warm_up(&redlock).await;
+        let ttl = Duration::from_millis(200);
+        let lock = Lock::new(redlock.clone(), "report", ttl).expect("valid");
+        servers.servers()[2].pause().expect("SIGSTOP");
+        let e = lock.try_acquire().await.expect_err("too late");
+        servers.servers()[2].resume().expect("SIGCONT");
+        assert!(matches!(e, Error::AnsweredTooLate { .. }), "{e}");
+        assert!(e.is_transient(), "{e}");
+        // Given back on the nodes that granted it.
+        let key = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1))
+            .await
+            .lock_key(b"report");
+        for i in [0, 1] {
+            let held = servers.servers()[i]
+                .cmd(&[&b"EXISTS"[..], &key])
+                .expect("EXISTS");
+            assert_eq!(held.as_int(), Some(0), "still held on node {i}");
         }
     });
 }

@@ -33,6 +33,8 @@ struct Shared {
     /// How many connections were accepted (the next one's number).
     accepted: AtomicU64,
     stop: AtomicBool,
+    /// How long new connections wait before anything is passed on, in milliseconds.
+    delay_ms: AtomicU64,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -55,6 +57,7 @@ impl TcpProxy {
             frozen_below: AtomicU64::new(0),
             accepted: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            delay_ms: AtomicU64::new(0),
             threads: Mutex::new(Vec::new()),
         });
         let accept = {
@@ -84,6 +87,14 @@ impl TcpProxy {
         self.shared
             .frozen_below
             .fetch_max(accepted, Ordering::SeqCst);
+    }
+
+    /// Connections accepted from now on pass nothing on, either way, for `delay` (a server
+    /// slow to answer a new connection: far away, or behind TLS); those open already are not
+    /// slowed.
+    pub fn delay_new_connections(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.shared.delay_ms.store(ms, Ordering::SeqCst);
     }
 
     /// How many connections the proxy has accepted so far.
@@ -136,6 +147,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             continue;
         }
         let id = shared.accepted.fetch_add(1, Ordering::SeqCst);
+        let delay = Duration::from_millis(shared.delay_ms.load(Ordering::SeqCst));
         let Ok(server) = TcpStream::connect_timeout(&shared.upstream, Duration::from_secs(2))
         else {
             continue;
@@ -152,14 +164,18 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             .unwrap_or_else(PoisonError::into_inner);
         for (from, to) in [(client, server), (server2, client2)] {
             let shared = Arc::clone(shared);
-            threads.push(thread::spawn(move || forward(from, to, id, &shared)));
+            threads.push(thread::spawn(move || forward(from, to, id, delay, &shared)));
         }
     }
 }
 
 /// Copies `from` to `to` until either closes, the proxy stops, or (frozen) forever holding
 /// both open.
-fn forward(mut from: TcpStream, mut to: TcpStream, id: u64, shared: &Shared) {
+fn forward(mut from: TcpStream, mut to: TcpStream, id: u64, delay: Duration, shared: &Shared) {
+    let started = std::time::Instant::now();
+    while started.elapsed() < delay && !shared.stop.load(Ordering::SeqCst) {
+        thread::sleep(POLL);
+    }
     // A peer that stops reading fails the write instead of blocking `Drop` for good.
     if from.set_read_timeout(Some(POLL)).is_err()
         || to.set_write_timeout(Some(Duration::from_secs(1))).is_err()

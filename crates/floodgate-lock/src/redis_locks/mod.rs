@@ -85,6 +85,18 @@ impl RedisLocks {
         Ok(Self::builder(conn).notifications([url])?.build())
     }
 
+    /// [`RedisLocks::connect`] without reaching the server now: the connection is made in a
+    /// task of its own, within its connect timeout, on first use (see
+    /// `RedisConn::connect_lazy`), whatever the deadline of the call that needs it.
+    ///
+    /// # Errors
+    /// [`Error::Redis`] or [`Error::Invalid`] for a bad URL.
+    pub fn connect_lazy(url: &str) -> Result<Self, Error> {
+        let config = RedisConfig::new(url)?;
+        let conn = RedisConn::connect_lazy(&config)?;
+        Ok(Self::builder(conn).notifications([url])?.build())
+    }
+
     /// Locks on an existing connection (its key prefix, timeout and kind). Without
     /// [`notifications`](RedisLocksBuilder::notifications), waiters only retry on their backoff.
     pub fn builder(conn: RedisConn) -> RedisLocksBuilder {
