@@ -80,9 +80,12 @@ pub trait LockStore: Send + Sync + 'static {
 
     /// How much of a `ttl` lease a holder must assume lost to clock drift between itself and
     /// the store: a lease taken or extended at `t` is trusted until `t + ttl - clock_drift(ttl)`.
-    /// Zero for a store that expires leases on the holder's own clock (memory); a Redis server
-    /// expires them on its own, whose rate may differ, and the Redis stores (one server or
-    /// Redlock) allow `ttl / 100 + 2 ms`.
+    /// The memory store expires leases on its own clock (for `SystemClock`, the CPU's
+    /// counter), the holder on Tokio's (the monotonic clock, which NTP may slew by up to 500
+    /// ppm): it allows `ttl / 1000`. A Redis server expires them on its own clock, whose rate
+    /// may differ more, and the Redis stores (one server or Redlock) allow `ttl / 100 + 2 ms`.
+    /// (Under `tokio::time::pause` the holder's clock stands still while the memory store's
+    /// runs on: leases there are only as good as the test's use of time.)
     fn clock_drift(&self, ttl: Duration) -> Duration {
         let _ = ttl;
         Duration::ZERO
@@ -339,6 +342,12 @@ impl<C: Clock> LockStore for MemoryLocks<C> {
 
     fn released(&self, name: &[u8]) -> Released {
         self.watch(name)
+    }
+
+    /// A thousandth of the lease: the store's clock and the holder's (Tokio's) are not one
+    /// (see [`LockStore::clock_drift`]).
+    fn clock_drift(&self, ttl: Duration) -> Duration {
+        ttl / 1000
     }
 }
 

@@ -77,7 +77,11 @@ fn a_single_redis_lease_allows_for_clock_drift() {
         let locks = redis_locks(&server.url()).await;
         let ttl = Duration::from_secs(10);
         assert_eq!(locks.clock_drift(ttl), Duration::from_millis(102));
-        assert_eq!(MemoryLocks::new().clock_drift(ttl), Duration::ZERO);
+        // The memory store's clock is not the holder's either: a thousandth.
+        assert_eq!(
+            MemoryLocks::new().clock_drift(ttl),
+            Duration::from_millis(10)
+        );
         let guard = Lock::new(locks, "drift", ttl)
             .expect("lock")
             .try_acquire()
@@ -499,6 +503,65 @@ fn hand_off_is_woken_by_the_release_notification() {
             }
         }
     });
+}
+
+/// The subscriber runs on the runtime of the first waiter. When that runtime shuts down (a
+/// `block_on` helper, a test's runtime), the channels it had subscribed must not stay marked
+/// subscribed: a waiter on another runtime starts a new subscriber and is woken by the release,
+/// not by its backoff.
+#[test]
+fn hand_off_still_notifies_after_the_first_waiter_s_runtime_is_gone() {
+    let server = server();
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let slow = Backoff::new(Duration::from_secs(5), Duration::from_secs(5)).expect("valid");
+    let (holder, waiter) = main.block_on(async {
+        let holder = Lock::new(redis_locks(&server.url()).await, "gone", TTL).expect("valid");
+        let waiter = Lock::new(redis_locks(&server.url()).await, "gone", TTL)
+            .expect("valid")
+            .backoff(slow);
+        (holder, waiter)
+    });
+    let hand_off = |rt: &tokio::runtime::Runtime| {
+        rt.block_on(async {
+            let guard = holder.try_acquire().await.expect("ok").expect("free");
+            let waiting = {
+                let waiter = waiter.clone();
+                tokio::spawn(async move {
+                    let g = waiter
+                        .acquire(Duration::from_secs(20))
+                        .await
+                        .expect("acquired");
+                    (Instant::now(), g)
+                })
+            };
+            tokio::time::sleep(Duration::from_millis(300)).await; // the waiter is waiting
+            let released_at = Instant::now();
+            guard.release().await.expect("release");
+            let (acquired_at, g) = tokio::time::timeout(Duration::from_secs(10), waiting)
+                .await
+                .expect("acquired in time")
+                .expect("task");
+            g.release().await.expect("release");
+            acquired_at - released_at
+        })
+    };
+    // The first wait, on a runtime of its own, which then shuts down.
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let took = hand_off(&first);
+    assert!(took < Duration::from_secs(1), "first hand-off {took:?}");
+    drop(first);
+    let took = hand_off(&main);
+    assert!(
+        took < Duration::from_secs(1),
+        "after the first runtime: {took:?}"
+    );
 }
 
 /// Without notifications the waiter still gets the lock: when the holder's lease ends,

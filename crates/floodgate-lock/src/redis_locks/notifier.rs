@@ -178,7 +178,19 @@ enum Ended {
     Reconnect { why: String, served: bool },
 }
 
+/// Ends a subscriber's task however it ends (returned, or dropped with its runtime): no
+/// channel stays marked subscribed without a subscriber, and the waiters are woken to look
+/// again (a waiter that comes next starts a new task, see `Notifier::kick`).
+struct Ending<'a>(&'a Shared);
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        wake_all_after_disconnect(self.0);
+    }
+}
+
 async fn run(shared: Arc<Shared>, mut kicks: mpsc::UnboundedReceiver<()>) {
+    let _ending = Ending(&shared);
     let mut next_client = 0;
     let mut backoff = RECONNECT_MIN;
     let mut failing = false;
