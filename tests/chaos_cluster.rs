@@ -436,8 +436,8 @@ fn chaos_cluster_master_killed_under_load_fails_over() {
     );
 }
 
-/// The same failover with the circuit breaker disabled, for comparison: on a cluster the one
-/// breaker of the connection also fails the keys of the masters that stayed up.
+/// The same failover with the circuit breaker disabled, for comparison (the breakers, one per
+/// 128 slots, fail fast only the slots of the master that is down).
 #[test]
 fn chaos_cluster_master_killed_without_the_breaker() {
     let cluster = Arc::new(cluster());

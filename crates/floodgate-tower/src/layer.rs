@@ -391,8 +391,10 @@ where
 
     /// Lets very hot keys spend a local slice of their budget instead of asking the store for
     /// each request ([`floodgate_core::Leasing`]); off by default. Read the bounds in its docs:
-    /// a window can admit up to `replicas × lease` more than its limit, and leased units left
-    /// when a lease ends go unused. Has no effect with a [`MemoryLimiter`].
+    /// a window can admit up to `replicas × lease` more than its limit; the units a lease
+    /// leaves unspent go back to the store before its key's next lease (those of a key gone
+    /// quiet stay spent until the policy refills them). Has no effect with a
+    /// [`MemoryLimiter`].
     pub fn leasing(mut self, config: LeasingConfig) -> Self {
         self.leasing = Some(config);
         self
