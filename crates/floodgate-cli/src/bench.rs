@@ -64,9 +64,11 @@ Examples:
   floodgate bench --redis redis://10.0.0.5:7000 --cluster --policy 100/minute --json
   floodgate bench --algorithm sliding_log --limit 100 --window 1m --no-baselines
 
-Keys are <prefix>:<algorithm>:<policy>:{bench-000000000042} (they expire like every floodgate
-key), <prefix>:bench-incr:{bench-000000000042} for the INCR baselines and
-<prefix>:bench-cell:{bench-000000000042} for the redis-cell ones (deleted at the end).
+Keys are <prefix>:<tag>:<policy>:{bench-000000000042} (the algorithm's tag: gcra, fw, log, sw,
+tb, lb, shp, conc; they expire like every floodgate key),
+<prefix>:bench-incr:{bench-000000000042} for the INCR baselines (created with a TTL of an hour,
+or 20 times the run) and <prefix>:bench-cell:{bench-000000000042} for the redis-cell ones; both
+are deleted at the end.
 Ctrl-C stops the run and prints what was measured so far.
 
 Exit status: 0 when the benchmark ran, 1 when Redis could not be reached or no decision at all
@@ -580,11 +582,19 @@ async fn floodgate_task(shared: &Shared, seed: u64) -> Tally {
         let took = started.elapsed();
         // Only calls that started and ended while measured count.
         if phase != MEASURE || shared.phase.load(Ordering::Relaxed) != MEASURE {
+            if result.is_err() {
+                // Not in a tight loop while Redis fails during the warm-up either.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             continue;
         }
-        tally
-            .hist
-            .record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
+        // Latencies are of decisions: an error (a breaker failing fast, a timeout) would pull
+        // the percentiles towards itself.
+        if result.is_ok() {
+            tally
+                .hist
+                .record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
+        }
         match result {
             Ok(v) if v.allowed() => tally.allowed += 1,
             Ok(_) => tally.denied += 1,
@@ -727,8 +737,13 @@ async fn base_conn(redis: &RedisArgs, cluster: bool) -> Result<BaseConn, String>
                 .map_err(|e| e.to_string())
         } else {
             let client = redis.client().map_err(|e| e.to_string())?;
+            // Bounded as floodgate's own connection is (the flags' timeouts), not by redis-rs'
+            // defaults: a slower baseline would count timeouts as errors and look slower.
+            let config = redis::AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(redis.connect_timeout))
+                .set_response_timeout(Some(redis.timeout));
             client
-                .get_multiplexed_async_connection()
+                .get_multiplexed_async_connection_with_config(&config)
                 .await
                 .map(BaseConn::Node)
                 .map_err(|e| e.to_string())
@@ -799,6 +814,20 @@ async fn run_baselines(
     // (b) INCR on the same key space, pipelined.
     let incr = "INCR, pipelined";
     if !interrupted {
+        // Created expiring first (redis-benchmark's INCR keys are the same names).
+        let ttl = ((args.warmup + args.duration) * 20).max(Duration::from_secs(3600));
+        let created = tokio::time::timeout(
+            Duration::from_secs(30),
+            create_expiring(&args.redis, cluster, &incr_keys, &picker, ttl),
+        )
+        .await;
+        if !matches!(created, Ok(Ok(()))) {
+            eprintln!(
+                "warning: could not create the INCR baseline's keys with a TTL ({}:bench-incr:*); \
+                 they are deleted at the end",
+                args.redis.prefix
+            );
+        }
         progress(args, &format!("baseline: {incr} x{}...", args.pipeline));
         let workload = Workload::Incr {
             keys: incr_keys.clone(),
@@ -1066,9 +1095,11 @@ async fn pipelined_task(
         if started_in != MEASURE || phase.load(Ordering::Relaxed) != MEASURE {
             continue;
         }
-        tally
-            .hist
-            .record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
+        if result.is_ok() {
+            tally
+                .hist
+                .record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
+        }
         match result {
             Ok(values) => {
                 for v in &values {
@@ -1281,6 +1312,15 @@ fn benchmark_requests(args: &BenchArgs, rate: Option<f64>) -> u64 {
 }
 
 /// Runs redis-benchmark once (`-q`, the command given), within 3 x --duration + 10 s.
+/// Reads `from` to its end in a thread of its own.
+fn drain(mut from: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut all = Vec::new();
+        let _ = from.read_to_end(&mut all);
+        all
+    })
+}
+
 async fn run_redis_benchmark(
     args: &BenchArgs,
     binary: &std::path::Path,
@@ -1312,6 +1352,12 @@ async fn run_redis_benchmark(
             );
         }
     };
+    // Read while it runs: its progress lines (about 1 KiB a second) would fill a pipe read
+    // only at the end (64 KiB), and it would block on them.
+    let (stdout, stderr) = (
+        child.stdout.take().map(drain),
+        child.stderr.take().map(drain),
+    );
     let limit = args.duration * 3 + Duration::from_secs(10);
     let started = Instant::now();
     let mut interrupted = false;
@@ -1338,18 +1384,14 @@ async fn run_redis_benchmark(
         };
         return (Row::skipped(name, id, why), interrupted);
     }
-    let output = match child.wait_with_output() {
-        Ok(o) => o,
-        Err(e) => {
-            return (
-                Row::skipped(name, id, format!("redis-benchmark: {e}")),
-                false,
-            );
-        }
+    // It has exited: the pipes end.
+    let collected = |h: Option<std::thread::JoinHandle<Vec<u8>>>| {
+        h.and_then(|h| h.join().ok()).unwrap_or_default()
     };
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let (stdout, stderr) = (collected(stdout), collected(stderr));
+    let stdout = String::from_utf8_lossy(&stdout);
     let Some((rate, p50)) = parse_redis_benchmark(&stdout) else {
-        let stderr = String::from_utf8_lossy(&output.stderr);
+        let stderr = String::from_utf8_lossy(&stderr);
         let text = format!("{stdout}{stderr}");
         let last = text
             .split(['\r', '\n'])
@@ -1414,6 +1456,41 @@ async fn delete_keys(
     keys: &[Vec<u8>],
     picker: &Picker,
 ) -> Result<(), String> {
+    on_keys(redis, cluster, keys, picker, |pipe, group| {
+        pipe.cmd("DEL").arg(group);
+        1
+    })
+    .await
+}
+
+/// Creates the INCR baselines' keys at 0, expiring after `ttl` (`INCR` keeps it): keys left by
+/// a run that is killed (and cannot delete them) go away by themselves.
+async fn create_expiring(
+    redis: &RedisArgs,
+    cluster: bool,
+    keys: &[Vec<u8>],
+    picker: &Picker,
+    ttl: Duration,
+) -> Result<(), String> {
+    let ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+    on_keys(redis, cluster, keys, picker, |pipe, group| {
+        for k in group {
+            pipe.cmd("SET").arg(*k).arg(0).arg("PX").arg(ms);
+        }
+        group.len()
+    })
+    .await
+}
+
+/// Sends, for each group of `keys` (1000 keys, or one slot's on a cluster), the commands `add`
+/// puts in a pipeline (it says how many).
+async fn on_keys(
+    redis: &RedisArgs,
+    cluster: bool,
+    keys: &[Vec<u8>],
+    picker: &Picker,
+    add: impl Fn(&mut redis::Pipeline, &[&[u8]]) -> usize,
+) -> Result<(), String> {
     if keys.is_empty() {
         return Ok(());
     }
@@ -1432,10 +1509,10 @@ async fn delete_keys(
     let results: Vec<Result<(), String>> = stream::iter(groups)
         .map(|group| {
             let mut conn = conn.clone();
+            let mut pipe = redis::pipe();
+            let count = add(&mut pipe, &group);
             async move {
-                let mut pipe = redis::pipe();
-                pipe.cmd("DEL").arg(group);
-                conn.send(&pipe, 1)
+                conn.send(&pipe, count)
                     .await
                     .map(drop)
                     .map_err(|e| e.to_string())

@@ -479,6 +479,8 @@ async fn scan_node(
                 }
                 let pttl = match pair.get(1) {
                     Some(Value::Int(ms)) if *ms >= 0 => Some(*ms),
+                    // Expired between TYPE and PTTL: gone, not a key without a TTL.
+                    Some(Value::Int(-2)) => continue,
                     _ => None,
                 };
                 keys.push(ListedKey {

@@ -44,6 +44,77 @@ fn incr_keys_left(server: &RedisServer) -> usize {
         .len()
 }
 
+/// `redis-benchmark` writes progress lines as it runs (about 1 KiB a second): more than a pipe
+/// holds (64 KiB) on a long run. Read only at its end, it blocked on them and its rows were
+/// skipped as too slow. A stand-in that writes 200 KB before its result is measured.
+#[test]
+fn a_chatty_redis_benchmark_is_read_while_it_runs() {
+    use std::os::unix::fs::PermissionsExt;
+    let server = server();
+    let url = server.url();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let fake = dir.path().join("redis-benchmark");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\nhead -c 200000 /dev/zero | tr '\\0' 'x'\n\
+         printf '\\r'\necho 'INCR: 123456.00 requests per second, p50=0.100 msec'\n",
+    )
+    .expect("write the stand-in");
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let path = format!(
+        "{}:{}",
+        dir.path().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut args = vec!["bench", "--redis", &url, "--algorithm", "gcra"];
+    args.extend_from_slice(&SHORT);
+    let run = common::floodgate_env(&args, "", &[("PATH", &path)]);
+    run.success();
+    let table = &run.stdout;
+    assert!(
+        (rate(table, "redis-benchmark INCR -P 16") - 123_456.0).abs() < 1.0,
+        "{table}"
+    );
+}
+
+/// The INCR baselines' keys are created with a TTL, so that a run killed before it deletes
+/// them leaves nothing behind for good. A stand-in `redis-benchmark` (run while the keys
+/// exist) reports a key's PTTL as its rate.
+#[test]
+fn the_incr_baseline_keys_expire_by_themselves() {
+    use std::os::unix::fs::PermissionsExt;
+    let server = server();
+    let url = server.url();
+    let cli = floodgate_testkit::redis_cli_binary().expect("redis-cli");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let fake = dir.path().join("redis-benchmark");
+    let script = format!(
+        "#!/bin/sh\n\
+         while [ $# -gt 0 ]; do case \"$1\" in -h) h=$2; shift;; -p) p=$2; shift;; esac; shift; done\n\
+         t=$('{}' -h \"$h\" -p \"$p\" PTTL 'floodgate:bench-incr:{{bench-000000000000}}')\n\
+         echo \"INCR: $t.00 requests per second, p50=0.100 msec\"\n",
+        cli.display()
+    );
+    std::fs::write(&fake, script).expect("write the stand-in");
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let path = format!(
+        "{}:{}",
+        dir.path().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut args = vec!["bench", "--redis", &url, "--algorithm", "gcra"];
+    args.extend_from_slice(&SHORT);
+    let run = common::floodgate_env(&args, "", &[("PATH", &path)]);
+    run.success();
+    let table = &run.stdout;
+    let pttl = rate(table, "redis-benchmark INCR -P 16");
+    assert!(
+        pttl > 3_000_000.0 && pttl <= 3_600_000.0,
+        "the key's PTTL: {pttl} in\n{table}"
+    );
+    assert_eq!(incr_keys_left(&server), 0, "deleted at the end too");
+}
+
 #[test]
 fn bench_prints_a_table_with_baselines() {
     let server = server();

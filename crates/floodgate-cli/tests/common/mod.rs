@@ -35,8 +35,14 @@ impl Run {
 
 /// Runs `floodgate args...` with `stdin` as its input.
 pub(crate) fn floodgate(args: &[&str], stdin: &str) -> Run {
+    floodgate_env(args, stdin, &[])
+}
+
+/// [`floodgate`] with these environment variables set.
+pub(crate) fn floodgate_env(args: &[&str], stdin: &str, env: &[(&str, &str)]) -> Run {
     let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
