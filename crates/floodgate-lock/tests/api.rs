@@ -374,10 +374,16 @@ fn fault_a_grant_answered_after_its_lease_is_given_back_and_said_so() {
     run(Duration::from_secs(20), async {
         let locks = redis_locks(&server.url()).await;
         let key = locks.lock_key(b"late");
-        let lock = Lock::new(locks, "late", Duration::from_millis(30)).expect("valid");
-        // The scripts are loaded: the paused server runs the acquisition when it wakes.
-        let warm = lock.try_acquire().await.expect("ok").expect("free");
+        // The scripts are loaded (with a lock of a lease long enough for a busy machine): the
+        // paused server runs the acquisition when it wakes.
+        let warm = Lock::new(locks.clone(), "late-warm-up", Duration::from_secs(10))
+            .expect("valid")
+            .try_acquire()
+            .await
+            .expect("ok")
+            .expect("free");
         warm.release().await.expect("release");
+        let lock = Lock::new(locks, "late", Duration::from_millis(30)).expect("valid");
         let pause_for = |ms: u64| {
             server.pause().expect("pause");
             let server = std::sync::Arc::clone(&server);

@@ -124,7 +124,8 @@ fn a_node_down_at_start_and_slow_to_connect_joins_later() {
 
 /// A quorum that grants the lock after the lease has run out (a node waited for up to the node
 /// timeout, longer than the lease) is a store too slow for the lease, not a lock someone holds:
-/// an error that says so, and the grant given back everywhere.
+/// an error that says so. (The grant is given back everywhere too; the lease, shorter than the
+/// wait, has run out by the time that could be seen.)
 #[test]
 fn a_grant_later_than_the_lease_is_answered_too_late_not_busy() {
     let servers = servers(3);
@@ -138,16 +139,6 @@ fn a_grant_later_than_the_lease_is_answered_too_late_not_busy() {
         servers.servers()[2].resume().expect("SIGCONT");
         assert!(matches!(e, Error::AnsweredTooLate { .. }), "{e}");
         assert!(e.is_transient(), "{e}");
-        // Given back on the nodes that granted it.
-        let key = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1))
-            .await
-            .lock_key(b"report");
-        for i in [0, 1] {
-            let held = servers.servers()[i]
-                .cmd(&[&b"EXISTS"[..], &key])
-                .expect("EXISTS");
-            assert_eq!(held.as_int(), Some(0), "still held on node {i}");
-        }
     });
 }
 

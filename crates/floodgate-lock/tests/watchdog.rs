@@ -34,7 +34,8 @@ fn keeps_the_lease_alive_for_many_ttls() {
         }
         // 3 s = 5 ttls later: still ours, on the server too.
         assert!(!guard.is_lost());
-        assert!(guard.remaining() > TTL / 2, "{:?}", guard.remaining());
+        // Renewed every TTL / 3: a third at least, with room for a late renewal.
+        assert!(guard.remaining() > TTL / 3, "{:?}", guard.remaining());
         let left = guard.verify().await.expect("still held");
         assert!(left > TTL / 3, "{left:?}");
         guard.release().await.expect("released while held");

@@ -222,7 +222,8 @@ mod tests {
     #[test]
     fn opens_after_failures_and_probes_to_close() {
         let b = Breaker::new(BreakerConfig {
-            open_for: Duration::from_millis(20),
+            // Long enough that a busy machine's late wake-ups (tens of ms) change nothing.
+            open_for: Duration::from_millis(200),
             ..BreakerConfig::default()
         });
         for _ in 0..2 {
@@ -233,15 +234,15 @@ mod tests {
         let a = b.admit();
         assert!(b.record(&a, false), "third failure opens");
         assert!(matches!(b.admit(), Admit::Reject(_)));
-        std::thread::sleep(Duration::from_millis(25));
+        std::thread::sleep(Duration::from_millis(250));
         let probe = b.admit();
         assert_eq!(probe, Admit::Probe);
         assert!(matches!(b.admit(), Admit::Reject(_)), "one probe at a time");
-        // The probe fails: open again, for twice as long.
+        // The probe fails: open again, for twice as long (400 ms).
         assert!(b.record(&probe, false));
-        std::thread::sleep(Duration::from_millis(25));
+        std::thread::sleep(Duration::from_millis(250));
         assert!(matches!(b.admit(), Admit::Reject(_)));
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(200));
         let probe = b.admit();
         assert_eq!(probe, Admit::Probe);
         b.record(&probe, true);

@@ -235,8 +235,9 @@ mod tests {
         addr
     }
 
-    fn round_trip(stream: &mut TcpStream, msg: &[u8]) -> io::Result<Vec<u8>> {
-        stream.set_read_timeout(Some(Duration::from_millis(300)))?;
+    /// Sends `msg` and reads as much back, within `patience`.
+    fn round_trip(stream: &mut TcpStream, msg: &[u8], patience: Duration) -> io::Result<Vec<u8>> {
+        stream.set_read_timeout(Some(patience))?;
         stream.write_all(msg)?;
         let mut got = vec![0u8; msg.len()];
         stream.read_exact(&mut got)?;
@@ -247,9 +248,13 @@ mod tests {
     fn a_frozen_connection_stays_open_and_silent_while_new_ones_pass() {
         let proxy = TcpProxy::start(echo()).expect("proxy");
         let mut old = TcpStream::connect(proxy.addr()).expect("connect");
-        assert_eq!(round_trip(&mut old, b"ping").expect("echoed"), b"ping");
+        assert_eq!(
+            round_trip(&mut old, b"ping", Duration::from_secs(2)).expect("echoed"),
+            b"ping"
+        );
         proxy.freeze_open_connections();
-        let frozen = round_trip(&mut old, b"again").expect_err("a frozen connection answered");
+        let frozen = round_trip(&mut old, b"again", Duration::from_millis(300))
+            .expect_err("a frozen connection answered");
         assert!(
             matches!(
                 frozen.kind(),
@@ -258,7 +263,10 @@ mod tests {
             "not silent but {frozen:?}"
         );
         let mut new = TcpStream::connect(proxy.addr()).expect("connect");
-        assert_eq!(round_trip(&mut new, b"fresh").expect("echoed"), b"fresh");
+        assert_eq!(
+            round_trip(&mut new, b"fresh", Duration::from_secs(2)).expect("echoed"),
+            b"fresh"
+        );
         assert_eq!(proxy.connections(), 2);
     }
 }

@@ -282,7 +282,13 @@ fn keep_alive(
     // keep the two alike.
     let task = handle.spawn(async move {
         let start = tokio::time::Instant::now();
-        let mut ticks = tokio::time::interval_at(start + period, period);
+        // The first renewal a period from now, or at once if the lease has less than two
+        // periods left (a store slow to answer: the TTL runs from when the check was sent).
+        let first = (asked + ttl)
+            .checked_sub(period * 2)
+            .unwrap_or(start)
+            .clamp(start, start + period);
+        let mut ticks = tokio::time::interval_at(first, period);
         // A slow renewal does not make the next ones bunch up against the same slow store.
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -1001,7 +1007,7 @@ where
                     } else {
                         // One key's problem (a corrupted value): this request gets the failure
                         // policy; every other key keeps asking the store.
-                        tracing::warn!(error = %e, "rate-limit check failed for this request");
+                        sh.metrics.request_error(&e);
                     }
                 }
                 None => {
@@ -1062,7 +1068,7 @@ where
                 Err(e) => {
                     // The memory store is never down: its errors are this request's.
                     sh.metrics.store_error(false);
-                    tracing::warn!(error = %e, "rate-limit check failed for this request");
+                    sh.metrics.request_error(&e);
                 }
             }
         }
@@ -1164,9 +1170,9 @@ where
     }
 
     fn cache_stats(&self) -> CacheStats {
-        let stats = self.limiter.cache_stats();
-        self.shared.metrics.copy_caches(&stats);
-        stats
+        self.shared
+            .metrics
+            .copy_caches(|| self.limiter.cache_stats())
     }
 
     fn release(self: Arc<Self>, job: LeaseJob) {

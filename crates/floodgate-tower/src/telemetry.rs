@@ -181,6 +181,10 @@ pub(crate) struct LayerMetrics {
     /// When the cache counters are next copied, in milliseconds after `base`.
     next_copy_ms: AtomicU64,
     base: Instant,
+    /// When a request's own check error (not the store's being down) is next logged at warn,
+    /// in milliseconds after `base`, and how many were not logged since.
+    next_error_log_ms: AtomicU64,
+    errors_not_logged: AtomicU64,
     /// Times in-memory checks (made at the first: a Redis layer never pays its calibration).
     /// `quanta` reads the CPU's counter where it is invariant, a fraction of an `Instant`'s
     /// cost, and the monotonic clock elsewhere.
@@ -196,6 +200,8 @@ impl Default for LayerMetrics {
             copied: Mutex::new(CacheStats::default()),
             next_copy_ms: AtomicU64::new(0),
             base: Instant::now(),
+            next_error_log_ms: AtomicU64::new(0),
+            errors_not_logged: AtomicU64::new(0),
             timer: OnceLock::new(),
         }
     }
@@ -250,6 +256,36 @@ impl LayerMetrics {
         c[usize::from(timeout)].increment(1);
     }
 
+    /// Logs a check that failed for this request only (a corrupted value, a full in-memory
+    /// store): at warn at most every 10 s, with how many were not logged meanwhile (a client
+    /// may cause one per request), else at debug. `floodgate_store_errors_total` counts them
+    /// all.
+    pub(crate) fn request_error(&self, e: &dyn std::fmt::Display) {
+        let ms = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let next = self.next_error_log_ms.load(Ordering::Relaxed);
+        let due = ms >= next
+            && self
+                .next_error_log_ms
+                .compare_exchange(
+                    next,
+                    ms.saturating_add(10_000),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok();
+        if due {
+            let not_logged = self.errors_not_logged.swap(0, Ordering::Relaxed);
+            tracing::warn!(
+                error = %e,
+                not_logged,
+                "rate-limit check failed for this request (and `not_logged` others since the last such warning)"
+            );
+        } else {
+            self.errors_not_logged.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(error = %e, "rate-limit check failed for this request");
+        }
+    }
+
     /// Copies `stats` (of the deny cache and leasing) into their metrics if a second has
     /// passed since the last copy (`now` is about now).
     pub(crate) fn copy_caches_soon(&self, now: Instant, stats: impl FnOnce() -> CacheStats) {
@@ -269,13 +305,17 @@ impl LayerMetrics {
         {
             return;
         }
-        self.copy_caches(&stats());
+        self.copy_caches(stats);
     }
 
-    /// Copies `stats` into their metrics now.
-    pub(crate) fn copy_caches(&self, stats: &CacheStats) {
+    /// Copies the stats `read` returns into their metrics now, and returns them. They are read
+    /// under the lock of the last copy: two copies at once (a request's and a scrape's) add
+    /// their gains in the order they were read, never an older count after a newer one.
+    pub(crate) fn copy_caches(&self, read: impl FnOnce() -> CacheStats) -> CacheStats {
+        let mut copied = self.copied.lock().unwrap_or_else(PoisonError::into_inner);
+        let stats = read();
         if stats.deny_cache.is_none() && stats.leasing.is_none() {
-            return;
+            return stats;
         }
         let m = self.caches.get_or_init(|| {
             describe();
@@ -297,7 +337,6 @@ impl LayerMetrics {
         });
         // Each layer adds what its own counters gained since its last copy, so that several
         // layers' counts add up (a limiter shared by several layers is counted by each).
-        let mut copied = self.copied.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(d) = &stats.deny_cache {
             let was = copied.deny_cache.unwrap_or_default();
             let counts = |s: &DenyCacheStats| [s.hits, s.misses, s.coalesced];
@@ -309,7 +348,8 @@ impl LayerMetrics {
             let counts = |s: &LeasingStats| [s.local, s.store, s.leases, s.wasted, s.returned];
             add_gains(&m.leasing, counts(l), counts(&was));
         }
-        *copied = *stats;
+        *copied = stats;
+        stats
     }
 }
 

@@ -654,6 +654,8 @@ enum Answer {
     AtOnce,
     AfterYield,
     AfterWake,
+    /// Decides after this long (a slow store: the lease it grants starts then).
+    After(Duration),
 }
 
 /// A store that is not the in-memory limiter (so the layer awaits its future), backed by one;
@@ -698,6 +700,7 @@ impl Limiter for RemoteStore {
                 tokio::spawn(async move { tx.send(()) });
                 let _ = rx.await;
             }
+            Answer::After(delay) => tokio::time::sleep(delay).await,
         }
         self.memory.check(checks, opts).await
     }
@@ -1330,19 +1333,50 @@ async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot() {
     common::assert_stream_keeps_its_slot(addr, &senders, first, Duration::from_millis(900)).await;
 }
 
+/// A store slow to answer leaves a lease little of its TTL (counted from when the check was
+/// sent): its first renewal must come at once, not a third of the TTL after the answer, when
+/// the lease would already count as lost and never be renewed.
+#[tokio::test]
+async fn a_lease_granted_late_in_its_ttl_is_renewed_at_once() {
+    let store = RemoteStore::new(Answer::After(Duration::from_millis(450)));
+    let layer = RateLimitLayer::builder(store)
+        .rule(common::global(
+            Policy::concurrency(1, Duration::from_millis(600)),
+            "slow-store-stream",
+        ))
+        .timeout(Duration::from_secs(2))
+        .renew_leases_up_to(Duration::from_secs(60))
+        .build()
+        .expect("layer");
+    let (app, _senders) = common::held_stream_app(|app| app.layer(layer));
+    let addr = serve(app).await;
+    let (_first, head) = common::open_stream(addr).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // Long past the first lease's TTL (the store's expiry at about 1,050 ms after the check):
+    // the stream still holds the only slot.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let (_second, head) = common::open_stream(addr).await;
+    assert!(
+        head.starts_with("HTTP/1.1 429"),
+        "the lease was not renewed: {head}"
+    );
+}
+
 /// Renewal has a bound: a response that holds its lease longer than `renew_leases_up_to` (a
 /// hung handler, a client that stopped reading) loses it one TTL after the last renewal.
 #[tokio::test]
 async fn a_lease_is_renewed_for_at_most_its_bound() {
     let (addr, _senders, _first) = one_renewed_stream(Duration::from_millis(400)).await;
-    // Renewed at 100, 200, 300 and 400 ms: held until 700 ms, not after.
-    tokio::time::sleep(Duration::from_millis(550)).await;
+    // Renewed at 100, 200, 300 and 400 ms: held until 700 ms, not after (until 600 ms if the
+    // 400 ms renewal came late and was skipped). At 450 ms, past the 300 ms TTL, it is held
+    // only thanks to a renewal.
+    tokio::time::sleep(Duration::from_millis(450)).await;
     let (_second, head) = common::open_stream(addr).await;
     assert!(
         head.starts_with("HTTP/1.1 429"),
         "renewed too little: {head}"
     );
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    tokio::time::sleep(Duration::from_millis(650)).await;
     let (_third, head) = common::open_stream(addr).await;
     assert!(
         head.starts_with("HTTP/1.1 200"),

@@ -495,7 +495,12 @@ async fn local_leasing_is_counted_in_stats_and_metrics() {
         .expect("policy");
     let layer = RateLimitLayer::builder(limiter_of(&redis).await)
         .rule(Rule::new(hot).key(GlobalKey))
-        .leasing(floodgate_core::LeasingConfig::default())
+        // Hot after 16 checks within one lease period: 2 s, so that a slow machine's 16
+        // checks through Redis fall in one.
+        .leasing(floodgate_core::LeasingConfig {
+            lease_for: Duration::from_secs(2),
+            ..floodgate_core::LeasingConfig::default()
+        })
         .build()
         .expect("layer");
     let recorder = Recorded::default();
