@@ -1093,6 +1093,10 @@ async fn pipelined_task(
         let result = conn.send(&pipe, depth).await;
         let took = started.elapsed();
         if started_in != MEASURE || phase.load(Ordering::Relaxed) != MEASURE {
+            if result.is_err() {
+                // Not in a tight loop while Redis fails during the warm-up either.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             continue;
         }
         if result.is_ok() {
@@ -1311,7 +1315,6 @@ fn benchmark_requests(args: &BenchArgs, rate: Option<f64>) -> u64 {
     ((rate * args.duration.as_secs_f64()) as u64).max(1_000)
 }
 
-/// Runs redis-benchmark once (`-q`, the command given), within 3 x --duration + 10 s.
 /// Reads `from` to its end in a thread of its own.
 fn drain(mut from: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
     std::thread::spawn(move || {
@@ -1321,6 +1324,7 @@ fn drain(mut from: impl std::io::Read + Send + 'static) -> std::thread::JoinHand
     })
 }
 
+/// Runs redis-benchmark once (`-q`, the command given), within 3 x --duration + 10 s.
 async fn run_redis_benchmark(
     args: &BenchArgs,
     binary: &std::path::Path,

@@ -284,7 +284,9 @@ async fn a_denial_answered_before_a_refund_is_not_cached_after_it() {
 
 /// A refund stops storing only the denials in flight that its keys made: a denial of another
 /// client's key answered meanwhile is still cached, also when both checks share a global
-/// policy (whose key the refund gave a unit back) that did not deny.
+/// policy (whose key the refund gave a unit back) that did not deny. (Refunds are counted in
+/// 256 stripes, placed by a hash seeded at random: a client whose key shares a stripe with a
+/// refunded one is not cached, so of eight clients, most, not all, must be.)
 #[tokio::test]
 async fn a_refund_leaves_the_denials_of_other_keys_cached() {
     let store = Store::new();
@@ -292,22 +294,31 @@ async fn a_refund_leaves_the_denials_of_other_keys_cached() {
     // Sliding logs cache nothing on an allowed check: only the denial below could be cached.
     let ip = Arc::new(Policy::sliding_log(1, Duration::from_secs(1_800)).expect("valid"));
     let global = Arc::new(Policy::sliding_log(1_000, Duration::from_secs(1)).expect("valid"));
-    let on = |client: &'static [u8]| {
+    let on = |client: String| {
         let (cache, ip, global) = (cache.clone(), Arc::clone(&ip), Arc::clone(&global));
         async move {
-            let checks = [Check::new(client, &ip), Check::new(b"all", &global)];
+            let checks = [
+                Check::new(client.as_bytes(), &ip),
+                Check::new(b"all", &global),
+            ];
             cache
                 .check(&checks, CheckOptions::default())
                 .await
                 .expect("ok")
         }
     };
-    let a = on(b"a").await;
+    let clients: Vec<String> = (0..8).map(|i| format!("b{i}")).collect();
+    let a = on("a".to_owned()).await;
     assert!(a.allowed());
-    assert!(on(b"b").await.allowed());
-    // b's second check is denied by the store (its own limit), and slow to come back.
+    for b in &clients {
+        assert!(on(b.clone()).await.allowed());
+    }
+    // Each b's second check is denied by the store (its own limit), and slow to come back.
     store.set_reply_delay(Duration::from_millis(200));
-    let denied = tokio::spawn(on(b"b"));
+    let denied: Vec<_> = clients
+        .iter()
+        .map(|b| tokio::spawn(on(b.clone())))
+        .collect();
     tokio::time::sleep(Duration::from_millis(50)).await;
     store.set_reply_delay(Duration::ZERO);
     // Meanwhile a's request failed: its units (its own and the global one) are given back.
@@ -315,19 +326,17 @@ async fn a_refund_leaves_the_denials_of_other_keys_cached() {
         .refund(&[Check::new(b"a", &ip), Check::new(b"all", &global)], &a)
         .await
         .expect("refund");
-    assert!(!denied.await.expect("task").allowed());
-    // b is still denied, now from the cache.
-    let calls = store.calls.load(Ordering::Relaxed);
-    assert!(!on(b"b").await.allowed());
-    assert_eq!(
-        store.calls.load(Ordering::Relaxed),
-        calls,
-        "b's denial was not cached: {:?}",
-        cache.stats()
-    );
-    assert_eq!(cache.stats().hits, 1, "{:?}", cache.stats());
+    for d in denied {
+        assert!(!d.await.expect("task").allowed());
+    }
+    // The b's are still denied, most of them now from the cache.
+    for b in &clients {
+        assert!(!on(b.clone()).await.allowed());
+    }
+    let hits = cache.stats().hits;
+    assert!(hits >= 6, "{hits} of 8 denials cached: {:?}", cache.stats());
     // And a has its unit back.
-    assert!(on(b"a").await.allowed());
+    assert!(on("a".to_owned()).await.allowed());
 }
 
 /// `max_hold` bounds how long a denial is answered locally: a refund made through another

@@ -234,6 +234,8 @@ impl Redlock {
         let connected = join_all(urls.iter().map(|url| RedisLocks::connect(url))).await;
         let mut nodes = Vec::with_capacity(urls.len());
         let mut errors = Vec::new();
+        // The nodes down now, by position, with their connections made later.
+        let mut late = Vec::new();
         for (url, connected) in urls.into_iter().zip(connected) {
             // An unparsable URL is a configuration error, never a node that is merely down.
             let shown = floodgate_redis::RedisConfig::new(&url)
@@ -247,8 +249,8 @@ impl Redlock {
                     // Connected later in a task of its own, within the connect timeout: made
                     // inside a call, it would be cancelled at every node timeout (200 ms by
                     // default), and a node slower than that to connect would never join.
-                    RedisLocks::connect_lazy(&url)
-                        .map_or_else(|_| OnceCell::new(), |locks| OnceCell::new_with(Some(locks)))
+                    late.push((nodes.len(), RedisLocks::connect_lazy(&url)?));
+                    OnceCell::new()
                 }
             };
             nodes.push(Node::new(shown, Some(url), locks));
@@ -258,6 +260,10 @@ impl Redlock {
             return Err(redlock.no_quorum(errors));
         }
         redlock.check_independence().await?;
+        // After the check, which asks only the nodes connected now.
+        for (i, locks) in late {
+            let _ = redlock.nodes[i].locks.set(locks);
+        }
         Ok(redlock)
     }
 

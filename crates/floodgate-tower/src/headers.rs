@@ -234,17 +234,30 @@ pub fn insert_headers(
 }
 
 /// Adds `block` to `headers`: the IETF fields appended (a list field may come in several
-/// lines, one per layer), the legacy single-value ones set (two layers, or an inner service
-/// that set them, would otherwise leave two `X-RateLimit-Limit` lines).
+/// lines, one per layer). The legacy single-value ones describe one policy, the strictest: they
+/// replace those already there (an inner layer's, or the inner service's) only when those
+/// leave more remaining, so that neither two `X-RateLimit-Limit` lines nor an outer layer's
+/// looser figures over an inner layer's 429 are sent.
 pub(crate) fn apply(block: HeaderBlock, headers: &mut HeaderMap) {
+    let remaining = |v: &HeaderValue| v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok());
+    let ours = block
+        .iter()
+        .find(|(f, _)| *f == Field::Remaining)
+        .and_then(|(_, v)| remaining(v));
+    let theirs = headers.get(X_RATELIMIT_REMAINING).and_then(remaining);
+    let legacy = match (ours, theirs) {
+        (Some(ours), Some(theirs)) => ours < theirs,
+        _ => true,
+    };
     for (field, value) in block {
         match field {
             Field::Policy | Field::RateLimit => {
                 headers.append(field.name(), value);
             }
-            Field::Limit | Field::Remaining | Field::Reset => {
+            Field::Limit | Field::Remaining | Field::Reset if legacy => {
                 headers.insert(field.name(), value);
             }
+            Field::Limit | Field::Remaining | Field::Reset => {}
         }
     }
 }
@@ -330,23 +343,29 @@ mod tests {
     }
 
     #[test]
-    fn legacy_fields_are_set_and_ietf_fields_appended() {
-        // What an outer layer (or the inner service) wrote already.
+    fn legacy_fields_keep_the_strictest_and_ietf_fields_are_appended() {
+        let legacy = |limit: u64, remaining: u64| {
+            vec![
+                (Field::RateLimit, HeaderValue::from_static("\"p\";r=1;t=0")),
+                (Field::Limit, HeaderValue::from(limit)),
+                (Field::Remaining, HeaderValue::from(remaining)),
+                (Field::Reset, HeaderValue::from(1)),
+            ]
+        };
+        // An inner layer's looser figures (999 left) are replaced, never doubled.
         let mut headers = HeaderMap::new();
         headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(1000));
+        headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(999));
         headers.insert(RATELIMIT, HeaderValue::from_static("\"outer\";r=999;t=0"));
-        apply(
-            vec![
-                (
-                    Field::RateLimit,
-                    HeaderValue::from_static("\"inner\";r=9;t=0"),
-                ),
-                (Field::Limit, HeaderValue::from(10)),
-            ],
-            &mut headers,
-        );
+        apply(legacy(10, 9), &mut headers);
         let limits: Vec<_> = headers.get_all(X_RATELIMIT_LIMIT).iter().collect();
         assert_eq!(limits, [HeaderValue::from(10)]);
+        assert_eq!(headers[X_RATELIMIT_REMAINING], HeaderValue::from(9));
         assert_eq!(headers.get_all(RATELIMIT).iter().count(), 2);
+        // Stricter figures already there (an inner layer's 429) stay under looser ones.
+        apply(legacy(1000, 999), &mut headers);
+        assert_eq!(headers[X_RATELIMIT_LIMIT], HeaderValue::from(10));
+        assert_eq!(headers[X_RATELIMIT_REMAINING], HeaderValue::from(9));
+        assert_eq!(headers.get_all(X_RATELIMIT_REMAINING).iter().count(), 1);
     }
 }

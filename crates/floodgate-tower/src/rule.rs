@@ -1,5 +1,6 @@
 //! [`Rule`]: a policy, the key it counts, its cost, and the requests it applies to.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -43,6 +44,8 @@ pub struct Rule {
     prefixes: Vec<Arc<str>>,
     /// Each of `prefixes` in canonical form ([`canonical_path`]).
     canonical_prefixes: Vec<Arc<[u8]>>,
+    /// Whether a prefix was given in other than its canonical form (with escapes, `//`).
+    escaped_prefix: bool,
     routes: Vec<Arc<str>>,
     methods: Vec<Method>,
     predicate: Option<Predicate>,
@@ -76,6 +79,7 @@ impl Rule {
             cost: Cost::Fixed(1),
             prefixes: Vec::new(),
             canonical_prefixes: Vec::new(),
+            escaped_prefix: false,
             routes: Vec::new(),
             methods: Vec::new(),
             predicate: None,
@@ -146,6 +150,7 @@ impl Rule {
         let canonical = canonical_path(trimmed);
         let canonical = canonical.strip_suffix(b"/").unwrap_or(&canonical);
         self.prefixes.push(trimmed.into());
+        self.escaped_prefix |= canonical != trimmed.as_bytes();
         self.canonical_prefixes.push(canonical.into());
         self
     }
@@ -262,10 +267,11 @@ impl Rule {
         {
             return true;
         }
-        // Against the canonical prefixes also when the path is canonical already: a prefix
-        // configured with escapes (`/%7Euser`) has a canonical form the path may be sent in.
+        // A path canonical already was matched above, unless a prefix was given with escapes
+        // (`/%7Euser`): its canonical form is one the path may be sent in.
         let canonical = canonical_path(path);
-        self.canonical_prefixes.iter().any(|p| under(&canonical, p))
+        (self.escaped_prefix || !matches!(canonical, Cow::Borrowed(_)))
+            && self.canonical_prefixes.iter().any(|p| under(&canonical, p))
     }
 
     #[cfg(feature = "axum")]

@@ -1338,10 +1338,12 @@ async fn a_stream_longer_than_its_lease_ttl_keeps_its_slot() {
 /// the lease would already count as lost and never be renewed.
 #[tokio::test]
 async fn a_lease_granted_late_in_its_ttl_is_renewed_at_once() {
-    let store = RemoteStore::new(Answer::After(Duration::from_millis(450)));
+    // The store answers 650 ms into a 900 ms TTL: a first renewal a third of the TTL later
+    // (950 ms) would come after the lease counts as lost.
+    let store = RemoteStore::new(Answer::After(Duration::from_millis(650)));
     let layer = RateLimitLayer::builder(store)
         .rule(common::global(
-            Policy::concurrency(1, Duration::from_millis(600)),
+            Policy::concurrency(1, Duration::from_millis(900)),
             "slow-store-stream",
         ))
         .timeout(Duration::from_secs(2))
@@ -1352,9 +1354,9 @@ async fn a_lease_granted_late_in_its_ttl_is_renewed_at_once() {
     let addr = serve(app).await;
     let (_first, head) = common::open_stream(addr).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    // Long past the first lease's TTL (the store's expiry at about 1,050 ms after the check):
+    // Long past the first lease's TTL (the store's expiry at about 1,550 ms after the check):
     // the stream still holds the only slot.
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    tokio::time::sleep(Duration::from_millis(1_700)).await;
     let (_second, head) = common::open_stream(addr).await;
     assert!(
         head.starts_with("HTTP/1.1 429"),

@@ -238,13 +238,14 @@ impl<L, C: Clock> DenyCache<L, C> {
         let hash = map.hash(0, &key);
         let mut shard = map.lock(map.shard_of(hash));
         let asked = refunds_of(counts);
-        if refunds_of(self.shared.counts.load(Ordering::SeqCst)) != asked
+        let refunded = refunds_of(self.shared.counts.load(Ordering::SeqCst));
+        if refunded != asked
             // A refund counted and still writing its stripes: any of them may be ours.
             && (self.shared.refunding.load(Ordering::SeqCst) > 0
                 || denying(checks, verdict).any(|c| {
-                    // Wrapping: a stripe refunded after the asking reads as ahead of it.
-                    let last = self.stripe(c).load(Ordering::SeqCst);
-                    (last.wrapping_sub(asked) as i32) > 0
+                    // Refunded since the asking: between it and now (a stripe refunded long
+                    // ago, or never, is outside, however the counts wrapped).
+                    after_within(self.stripe(c).load(Ordering::SeqCst), asked, refunded)
                 }))
         {
             return;
@@ -288,6 +289,12 @@ fn resets_of(counts: u64) -> u32 {
 
 fn refunds_of(counts: u64) -> u32 {
     counts as u32
+}
+
+/// Whether refund count `x` comes after `from` and no later than `to` (counts that wrap:
+/// `to` is at most 2^32 - 1 refunds after `from`).
+fn after_within(x: u32, from: u32, to: u32) -> bool {
+    x.wrapping_sub(from).wrapping_sub(1) < to.wrapping_sub(from)
 }
 
 /// The checks whose decisions make `verdict` a denial: those denied, or, for an allowed
@@ -546,11 +553,13 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             let counts = shared.counts.fetch_add(ONE_REFUND, Ordering::SeqCst);
             let refund = refunds_of(counts.wrapping_add(ONE_REFUND));
             for c in checks {
-                // The latest refund of the stripe, however refunds race (wrapping).
+                // The latest refund of the stripe, however refunds race: kept if a later one
+                // (counted after this one, up to the count now) wrote it first.
                 let _ = self
                     .stripe(c)
                     .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |last| {
-                        ((refund.wrapping_sub(last) as i32) > 0).then_some(refund)
+                        let now = refunds_of(shared.counts.load(Ordering::SeqCst));
+                        (!after_within(last, refund, now)).then_some(refund)
                     });
             }
             shared.refunding.fetch_sub(1, Ordering::SeqCst);
@@ -616,5 +625,29 @@ fn synthesized_denial(checks: &[Check<'_>], verdict: &Verdict, wait: Duration) -
         wait: Duration::ZERO,
         lease: None,
         at: verdict.at,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::after_within;
+
+    #[test]
+    fn refund_counts_compare_within_their_window_across_the_wrap() {
+        assert!(after_within(5, 3, 7));
+        assert!(after_within(7, 3, 7));
+        assert!(
+            !after_within(3, 3, 7),
+            "the count at the asking is not after it"
+        );
+        assert!(!after_within(8, 3, 7), "not yet counted");
+        // Across the wrap: from u32::MAX - 1, the window holds u32::MAX, 0 and 1.
+        assert!(after_within(0, u32::MAX - 1, 1));
+        assert!(after_within(u32::MAX, u32::MAX - 1, 1));
+        assert!(!after_within(u32::MAX - 1, u32::MAX - 1, 1));
+        // A stripe last refunded long ago (or never) is outside the window however far the
+        // counts have gone: 2^31 refunds later as well.
+        assert!(!after_within(0, (1 << 31) - 1, 1 << 31));
+        assert!(after_within(1 << 31, (1 << 31) - 1, 1 << 31));
     }
 }
