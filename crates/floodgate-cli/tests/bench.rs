@@ -49,30 +49,14 @@ fn incr_keys_left(server: &RedisServer) -> usize {
 /// skipped as too slow. A stand-in that writes 200 KB before its result is measured.
 #[test]
 fn a_chatty_redis_benchmark_is_read_while_it_runs() {
-    use std::os::unix::fs::PermissionsExt;
     let server = server();
-    let url = server.url();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let fake = dir.path().join("redis-benchmark");
-    std::fs::write(
-        &fake,
+    let table = bench_with_stand_in(
+        &server,
         "#!/bin/sh\nhead -c 200000 /dev/zero | tr '\\0' 'x'\n\
          printf '\\r'\necho 'INCR: 123456.00 requests per second, p50=0.100 msec'\n",
-    )
-    .expect("write the stand-in");
-    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let path = format!(
-        "{}:{}",
-        dir.path().display(),
-        std::env::var("PATH").unwrap_or_default()
     );
-    let mut args = vec!["bench", "--redis", &url, "--algorithm", "gcra"];
-    args.extend_from_slice(&SHORT);
-    let run = common::floodgate_env(&args, "", &[("PATH", &path)]);
-    run.success();
-    let table = &run.stdout;
     assert!(
-        (rate(table, "redis-benchmark INCR -P 16") - 123_456.0).abs() < 1.0,
+        (rate(&table, "redis-benchmark INCR -P 16") - 123_456.0).abs() < 1.0,
         "{table}"
     );
 }
@@ -82,12 +66,8 @@ fn a_chatty_redis_benchmark_is_read_while_it_runs() {
 /// exist) reports a key's PTTL as its rate.
 #[test]
 fn the_incr_baseline_keys_expire_by_themselves() {
-    use std::os::unix::fs::PermissionsExt;
     let server = server();
-    let url = server.url();
     let cli = floodgate_testkit::redis_cli_binary().expect("redis-cli");
-    let dir = tempfile::tempdir().expect("temp dir");
-    let fake = dir.path().join("redis-benchmark");
     let script = format!(
         "#!/bin/sh\n\
          while [ $# -gt 0 ]; do case \"$1\" in -h) h=$2; shift;; -p) p=$2; shift;; esac; shift; done\n\
@@ -95,6 +75,21 @@ fn the_incr_baseline_keys_expire_by_themselves() {
          echo \"INCR: $t.00 requests per second, p50=0.100 msec\"\n",
         cli.display()
     );
+    let table = bench_with_stand_in(&server, &script);
+    let pttl = rate(&table, "redis-benchmark INCR -P 16");
+    assert!(
+        pttl > 3_000_000.0 && pttl <= 3_600_000.0,
+        "the key's PTTL: {pttl} in\n{table}"
+    );
+    assert_eq!(incr_keys_left(&server), 0, "deleted at the end too");
+}
+
+/// `floodgate bench` (gcra, short) against `server`, with `script` as the `redis-benchmark` on
+/// its PATH: the table it printed.
+fn bench_with_stand_in(server: &RedisServer, script: &str) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let fake = dir.path().join("redis-benchmark");
     std::fs::write(&fake, script).expect("write the stand-in");
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let path = format!(
@@ -102,17 +97,12 @@ fn the_incr_baseline_keys_expire_by_themselves() {
         dir.path().display(),
         std::env::var("PATH").unwrap_or_default()
     );
+    let url = server.url();
     let mut args = vec!["bench", "--redis", &url, "--algorithm", "gcra"];
     args.extend_from_slice(&SHORT);
     let run = common::floodgate_env(&args, "", &[("PATH", &path)]);
     run.success();
-    let table = &run.stdout;
-    let pttl = rate(table, "redis-benchmark INCR -P 16");
-    assert!(
-        pttl > 3_000_000.0 && pttl <= 3_600_000.0,
-        "the key's PTTL: {pttl} in\n{table}"
-    );
-    assert_eq!(incr_keys_left(&server), 0, "deleted at the end too");
+    run.stdout.clone()
 }
 
 #[test]

@@ -8,7 +8,8 @@ mod support;
 use std::time::Duration;
 
 use floodgate_lock::{
-    Backoff, Error, Lock, LockAttempt, LockStore, MAX_LOCK_NAME, MAX_TTL, MemoryLocks, Redlock,
+    Backoff, Error, Lock, LockAttempt, LockStore, MAX_LOCK_NAME, MAX_TTL, MemoryLocks, RedisLocks,
+    Redlock,
 };
 use floodgate_redis::{RedisConfig, RedisConn};
 use support::{
@@ -466,6 +467,31 @@ fn fault_a_cancelled_acquisition_leaves_no_unknown_holder() {
     });
 }
 
+/// `holder` takes the lock, `waiter` starts waiting for it, and 300 ms later `holder` gives it
+/// back: how long until `waiter` has it (then given back too).
+async fn timed_hand_off(holder: &Lock<RedisLocks>, waiter: &Lock<RedisLocks>) -> Duration {
+    let guard = holder.try_acquire().await.expect("ok").expect("free");
+    let waiting = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            let g = waiter
+                .acquire(Duration::from_secs(20))
+                .await
+                .expect("acquired");
+            (Instant::now(), g)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await; // the waiter is waiting
+    let released_at = Instant::now();
+    guard.release().await.expect("release");
+    let (acquired_at, g) = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("acquired in time")
+        .expect("task");
+    g.release().await.expect("release");
+    acquired_at - released_at
+}
+
 /// With a backoff of 5 s, a waiter that acquires within a fraction of it was woken by the
 /// release notification, not by a timer.
 #[test]
@@ -479,25 +505,9 @@ fn hand_off_is_woken_by_the_release_notification() {
             .backoff(slow);
 
         for round in 0..3 {
-            let guard = holder.try_acquire().await.expect("ok").expect("free");
-            let waiting = {
-                let waiter = waiter.clone();
-                tokio::spawn(async move {
-                    let g = waiter
-                        .acquire(Duration::from_secs(20))
-                        .await
-                        .expect("acquired");
-                    (Instant::now(), g)
-                })
-            };
-            tokio::time::sleep(Duration::from_millis(300)).await; // the waiter is waiting
-            let released_at = Instant::now();
-            guard.release().await.expect("release");
-            let (acquired_at, g) = waiting.await.expect("task");
-            let handoff = acquired_at - released_at;
+            let handoff = timed_hand_off(&holder, &waiter).await;
             eprintln!("round {round}: hand-off {handoff:?}");
             assert!(handoff < Duration::from_secs(1), "{handoff:?}");
-            g.release().await.expect("release");
 
             if round == 1 {
                 // The subscriber's connection drops; it reconnects and subscribes again.
@@ -531,30 +541,7 @@ fn hand_off_still_notifies_after_the_first_waiter_s_runtime_is_gone() {
             .backoff(slow);
         (holder, waiter)
     });
-    let hand_off = |rt: &tokio::runtime::Runtime| {
-        rt.block_on(async {
-            let guard = holder.try_acquire().await.expect("ok").expect("free");
-            let waiting = {
-                let waiter = waiter.clone();
-                tokio::spawn(async move {
-                    let g = waiter
-                        .acquire(Duration::from_secs(20))
-                        .await
-                        .expect("acquired");
-                    (Instant::now(), g)
-                })
-            };
-            tokio::time::sleep(Duration::from_millis(300)).await; // the waiter is waiting
-            let released_at = Instant::now();
-            guard.release().await.expect("release");
-            let (acquired_at, g) = tokio::time::timeout(Duration::from_secs(10), waiting)
-                .await
-                .expect("acquired in time")
-                .expect("task");
-            g.release().await.expect("release");
-            acquired_at - released_at
-        })
-    };
+    let hand_off = |rt: &tokio::runtime::Runtime| rt.block_on(timed_hand_off(&holder, &waiter));
     // The first wait, on a runtime of its own, which then shuts down.
     let first = tokio::runtime::Builder::new_current_thread()
         .enable_all()
