@@ -51,8 +51,13 @@ pub enum Mode {
     /// A request waiting its shaper turn holds the concurrency lease taken with it: the
     /// builder refuses ([`ConfigError::LeaseShorterThanWait`]) a concurrency rule checked
     /// beside a shaper rule whose lease could lapse meanwhile.
+    ///
+    /// A waiting request also holds the inner service it was called on, made ready: behind a
+    /// service whose readiness is a permit (tower's `ConcurrencyLimit`, `Buffer`), waiting
+    /// requests hold permits. Put such layers outside this one, or keep `max_wait` short.
     Delay {
-        /// The longest a request waits.
+        /// The longest a request waits for its turn; the store's answer to its last check
+        /// (within the layer's timeout) comes on top.
         max_wait: Duration,
     },
 }

@@ -421,6 +421,12 @@ impl<K: KeyExtractor + ?Sized> KeyExtractor for std::sync::Arc<K> {
 /// The future must not borrow the request: copy what it needs first. Implemented for
 /// closures `Fn(&RequestView<'_>) -> impl Future<Output = Option<Key>>`.
 ///
+/// The layer's [`timeout`](crate::RateLimitLayerBuilder::timeout) bounds the store's decision,
+/// not the extractor: bound the lookup yourself (answering `None` when it takes too long, which
+/// the layer's [`OnMissingKey`](crate::OnMissingKey) then decides), or a lookup that hangs
+/// holds its request. The keys of several asynchronous extractors are awaited one after the
+/// other.
+///
 /// ```
 /// use floodgate_tower::key::{AsyncKeyExtractor, Key, RequestView};
 ///
