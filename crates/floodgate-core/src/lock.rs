@@ -113,7 +113,16 @@ struct LocksInner<C> {
     map: ShardedMap<Held>,
     clock: C,
     fence: AtomicU64,
-    waiters: Mutex<HashMap<Box<[u8]>, Weak<Notify>>>,
+    waiters: Mutex<Waiters>,
+}
+
+/// The release notifications waited for, by lock name.
+#[derive(Default)]
+struct Waiters {
+    by_name: HashMap<Box<[u8]>, Weak<Notify>>,
+    /// The size at which names nobody waits for any more are swept (twice the size after the
+    /// last sweep): each unlock touches its own name only, and the sweeps cost O(1) a name.
+    sweep_at: usize,
 }
 
 impl<C> Clone for MemoryLocks<C> {
@@ -153,7 +162,7 @@ impl<C: Clock> MemoryLocks<C> {
                 map: ShardedMap::new(max_locks, 64, OnFull::Reject),
                 clock,
                 fence: AtomicU64::new(0),
-                waiters: Mutex::new(HashMap::new()),
+                waiters: Mutex::new(Waiters::default()),
             }),
         }
     }
@@ -285,10 +294,11 @@ impl<C: Clock> MemoryLocks<C> {
             .waiters
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some(n) = waiters.get(name).and_then(Weak::upgrade) {
-            n.notify_waiters();
+        match waiters.by_name.get(name).map(Weak::upgrade) {
+            Some(Some(n)) => n.notify_waiters(),
+            Some(None) => drop(waiters.by_name.remove(name)),
+            None => {}
         }
-        waiters.retain(|_, w| w.strong_count() > 0);
     }
 
     fn watch(&self, name: &[u8]) -> Released {
@@ -298,11 +308,15 @@ impl<C: Clock> MemoryLocks<C> {
                 .waiters
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
-            match waiters.get(name).and_then(Weak::upgrade) {
+            match waiters.by_name.get(name).and_then(Weak::upgrade) {
                 Some(n) => n,
                 None => {
+                    if waiters.by_name.len() >= waiters.sweep_at {
+                        waiters.by_name.retain(|_, w| w.strong_count() > 0);
+                        waiters.sweep_at = (waiters.by_name.len() * 2).max(64);
+                    }
                     let n = Arc::new(Notify::new());
-                    waiters.insert(name.into(), Arc::downgrade(&n));
+                    waiters.by_name.insert(name.into(), Arc::downgrade(&n));
                     n
                 }
             }
@@ -495,5 +509,31 @@ mod tests {
             locks.try_lock(b"l", b"b", ttl).await,
             Ok(LockAttempt::Acquired { .. })
         ));
+    }
+
+    #[test]
+    fn names_nobody_waits_for_are_swept_without_scanning_on_every_unlock() {
+        let (_, locks) = locks();
+        // Ten thousand waits on as many names, each given up at once (a waiter that took the
+        // lock, or was cancelled): the table keeps a bounded number of dead entries.
+        for i in 0..10_000u32 {
+            drop(locks.watch(format!("name-{i}").as_bytes()));
+        }
+        let held = locks
+            .inner
+            .waiters
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .by_name
+            .len();
+        assert!(held <= 128, "{held} entries kept");
+        // A name still waited for is kept through sweeps, and notified.
+        let mut waited = locks.watch(b"kept");
+        for i in 0..1_000u32 {
+            drop(locks.watch(format!("other-{i}").as_bytes()));
+        }
+        locks.notify(b"kept");
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(waited.as_mut().poll(&mut cx).is_ready(), "not notified");
     }
 }
