@@ -949,18 +949,26 @@ fn cluster_batches_split_by_a_migrating_slot_are_sent_check_by_check() {
         migration.migrate(&cluster, &key_of(first));
         let refused = error_replies(cluster.node(source), "TRYAGAIN");
 
-        let started = Instant::now();
-        assert_eq!(round(1).await, [998, 998], "the states went on counting");
-        let took = started.elapsed();
-        assert!(
-            error_replies(cluster.node(source), "TRYAGAIN") > refused,
-            "no batch held both users"
-        );
-        assert!(took <= config.get_timeout() + MARGIN, "{took:?}");
+        // One check of each at once: they are batched together, unless the idle limiter sent
+        // the first alone before the second came (a busy machine): then again, up to 5 times.
+        let mut left = 999;
+        let mut batched = false;
+        for _ in 0..5 {
+            left -= 1;
+            let started = Instant::now();
+            assert_eq!(round(1).await, [left, left], "the states went on counting");
+            let took = started.elapsed();
+            assert!(took <= config.get_timeout() + MARGIN, "{took:?}");
+            batched = error_replies(cluster.node(source), "TRYAGAIN") > refused;
+            if batched {
+                break;
+            }
+        }
+        assert!(batched, "no batch held both users");
         // The slot is remembered as migrating: its next batches go check by check at once,
         // and are not refused first.
         let refused = error_replies(cluster.node(source), "TRYAGAIN");
-        assert_eq!(round(1).await, [997, 997]);
+        assert_eq!(round(1).await, [left - 1, left - 1]);
         assert_eq!(
             error_replies(cluster.node(source), "TRYAGAIN"),
             refused,
