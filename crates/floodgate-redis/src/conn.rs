@@ -234,19 +234,22 @@ struct Silence {
     replaced: Option<Instant>,
 }
 
-impl Silence {
-    /// Forgets the silence: an answer came, or a new connection is up.
-    fn end(&mut self) {
-        self.since = None;
-        self.timeouts = 0;
-    }
-}
-
 impl Multiplexed {
     /// The connection for one call.
     #[inline]
     fn get(&self) -> ConnectionManager {
         ConnectionManager::clone(&self.current.load())
+    }
+
+    /// Forgets the silence: an answer came, or a new connection is up.
+    fn end_silence(&self) {
+        self.silent.store(false, Ordering::Relaxed);
+        let mut silence = self
+            .silence
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        silence.since = None;
+        silence.timeouts = 0;
     }
 }
 
@@ -797,11 +800,7 @@ impl RedisConn {
         if let Some(Backend::Multiplexed(m)) = self.inner.backend.get()
             && m.silent.load(Ordering::Relaxed)
         {
-            m.silent.store(false, Ordering::Relaxed);
-            m.silence
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .end();
+            m.end_silence();
         }
     }
 
@@ -872,11 +871,7 @@ impl RedisConn {
             match made {
                 Ok(Ok(manager)) => {
                     m.current.store(Arc::new(manager));
-                    m.silent.store(false, Ordering::Relaxed);
-                    m.silence
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .end();
+                    m.end_silence();
                     tracing::info!(addr = %inner.addr, "connected to Redis again");
                 }
                 Ok(Err(e)) => {

@@ -282,13 +282,7 @@ fn keep_alive(
     // keep the two alike.
     let task = handle.spawn(async move {
         let start = tokio::time::Instant::now();
-        // The first renewal a period from now, or at once if the lease has less than two
-        // periods left (a store slow to answer: the TTL runs from when the check was sent).
-        let first = (asked + ttl)
-            .checked_sub(period * 2)
-            .unwrap_or(start)
-            .clamp(start, start + period);
-        let mut ticks = tokio::time::interval_at(first, period);
+        let mut ticks = tokio::time::interval_at(told.first_renewal(start, period), period);
         // A slow renewal does not make the next ones bunch up against the same slow store.
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

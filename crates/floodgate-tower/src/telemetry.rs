@@ -262,18 +262,7 @@ impl LayerMetrics {
     /// all.
     pub(crate) fn request_error(&self, e: &dyn std::fmt::Display) {
         let ms = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let next = self.next_error_log_ms.load(Ordering::Relaxed);
-        let due = ms >= next
-            && self
-                .next_error_log_ms
-                .compare_exchange(
-                    next,
-                    ms.saturating_add(10_000),
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                )
-                .is_ok();
-        if due {
+        if due(&self.next_error_log_ms, ms, 10_000) {
             let not_logged = self.errors_not_logged.swap(0, Ordering::Relaxed);
             tracing::warn!(
                 error = %e,
@@ -291,21 +280,9 @@ impl LayerMetrics {
     pub(crate) fn copy_caches_soon(&self, now: Instant, stats: impl FnOnce() -> CacheStats) {
         let ms =
             u64::try_from(now.saturating_duration_since(self.base).as_millis()).unwrap_or(u64::MAX);
-        let next = self.next_copy_ms.load(Ordering::Relaxed);
-        if ms < next
-            || self
-                .next_copy_ms
-                .compare_exchange(
-                    next,
-                    ms.saturating_add(1000),
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                )
-                .is_err()
-        {
-            return;
+        if due(&self.next_copy_ms, ms, 1000) {
+            self.copy_caches(stats);
         }
-        self.copy_caches(stats);
     }
 
     /// Copies the stats `read` returns into their metrics now, and returns them. They are read
@@ -351,6 +328,21 @@ impl LayerMetrics {
         *copied = stats;
         stats
     }
+}
+
+/// Whether `now_ms` has reached `next` (then it moves `every_ms` on): for work done at most
+/// that often, by one of the threads that get there at once.
+fn due(next: &AtomicU64, now_ms: u64, every_ms: u64) -> bool {
+    let at = next.load(Ordering::Relaxed);
+    now_ms >= at
+        && next
+            .compare_exchange(
+                at,
+                now_ms.saturating_add(every_ms),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            )
+            .is_ok()
 }
 
 /// Adds to each counter what its count gained since `was`.

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::lease_clock::Deadline;
 use super::{Check, CheckOptions, LeaseClock, Limiter};
 use crate::{Kind, LeaseId, MemoryLimiter, Policy, Verdict};
 
@@ -222,16 +221,7 @@ where
         // (floodgate-tower's `engine::keep_alive`): keep the two alike.
         let task = runtime.spawn(async move {
             let start = Instant::now();
-            // The first renewal a period from now, or at once if the lease has less than two
-            // periods left (the call came long after the grant).
-            let first = match clock.deadline() {
-                Deadline::At(at) => at
-                    .checked_sub(period * 2)
-                    .unwrap_or(start)
-                    .clamp(start, start + period),
-                _ => start + period,
-            };
-            let mut ticks = tokio::time::interval_at(first, period);
+            let mut ticks = tokio::time::interval_at(clock.first_renewal(start, period), period);
             // A slow renewal does not make the next ones bunch up against the same slow store.
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {

@@ -242,7 +242,7 @@ impl<L, C: Clock> DenyCache<L, C> {
         if refunded != asked
             // A refund counted and still writing its stripes: any of them may be ours.
             && (self.shared.refunding.load(Ordering::SeqCst) > 0
-                || denying(checks, verdict).any(|c| {
+                || denying(checks, verdict).any(|(c, _)| {
                     // Refunded since the asking: between it and now (a stripe refunded long
                     // ago, or never, is outside, however the counts wrapped).
                     after_within(self.stripe(c).load(Ordering::SeqCst), asked, refunded)
@@ -297,24 +297,22 @@ fn after_within(x: u32, from: u32, to: u32) -> bool {
     x.wrapping_sub(from).wrapping_sub(1) < to.wrapping_sub(from)
 }
 
-/// The checks whose decisions make `verdict` a denial: those denied, or, for an allowed
-/// verdict, those it left without a unit (see [`denial_for`]).
+/// Whether an allowed check left its key without the units for one more like it.
+fn spent(c: &Check<'_>, d: &Decision) -> bool {
+    d.remaining < c.cost.max(1)
+}
+
+/// The checks whose decisions make `verdict` a denial, with them: those denied, or, for an
+/// allowed verdict, those it left without a unit ([`spent`]).
 fn denying<'a, 'c>(
     checks: &'a [Check<'c>],
     verdict: &'a Verdict,
-) -> impl Iterator<Item = &'a Check<'c>> + 'a {
+) -> impl Iterator<Item = (&'a Check<'c>, &'a Decision)> + 'a {
     let allowed = verdict.allowed();
     checks
         .iter()
         .zip(&verdict.decisions)
-        .filter(move |(c, d)| {
-            if allowed {
-                d.remaining < c.cost.max(1)
-            } else {
-                !d.allowed
-            }
-        })
-        .map(|(c, _)| c)
+        .filter(move |(c, d)| if allowed { spent(c, d) } else { !d.allowed })
 }
 
 fn fp_bytes(fp: &[u64; 2]) -> [u8; 16] {
@@ -349,24 +347,20 @@ fn aged(entry: &Entry, now: u64) -> Verdict {
 
 /// How long a verdict makes the same check certain to be denied, if it does.
 fn denial_for(checks: &[Check<'_>], verdict: &Verdict) -> Option<Duration> {
-    if verdict.allowed() {
-        // The check spent a key's last unit: denied until the next one comes, when the
-        // algorithm says exactly when. Decisions round durations up to whole milliseconds, so
-        // this is never earlier than the store would admit (at most a millisecond later; on a
-        // cluster, a check across slots may add the time between its parts).
-        return checks
-            .iter()
-            .zip(&verdict.decisions)
-            .filter(|(c, d)| d.remaining < c.cost.max(1))
-            .filter_map(|(c, d)| next_unit(c.policy, d))
-            .filter(|d| !d.is_zero())
-            .max();
-    }
-    verdict
-        .decisions
-        .iter()
-        .filter(|d| !d.allowed)
-        .filter_map(|d| d.retry_after)
+    let allowed = verdict.allowed();
+    denying(checks, verdict)
+        .filter_map(|(c, d)| {
+            if allowed {
+                // The check spent a key's last unit: denied until the next one comes, when the
+                // algorithm says exactly when. Decisions round durations up to whole
+                // milliseconds, so this is never earlier than the store would admit (at most a
+                // millisecond later; on a cluster, a check across slots may add the time
+                // between its parts).
+                next_unit(c.policy, d).filter(|d| !d.is_zero())
+            } else {
+                d.retry_after
+            }
+        })
         .max()
 }
 
@@ -609,7 +603,7 @@ fn synthesized_denial(checks: &[Check<'_>], verdict: &Verdict, wait: Duration) -
         .iter()
         .zip(&verdict.decisions)
         .map(|(c, d)| {
-            if d.remaining < c.cost.max(1) {
+            if spent(c, d) {
                 Decision {
                     allowed: false,
                     retry_after: Some(wait),

@@ -58,6 +58,20 @@ impl LeaseClock {
         *self.until.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// When a renewal loop started at `start`, renewing every `period` (a third of the TTL),
+    /// renews first: a period from now, or at once if the lease has less than two periods left
+    /// (the loop began long after the grant, or the store was slow to answer: the TTL runs
+    /// from when the check was sent).
+    pub fn first_renewal(&self, start: Instant, period: Duration) -> Instant {
+        match self.deadline() {
+            Deadline::At(at) => at
+                .checked_sub(period * 2)
+                .unwrap_or(start)
+                .clamp(start, start + period),
+            _ => start + period,
+        }
+    }
+
     /// A renewal sent at `sent` was accepted by the store, for `ttl`: the lease counts until a
     /// TTL after `sent`. An answer that comes at or after the deadline marks the lease lost
     /// instead.
