@@ -253,6 +253,47 @@ impl Multiplexed {
     }
 }
 
+fn is_ask(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::Ask)
+}
+
+/// Sends `cmd` where the `ASK` redirect `redirect` points, behind `ASKING`, in one pipeline.
+///
+/// The cluster client follows an `ASK` itself, but sends its `ASKING` as a call of its own and
+/// `cmd` once that is answered: a call of another task on the same connection to that node can
+/// come between them and use up the permission `ASKING` gives (it is good for one command), and
+/// `cmd` is then redirected back (`MOVED`). With a few checks of keys of a migrating slot at
+/// once, every try could lose that race, and the call failed with `ASK` after all its tries.
+/// Nothing else can come between the two commands of a pipeline. An `ASK` means the command
+/// did not run, so sending it again runs it once.
+async fn ask(
+    cluster: &mut ClusterConnection,
+    cmd: &Cmd,
+    redirect: RedisError,
+) -> RedisResult<Value> {
+    let node = redirect.redirect_node().and_then(|(addr, _slot)| {
+        let (host, port) = addr.rsplit_once(':')?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        Some((host.to_owned(), port.parse::<u16>().ok()?))
+    });
+    let Some((host, port)) = node else {
+        return Err(redirect);
+    };
+    tracing::debug!(%host, port, "following an ASK redirect");
+    let mut pipe = redis::pipe();
+    pipe.cmd("ASKING").add_command(cmd.clone());
+    let mut values = cluster
+        .route_pipeline(pipe, 1, 1, SingleNodeRoutingInfo::ByAddress { host, port })
+        .await?;
+    match (values.pop(), values.is_empty()) {
+        (Some(value), true) => Ok(value),
+        _ => Err(RedisError::from((
+            ErrorKind::Client,
+            "a redirected call answered with the wrong number of replies",
+        ))),
+    }
+}
+
 /// Where a command goes on a cluster (ignored on a single node).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Target {
@@ -505,8 +546,8 @@ impl RedisConn {
     }
 
     /// Runs several scripts with one round trip per node: one pipeline on a
-    /// single node; on a cluster one pipeline per slot, sent concurrently.
-    /// Each call gets its own result, so one failing script does not fail
+    /// single node; on a cluster every call on its own, all sent at once (a
+    /// pipeline redirected as a whole would run some calls twice). Each call gets its own result, so one failing script does not fail
     /// the others. Calls that met `NOSCRIPT` are run again, after the
     /// others of their pipeline, once the script is loaded.
     ///
@@ -519,11 +560,17 @@ impl RedisConn {
         calls: Vec<ScriptCall<'_>>,
     ) -> Result<Vec<Result<Value, Error>>, Error> {
         let mut results: Vec<Option<Result<Value, Error>>> = Vec::with_capacity(calls.len());
-        let mut groups: HashMap<Target, Vec<usize>> = HashMap::new();
+        let mut groups: HashMap<(Target, usize), Vec<usize>> = HashMap::new();
+        // On a cluster, each call is a pipeline of its own: when one call of a pipeline is
+        // redirected (a slot migrating or moved), the cluster client sends the whole pipeline
+        // again to the other node, and the calls that had run would run twice (and make keys
+        // on a node importing the slot that the migration then cannot move there).
+        let alone = self.inner.kind == ConnectionKind::Cluster;
         for (i, call) in calls.iter().enumerate() {
             match self.script_target(&call.keys) {
                 Ok(target) => {
-                    groups.entry(target).or_default().push(i);
+                    let group = if alone { i } else { 0 };
+                    groups.entry((target, group)).or_default().push(i);
                     results.push(None);
                 }
                 Err(e) => results.push(Some(Err(e))),
@@ -538,7 +585,7 @@ impl RedisConn {
                 Ok(join_all(
                     groups
                         .into_iter()
-                        .map(|(target, indices)| self.pipeline_group(calls, target, indices)),
+                        .map(|((target, _), indices)| self.pipeline_group(calls, target, indices)),
                 )
                 .await)
             })
@@ -922,9 +969,13 @@ impl RedisConn {
             }
             Backend::Cluster(cluster) => {
                 let mut cluster = cluster.clone();
-                match target.routing() {
+                let sent = match target.routing() {
                     None => cluster.req_packed_command(cmd).await,
                     Some(routing) => cluster.route_command(cmd.clone(), routing).await,
+                };
+                match sent {
+                    Err(e) if is_ask(&e) => ask(&mut cluster, cmd, e).await,
+                    sent => sent,
                 }
             }
         }?;
@@ -958,10 +1009,15 @@ impl RedisConn {
                     }
                     _ => SingleNodeRoutingInfo::RandomPrimary,
                 };
-                cluster
-                    .clone()
-                    .route_pipeline(pipe.clone(), 0, count, route)
-                    .await
+                let mut cluster = cluster.clone();
+                let sent = cluster.route_pipeline(pipe.clone(), 0, count, route).await;
+                // A cluster pipeline is of one call (see `pipeline_scripts`).
+                match (sent, pipe.cmd_iter().next()) {
+                    (Err(e), Some(cmd)) if count == 1 && is_ask(&e) => {
+                        ask(&mut cluster, cmd, e).await.map(|value| vec![value])
+                    }
+                    (sent, _) => sent,
+                }
             }
         }
     }

@@ -807,6 +807,58 @@ fn cluster_loads_a_script_where_a_migrating_slot_asks() {
     });
 }
 
+/// Pipelined calls of a slot whose keys a migration split run once each: the call of the key
+/// still on the source is not sent again to the target with the redirected one (the cluster
+/// client sends a redirected pipeline again whole). Run twice, it counted twice, and made the
+/// key on the importing node too, where the migration could then not move it (`BUSYKEY`).
+#[test]
+fn cluster_pipelined_calls_of_a_migrating_slot_run_once() {
+    let cluster = RedisCluster::start().expect("start a 6-node cluster");
+    run(async {
+        let config = RedisConfig::from_urls(cluster.urls())
+            .expect("valid seeds")
+            .timeout(Duration::from_secs(2));
+        let conn = RedisConn::connect(&config).await.expect("connect");
+        let script = incr();
+        let (stays, moves) = ("{pipelined}:stays", "{pipelined}:moves");
+        let slot = RedisCluster::key_slot(stays.as_bytes());
+        for key in [stays, moves] {
+            let value = conn
+                .invoke_script(&script, &[key.as_bytes()], &[])
+                .await
+                .expect("EVALSHA");
+            assert_eq!(int(&value), 1, "{key}");
+        }
+        let migration = Migration::begin(&cluster, slot);
+        migration.migrate(&cluster, moves.as_bytes());
+        for round in 2..5 {
+            let calls = vec![
+                ScriptCall::new(&script).key(stays.as_bytes()),
+                ScriptCall::new(&script).key(moves.as_bytes()),
+            ];
+            let results = conn.pipeline_scripts(calls).await.expect("pipeline");
+            let values: Vec<i64> = results
+                .iter()
+                .map(|r| int(r.as_ref().expect("each call answered")))
+                .collect();
+            assert_eq!(values, [round, round], "each key counted once a round");
+        }
+        let slot_arg = slot.to_string();
+        let keys = cluster
+            .node(migration.target)
+            .cmd(&["CLUSTER", "COUNTKEYSINSLOT", &slot_arg])
+            .expect("COUNTKEYSINSLOT");
+        assert_eq!(
+            keys.as_int(),
+            Some(1),
+            "the target holds the moved key only"
+        );
+        // The rest of the migration goes through.
+        migration.migrate(&cluster, stays.as_bytes());
+        migration.cancel(&cluster);
+    });
+}
+
 /// A slot moving from node `source` to node `target` of a cluster: `IMPORTING` on the target,
 /// `MIGRATING` on the source, as `redis-cli --cluster reshard` leaves them between its
 /// `MIGRATE`s (or for good, when it dies half-way).
@@ -949,14 +1001,16 @@ fn cluster_batches_split_by_a_migrating_slot_are_sent_check_by_check() {
         migration.migrate(&cluster, &key_of(first));
         let refused = error_replies(cluster.node(source), "TRYAGAIN");
 
-        // One check of each at once: they are batched together, unless the idle limiter sent
-        // the first alone before the second came (a busy machine): then again, up to 5 times.
+        // Eight checks of each at once: they are batched together, unless the idle limiter
+        // sent the first alone before the others came (a busy machine): then again, up to 5
+        // times. Sent one by one, the eight checks of the user that moved are redirected to
+        // the target together (`ASK`), and each is still answered.
         let mut left = 999;
         let mut batched = false;
         for _ in 0..5 {
-            left -= 1;
+            left -= 8;
             let started = Instant::now();
-            assert_eq!(round(1).await, [left, left], "the states went on counting");
+            assert_eq!(round(8).await, [left, left], "the states went on counting");
             let took = started.elapsed();
             assert!(took <= config.get_timeout() + MARGIN, "{took:?}");
             batched = error_replies(cluster.node(source), "TRYAGAIN") > refused;
