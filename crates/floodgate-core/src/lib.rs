@@ -32,7 +32,7 @@ pub use calendar::{Calendar, CalendarUnit};
 pub use clock::{Clock, ManualClock, SystemClock, Timestamp};
 pub use decision::{Decision, LeaseId, Verdict};
 pub use error::{MemoryError, PolicyError};
-pub use lock::{LockAttempt, LockStore, MemoryLocks};
+pub use lock::{LockAttempt, LockStore, MemoryLocks, Place, WaitQueues};
 pub use policy::{AlgorithmKind, Kind, MAX_NAME_LEN, Policy, State};
 pub use store::{
     CacheStats, Check, CheckOptions, ConcurrencyLease, DEFAULT_MAX_KEYS, DenyCache, DenyCacheStats,

@@ -90,6 +90,128 @@ pub trait LockStore: Send + Sync + 'static {
         let _ = ttl;
         Duration::ZERO
     }
+
+    /// This process's queues of waiters for this store's locks (shared by its clones), or
+    /// `None` (the default): then every waiter of a lock tries it again on each release.
+    /// With queues, waiters of a name line up, and only the first of them tries the lock and
+    /// listens for its release: a release costs one attempt per process, whatever the number
+    /// of waiters, and waiters take the lock in the order they came (after any that finds it
+    /// free first).
+    fn wait_queues(&self) -> Option<&WaitQueues> {
+        None
+    }
+}
+
+/// Waiters of the locks of one store in this process, lined up by lock name (see
+/// [`LockStore::wait_queues`]).
+#[derive(Default)]
+pub struct WaitQueues {
+    queues: Mutex<HashMap<Box<[u8]>, Queue>>,
+}
+
+/// The waiters of one name: each by the number of its place, with what wakes it when it comes
+/// first.
+#[derive(Default)]
+struct Queue {
+    next: u64,
+    places: std::collections::BTreeMap<u64, Arc<Notify>>,
+}
+
+impl WaitQueues {
+    /// No waiters yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn queues(&self) -> std::sync::MutexGuard<'_, HashMap<Box<[u8]>, Queue>> {
+        self.queues.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A place at the end of `name`'s queue, left when dropped.
+    pub fn join(&self, name: &[u8]) -> Place<'_> {
+        let turn = Arc::new(Notify::new());
+        let mut queues = self.queues();
+        let queue = queues.entry(name.into()).or_default();
+        let number = queue.next;
+        queue.next += 1;
+        queue.places.insert(number, Arc::clone(&turn));
+        Place {
+            queues: self,
+            name: name.into(),
+            number,
+            turn,
+        }
+    }
+
+    /// How many waiters `name` has in this process.
+    pub fn waiting(&self, name: &[u8]) -> usize {
+        self.queues().get(name).map_or(0, |q| q.places.len())
+    }
+}
+
+impl std::fmt::Debug for WaitQueues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WaitQueues")
+            .field("names", &self.queues().len())
+            .finish()
+    }
+}
+
+/// A waiter's place in the queue of a lock name ([`WaitQueues::join`]). Dropping it leaves the
+/// queue, and the next waiter's turn comes if it was first.
+pub struct Place<'a> {
+    queues: &'a WaitQueues,
+    name: Box<[u8]>,
+    number: u64,
+    turn: Arc<Notify>,
+}
+
+impl Place<'_> {
+    /// Whether no earlier waiter is still in the queue.
+    pub fn is_first(&self) -> bool {
+        let queues = self.queues.queues();
+        queues
+            .get(&*self.name)
+            .and_then(|q| q.places.keys().next())
+            .is_none_or(|&first| first == self.number)
+    }
+
+    /// Resolves once this place is first in its queue.
+    pub async fn first(&self) {
+        loop {
+            let turn = self.turn.notified();
+            tokio::pin!(turn);
+            turn.as_mut().enable();
+            if self.is_first() {
+                return;
+            }
+            turn.await;
+        }
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        let mut queues = self.queues.queues();
+        let Some(queue) = queues.get_mut(&*self.name) else {
+            return;
+        };
+        let was_first = queue.places.keys().next() == Some(&self.number);
+        queue.places.remove(&self.number);
+        if queue.places.is_empty() {
+            queues.remove(&*self.name);
+        } else if was_first && let Some(next) = queue.places.values().next() {
+            next.notify_one();
+        }
+    }
+}
+
+impl std::fmt::Debug for Place<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Place")
+            .field("number", &self.number)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The longest lock name or token accepted by the stores.
@@ -114,6 +236,7 @@ struct LocksInner<C> {
     clock: C,
     fence: AtomicU64,
     waiters: Mutex<Waiters>,
+    queues: WaitQueues,
 }
 
 /// The release notifications waited for, by lock name.
@@ -163,6 +286,7 @@ impl<C: Clock> MemoryLocks<C> {
                 clock,
                 fence: AtomicU64::new(0),
                 waiters: Mutex::new(Waiters::default()),
+                queues: WaitQueues::new(),
             }),
         }
     }
@@ -356,6 +480,10 @@ impl<C: Clock> LockStore for MemoryLocks<C> {
 
     fn released(&self, name: &[u8]) -> Released {
         self.watch(name)
+    }
+
+    fn wait_queues(&self) -> Option<&WaitQueues> {
+        Some(&self.inner.queues)
     }
 
     /// A thousandth of the lease: the store's clock and the holder's (Tokio's) are not one

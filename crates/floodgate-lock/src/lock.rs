@@ -183,7 +183,10 @@ where
     /// Takes the lock, waiting up to `wait` for the holder to release it.
     ///
     /// Waiters are woken by the store's release notification, and otherwise retry after a
-    /// jittered backoff that never outlasts the holder's lease. Transient store errors
+    /// jittered backoff that never outlasts the holder's lease. On a store with wait queues
+    /// (all of this crate's, see [`LockStore::wait_queues`]), a waiter lines up behind the
+    /// process's earlier waiters of the name, and tries the lock once they have left the
+    /// line: the whole `wait` may pass in the line. Transient store errors
     /// (timeouts, lost connections, no Redlock quorum) are retried until the deadline.
     ///
     /// At least one attempt is made, even with a zero `wait`, and an attempt begun before the
@@ -214,6 +217,9 @@ where
         let pending = PendingAttempt::new(self, &token);
         let mut backoff = self.backoff.start();
         let mut registered = None;
+        // This waiter's place in the store's queue for the name, if the store has queues:
+        // left (and the next waiter's turn come) whatever ends this call.
+        let mut place = None;
         let mut last_error: Option<Error>;
         let mut had_error = false;
         loop {
@@ -224,9 +230,31 @@ where
                 }
                 Ok(Attempt::Busy(remaining)) => {
                     last_error = None;
+                    if place.is_none()
+                        && let Some(queues) = self.store.wait_queues()
+                    {
+                        // Behind this process's earlier waiters: only the first of them tries
+                        // the lock and listens for its release, so that a release costs one
+                        // attempt, not one per waiter. Our turn comes when they have left.
+                        let joined = place.insert(queues.join(&self.name));
+                        if tokio::time::timeout_at(deadline, joined.first())
+                            .await
+                            .is_err()
+                        {
+                            if !had_error {
+                                pending.disarm();
+                            }
+                            return Err(Error::Timeout {
+                                name: floodgate_redis::display_key(&self.name),
+                                waited: Instant::now() - began,
+                            });
+                        }
+                        // First in line: listen, and look again at once.
+                        registered = None;
+                    }
                     if registered.is_none() {
-                        // First sight of a holder: listen for its release, then look again
-                        // at once, so that a release in between is not missed.
+                        // First sight of a holder (or first in line): listen for its release,
+                        // then look again at once, so that a release in between is not missed.
                         registered = Some(self.store.released(&self.name));
                         continue;
                     }

@@ -48,7 +48,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use floodgate_core::lock::Released;
+use floodgate_core::lock::{Released, WaitQueues};
 use floodgate_core::{LockAttempt, LockStore};
 use futures_util::StreamExt;
 use futures_util::future::join_all;
@@ -197,6 +197,7 @@ pub struct Redlock {
     nodes: Arc<[Node]>,
     quorum: usize,
     node_timeout: Duration,
+    queues: Arc<WaitQueues>,
 }
 
 impl Redlock {
@@ -355,6 +356,7 @@ impl Redlock {
             quorum: nodes.len() / 2 + 1,
             nodes: nodes.into(),
             node_timeout: DEFAULT_NODE_TIMEOUT,
+            queues: Arc::new(WaitQueues::new()),
         })
     }
 
@@ -684,6 +686,10 @@ impl LockStore for Redlock {
 
     fn clock_drift(&self, ttl: Duration) -> Duration {
         clock_drift(ttl)
+    }
+
+    fn wait_queues(&self) -> Option<&WaitQueues> {
+        Some(&self.queues)
     }
 }
 

@@ -690,3 +690,125 @@ fn a_user_without_channel_rights_releases() {
         again.release().await.expect("released");
     });
 }
+
+/// `count` waiters of one lock in this process, started one after another while `holder`
+/// holds it, each holding it a moment once it has it: returns the order they took it in, and
+/// how many scripts the server ran meanwhile (attempts and releases).
+async fn queue_of_waiters(
+    server: &floodgate_testkit::RedisServer,
+    store: RedisLocks,
+    count: usize,
+) -> (Vec<usize>, u64) {
+    // Slow polling: every attempt after the first of each waiter is one a release caused.
+    let slow = Backoff::new(Duration::from_secs(5), Duration::from_secs(5)).expect("valid");
+    let lock = Lock::new(store, "queued", TTL)
+        .expect("valid")
+        .backoff(slow);
+    let holder = lock.try_acquire().await.expect("ok").expect("free");
+    let before = scripts_run(server);
+    let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..count {
+        let (lock, order) = (lock.clone(), std::sync::Arc::clone(&order));
+        tasks.push(tokio::spawn(async move {
+            let guard = lock
+                .acquire(Duration::from_secs(30))
+                .await
+                .unwrap_or_else(|e| panic!("waiter {i}: {e}"));
+            order.lock().expect("order").push(i);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            guard.release().await.expect("release");
+        }));
+        // Each has tried the lock and lined up before the next comes.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    holder.release().await.expect("release");
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(20), task)
+            .await
+            .expect("every waiter served in time")
+            .expect("waiter");
+    }
+    let order = order.lock().expect("order").clone();
+    (order, scripts_run(server) - before)
+}
+
+/// Waiters of one lock in a process line up: only the first tries the lock and listens for its
+/// release, so each release costs one attempt there, not one per waiter (32 waiters took 600
+/// scripts to pass the lock along, each release waking all), and they take it in the order
+/// they came.
+#[test]
+fn waiters_in_one_process_line_up_and_a_release_costs_one_attempt() {
+    let server = server();
+    run(Duration::from_secs(60), async {
+        let waiters = 32;
+        let (order, scripts) =
+            queue_of_waiters(&server, redis_locks(&server.url()).await, waiters).await;
+        eprintln!("{waiters} waiters: {scripts} scripts run");
+        assert_eq!(
+            order,
+            (0..waiters).collect::<Vec<_>>(),
+            "first come, first served"
+        );
+        // Per waiter: its first attempt, one on its turn, the one the release before let
+        // through, and its own release (and a little room).
+        let bound = u64::try_from(waiters).expect("small") * 5;
+        assert!(
+            scripts <= bound,
+            "{scripts} scripts for {waiters} hand-offs"
+        );
+    });
+}
+
+/// A waiter that leaves the line (its call cancelled, or its deadline passed) hands its turn on:
+/// the next takes the lock on the release, not when a poll comes around.
+#[test]
+fn a_waiter_leaving_the_line_hands_its_turn_on() {
+    run(Duration::from_secs(60), async {
+        let slow = Backoff::new(Duration::from_secs(20), Duration::from_secs(20)).expect("valid");
+        let lock = Lock::new(MemoryLocks::new(), "line", Duration::from_secs(40))
+            .expect("valid")
+            .backoff(slow);
+        let holder = lock.try_acquire().await.expect("ok").expect("free");
+        let spawn = |wait: Duration| {
+            let lock = lock.clone();
+            tokio::spawn(async move { lock.acquire(wait).await.map(|g| (Instant::now(), g)) })
+        };
+        let first = spawn(Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let impatient = spawn(Duration::from_millis(300));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let last = spawn(Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let queues = lock
+            .store()
+            .wait_queues()
+            .expect("the memory store has queues");
+        assert_eq!(queues.waiting(b"line"), 3);
+        // The second's deadline passes in the line, behind the first; then the first is
+        // cancelled.
+        let started = Instant::now();
+        let timed_out = impatient.await.expect("task");
+        assert!(
+            matches!(timed_out, Err(Error::Timeout { .. })),
+            "{:?}",
+            timed_out.map(|(_, g)| g.fence())
+        );
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert_eq!(queues.waiting(b"line"), 2);
+        first.abort();
+        assert!(first.await.is_err_and(|e| e.is_cancelled()));
+        assert_eq!(queues.waiting(b"line"), 1);
+        let released_at = Instant::now();
+        holder.release().await.expect("release");
+        let (acquired_at, guard) = tokio::time::timeout(Duration::from_secs(5), last)
+            .await
+            .expect("the last waiter got its turn")
+            .expect("task")
+            .expect("acquired");
+        let handoff = acquired_at - released_at;
+        assert!(handoff < Duration::from_secs(1), "{handoff:?}");
+        guard.release().await.expect("release");
+        assert_eq!(queues.waiting(b"line"), 0, "the line is gone");
+    });
+}

@@ -18,7 +18,7 @@ use std::fmt;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use floodgate_core::lock::Released;
+use floodgate_core::lock::{Released, WaitQueues};
 use floodgate_core::{LockAttempt, LockStore};
 use floodgate_redis::keys::key_tag;
 use floodgate_redis::{RedisConfig, RedisConn};
@@ -71,6 +71,7 @@ pub struct RedisLocks {
 struct Inner {
     conn: RedisConn,
     notifier: Option<Notifier>,
+    queues: WaitQueues,
 }
 
 impl RedisLocks {
@@ -221,6 +222,7 @@ impl RedisLocksBuilder {
             inner: Arc::new(Inner {
                 conn: self.conn,
                 notifier,
+                queues: WaitQueues::new(),
             }),
         }
     }
@@ -297,6 +299,10 @@ impl LockStore for RedisLocks {
     /// holder trusts its lease for `ttl / 100 + 2 ms` less, as Redlock does per node.
     fn clock_drift(&self, ttl: Duration) -> Duration {
         crate::redlock::clock_drift(ttl)
+    }
+
+    fn wait_queues(&self) -> Option<&WaitQueues> {
+        Some(&self.inner.queues)
     }
 }
 
