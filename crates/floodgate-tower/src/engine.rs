@@ -959,6 +959,15 @@ where
     ) -> Option<(Verdict, DecisionSource, Instant)> {
         let sh = &self.shared;
         let admit = sh.health.admit();
+        // The store is failing: a denial a cache holds still stands, where the failure policy
+        // would decide (failing open, let the key through). Not in place of the interval's
+        // one probe: a client hammering a denied key would take every probe, and the store
+        // would never be found answering again.
+        if (admit == Admit::Skip || admit == Admit::Probe && sh.health.retry_interval().is_zero())
+            && let Some(verdict) = self.limiter.check_local(checks, &opts)
+        {
+            return Some((verdict, DecisionSource::Store, Instant::now()));
+        }
         if admit != Admit::Skip {
             let started = Instant::now();
             // Behind a limiter that keeps deadlines the layer's timeout away, the timeout is the
@@ -991,7 +1000,11 @@ where
                 .copy_caches_soon(started, || self.limiter.cache_stats());
             match result {
                 Some(Ok(verdict)) => {
-                    sh.health.succeeded();
+                    // Only a probe's answer comes from the store for sure (a usual check may
+                    // be answered by a cache or a lease): it alone says the store is back.
+                    if admit == Admit::Probe {
+                        sh.health.succeeded();
+                    }
                     return Some((verdict, DecisionSource::Store, started));
                 }
                 Some(Err(e)) => {

@@ -50,11 +50,14 @@ impl StoreHealth {
     }
 
     /// What this request does with the store: skip it (failing, and not yet time to probe),
-    /// probe it (the one request of the interval while failing), or ask it as usual (not
-    /// failing, or no retry interval: every request asks).
+    /// probe it (the one request of the interval while failing; every request, with no retry
+    /// interval), or ask it as usual (not failing).
     pub(crate) fn admit(&self) -> Admit {
-        if self.retry_interval.is_zero() || !self.failing.load(Ordering::Relaxed) {
+        if !self.failing.load(Ordering::Relaxed) {
             return Admit::Ask;
+        }
+        if self.retry_interval.is_zero() {
+            return Admit::Probe;
         }
         let now = self.now_ms();
         let next = self.next_probe_ms.load(Ordering::Relaxed);
@@ -152,10 +155,16 @@ mod tests {
         assert!(h.skip_store());
         h.succeeded();
         assert!(!h.skip_store());
-        // A zero interval never skips.
+        // A zero interval never skips: while failing, every request probes (only a probe's
+        // answer, the store's own, says it is back).
         let h = StoreHealth::new(Duration::ZERO, "fail_open");
+        assert_eq!(h.admit(), Admit::Ask);
         h.failed(&"boom");
         assert!(!h.skip_store());
+        assert_eq!(h.admit(), Admit::Probe);
+        assert_eq!(h.admit(), Admit::Probe);
+        h.succeeded();
+        assert_eq!(h.admit(), Admit::Ask);
         // The first request after the interval probes, the others still skip.
         let h = StoreHealth::new(Duration::from_millis(1), "fail_open");
         h.failed(&"boom");

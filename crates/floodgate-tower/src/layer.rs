@@ -328,7 +328,10 @@ where
     /// After the store is found unavailable (a timeout, a connection or not-serving error, or
     /// the layer's own timeout), requests skip the store for this long (default 500 ms); then
     /// one request tries it again. Zero tries the store on every request. One key's error (a
-    /// corrupted value) gives that request the failure policy and skips nothing.
+    /// corrupted value) gives that request the failure policy and skips nothing. While the
+    /// store is failing, denials the deny cache holds still answer until they run out; the
+    /// failure policy decides the rest. Only the store's own answer to a try (never a local
+    /// one: a cached denial, a leased unit) says it is back.
     pub fn store_retry_interval(mut self, interval: Duration) -> Self {
         self.store_retry_interval = interval;
         self
@@ -373,7 +376,8 @@ where
 
     /// Answers requests that are certain to be denied without asking the store, until their
     /// retry time ([`floodgate_core::DenyCache`]); default on. An attacker hammering one key
-    /// then costs the shared store about one call per admitted request. Has no effect with a
+    /// then costs the shared store about one call per admitted request, and stays denied while
+    /// the store is failing, whatever the failure policy. Has no effect with a
     /// [`MemoryLimiter`], which is local already.
     ///
     /// Another replica's refund ([`RateLimitLayerBuilder::refund_when`]) can free a key before

@@ -323,6 +323,55 @@ async fn failure_policies_with_redis_down_and_back() {
     assert!(size >= 1, "{size} keys after restart");
 }
 
+/// While Redis is down, a client the deny cache holds as denied stays denied: failing open
+/// lets the other clients through, not one Redis had refused until later (it was let through).
+/// Also with no retry interval, where every request tries the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_denial_stands_while_redis_is_down() {
+    let redis = start_redis();
+    for (round, retry) in [Duration::from_millis(50), Duration::ZERO]
+        .into_iter()
+        .enumerate()
+    {
+        let layer = RateLimitLayer::builder(limiter(&redis).await)
+            .rule(
+                Rule::new(policy(2, &format!("per-client-{round}")))
+                    .key(HeaderKey::named("x-client").expect("header")),
+            )
+            .on_store_error(OnStoreError::FailOpen)
+            .timeout(Duration::from_millis(300))
+            .store_retry_interval(retry)
+            .build()
+            .expect("layer");
+        let client = HttpClient::new(serve(app(layer)).await);
+        let attacker: [(&str, &[u8]); 1] = [("x-client", b"attacker")];
+        let other: [(&str, &[u8]); 1] = [("x-client", b"other")];
+        for _ in 0..2 {
+            let res = client.get_with("/", &attacker).await;
+            assert_eq!(
+                (res.status, res.body.as_ref()),
+                (StatusCode::OK, &b"store"[..])
+            );
+        }
+        let denied = client.get_with("/", &attacker).await;
+        assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+
+        tokio::task::block_in_place(|| redis.kill()).expect("kill");
+        for _ in 0..3 {
+            let res = client.get_with("/", &other).await;
+            assert_eq!(
+                (res.status, res.body.as_ref()),
+                (StatusCode::OK, &b"open"[..]),
+                "retry {retry:?}"
+            );
+            let res = client.get_with("/", &attacker).await;
+            assert_eq!(res.status, StatusCode::TOO_MANY_REQUESTS, "retry {retry:?}");
+            assert!(res.header("retry-after").is_some());
+        }
+        tokio::task::block_in_place(|| redis.restart()).expect("restart");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_redis_hits_the_layer_timeout() {
     let redis = start_redis();

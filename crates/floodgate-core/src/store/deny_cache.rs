@@ -184,6 +184,16 @@ impl<L, C: Clock> DenyCache<L, C> {
         out
     }
 
+    /// Whether the answer to `checks` may be cached: not at a given time, no concurrency
+    /// policy (whose lease must be taken), no zero cost (a peek).
+    fn cacheable(&self, checks: &[Check<'_>], opts: &CheckOptions) -> bool {
+        opts.now.is_none()
+            && self.max_hold_us > 0
+            && checks
+                .iter()
+                .all(|c| !matches!(c.policy.kind(), Kind::Concurrency(_)) && c.cost > 0)
+    }
+
     /// A cached denial still in force, adjusted to `now`; or whether one ran out recently.
     fn lookup(&self, fp: &[u64; 2], now: u64) -> Lookup {
         let key = fp_bytes(fp);
@@ -443,12 +453,22 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
         self.inner.keeps_deadlines(within)
     }
 
+    /// A cached denial of `checks` still in force (counted as a hit), else the inner
+    /// limiter's local answer.
+    fn check_local(&self, checks: &[Check<'_>], opts: &CheckOptions) -> Option<Verdict> {
+        if self.cacheable(checks, opts) {
+            let fp = self.fingerprint(checks, opts);
+            let now = self.shared.clock.now().as_micros();
+            if let Lookup::Denied(verdict) = self.lookup(&fp, now) {
+                self.shared.hits.fetch_add(1, Ordering::Relaxed);
+                return Some(*verdict);
+            }
+        }
+        self.inner.check_local(checks, opts)
+    }
+
     async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, L::Error> {
-        let cacheable = opts.now.is_none()
-            && self.max_hold_us > 0
-            && checks
-                .iter()
-                .all(|c| !matches!(c.policy.kind(), Kind::Concurrency(_)) && c.cost > 0);
+        let cacheable = self.cacheable(checks, &opts);
         // One await of the inner check, on every path: limiters' futures are large, and this
         // one is held by layers that box it per request.
         let mut leader = None;

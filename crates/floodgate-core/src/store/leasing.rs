@@ -597,6 +597,12 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
         self.inner.check(checks, opts).await
     }
 
+    /// The inner limiter's local answer (a cached denial). Leased units are not spent here:
+    /// whether a check is leased is decided on its way to the store.
+    fn check_local(&self, checks: &[Check<'_>], opts: &CheckOptions) -> Option<Verdict> {
+        self.inner.check_local(checks, opts)
+    }
+
     /// The store's own answer, spending no leased unit.
     async fn check_store(
         &self,

@@ -187,6 +187,16 @@ pub trait Limiter: Send + Sync {
         self.check(checks, opts)
     }
 
+    /// `checks` answered here, without the store, if this limiter holds an answer: a denial
+    /// [`DenyCache`] holds that is still in force. `None` otherwise (the default); a limiter
+    /// that wraps another passes this on. A layer asks it while the store is failing and
+    /// skipped: a key the store denied until later stays denied, where the failure policy
+    /// would decide it (failing open, let it through).
+    fn check_local(&self, checks: &[Check<'_>], opts: &CheckOptions) -> Option<Verdict> {
+        let _ = (checks, opts);
+        None
+    }
+
     /// Whether every check of this limiter whose [`CheckOptions::deadline`] is at least `within`
     /// away is over by that deadline on its own (failed with the limiter's timeout error when
     /// the store has not answered by then), so that a caller who sets one needs no timer of its
