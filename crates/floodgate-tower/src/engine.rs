@@ -963,10 +963,15 @@ where
         // would decide (failing open, let the key through). Not in place of the interval's
         // one probe: a client hammering a denied key would take every probe, and the store
         // would never be found answering again.
-        if (admit == Admit::Skip || admit == Admit::Probe && sh.health.retry_interval().is_zero())
-            && let Some(verdict) = self.limiter.check_local(checks, &opts)
-        {
-            return Some((verdict, DecisionSource::Store, Instant::now()));
+        if admit == Admit::Skip || admit == Admit::Probe && sh.health.retry_interval().is_zero() {
+            let now = Instant::now();
+            let local = self.limiter.check_local(checks, &opts);
+            // Copied while the store is skipped too: the cache's counters go on.
+            sh.metrics
+                .copy_caches_soon(now, || self.limiter.cache_stats());
+            if let Some(verdict) = local {
+                return Some((verdict, DecisionSource::Store, now));
+            }
         }
         if admit != Admit::Skip {
             let started = Instant::now();

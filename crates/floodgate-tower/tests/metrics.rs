@@ -476,6 +476,51 @@ async fn the_deny_cache_is_counted_in_stats_and_metrics() {
     assert_eq!(recorder.gauge("floodgate_deny_cache_entries{}"), 2.0);
 }
 
+/// While the store is failing and skipped, a denial the deny cache holds still answers, and
+/// the cache's counters are still copied into the metrics.
+#[tokio::test]
+async fn cached_denials_while_the_store_is_skipped_are_counted() {
+    let redis = RedisServer::start().expect("redis-server (run scripts/install-redis)");
+    let config = RedisConfig::new(&redis.url())
+        .expect("url")
+        .timeout(Duration::from_millis(250))
+        .connect_timeout(Duration::from_millis(250));
+    let limiter = RedisLimiter::connect(&config).await.expect("connect");
+    let layer = RateLimitLayer::builder(limiter)
+        .rule(Rule::new(one_per_minute("skipped")).key(HeaderKey::named("x-client").expect("name")))
+        .on_store_error(OnStoreError::FailOpen)
+        .store_retry_interval(Duration::from_secs(3600))
+        .build()
+        .expect("layer");
+    let recorder = Recorded::default();
+    metrics::with_local_recorder(&recorder, || layer.stats());
+    let mut svc = layer.layer(tower::service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let mut call = async |client: &str| {
+        let req = Request::builder()
+            .header("x-client", client)
+            .body(())
+            .expect("request");
+        svc.ready().await.expect("ready");
+        svc.call(req).await.expect("response").status()
+    };
+    assert_eq!(call("a").await, StatusCode::OK);
+    assert_eq!(call("a").await, StatusCode::TOO_MANY_REQUESTS);
+    redis.kill().expect("kill");
+    // Another client finds the store down: it is skipped from now on, and fails open.
+    assert_eq!(call("b").await, StatusCode::OK);
+    assert_eq!(call("b").await, StatusCode::OK);
+    // The first request copied the counters; the next copy is due a second later.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let before = recorder.counter("floodgate_deny_cache_hits_total{}");
+    assert_eq!(call("a").await, StatusCode::TOO_MANY_REQUESTS);
+    let hits = recorder.counter("floodgate_deny_cache_hits_total{}");
+    assert!(hits > before, "not copied: {before} then {hits}");
+    let stats = metrics::with_local_recorder(&recorder, || layer.stats());
+    assert_eq!(stats.deny_cache.expect("deny cache").hits, hits);
+}
+
 async fn limiter_of(redis: &RedisServer) -> RedisLimiter {
     let config = RedisConfig::new(&redis.url()).expect("url");
     RedisLimiter::connect(&config).await.expect("connect")
