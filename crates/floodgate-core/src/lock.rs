@@ -93,10 +93,10 @@ pub trait LockStore: Send + Sync + 'static {
 
     /// This process's queues of waiters for this store's locks (shared by its clones), or
     /// `None` (the default): then every waiter of a lock tries it again on each release.
-    /// With queues, waiters of a name line up, and only the first of them tries the lock and
-    /// listens for its release: a release costs one attempt per process, whatever the number
-    /// of waiters, and waiters take the lock in the order they came (after any that finds it
-    /// free first).
+    /// With queues, waiters of a name line up, and only the first of them listens for its
+    /// release (the others look on their backoff): a release costs one attempt per process,
+    /// whatever the number of waiters, and waiters take the lock in the order they came
+    /// (unless another attempt finds it free first).
     fn wait_queues(&self) -> Option<&WaitQueues> {
         None
     }

@@ -47,9 +47,10 @@
 //!   lease, covers lost notifications and leases that simply expire. There is no fixed
 //!   polling sleep: the median hand-off is under a millisecond on loopback (`cargo bench`).
 //!   A process's waiters of one name (on one store and its clones) line up: only the first
-//!   tries the lock and listens, so a release costs one attempt per process, not one per
-//!   waiter, and they take the lock in the order they came (a caller finding it free takes it
-//!   first). A waiter that leaves the line (cancelled, or out of time) hands its turn on.
+//!   listens for the release, so a release costs one attempt per process, not one per
+//!   waiter, and they take the lock in the order they came (unless a caller, or a waiter's
+//!   backoff poll, finds it free first). A waiter that leaves the line (cancelled, or out of
+//!   time) hands its turn on.
 //! - Dropping a guard releases in the background (spawned, never blocking); without a tokio
 //!   runtime the lease simply runs out. A crashed holder blocks others for at most its ttl.
 //!

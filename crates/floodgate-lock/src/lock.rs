@@ -185,8 +185,8 @@ where
     /// Waiters are woken by the store's release notification, and otherwise retry after a
     /// jittered backoff that never outlasts the holder's lease. On a store with wait queues
     /// (all of this crate's, see [`LockStore::wait_queues`]), a waiter lines up behind the
-    /// process's earlier waiters of the name, and tries the lock once they have left the
-    /// line: the whole `wait` may pass in the line. Transient store errors
+    /// process's earlier waiters of the name; until they have left the line it looks at the
+    /// lock only on its backoff, and is not woken by releases. Transient store errors
     /// (timeouts, lost connections, no Redlock quorum) are retried until the deadline.
     ///
     /// At least one attempt is made, even with a zero `wait`, and an attempt begun before the
@@ -233,14 +233,28 @@ where
                     if place.is_none()
                         && let Some(queues) = self.store.wait_queues()
                     {
-                        // Behind this process's earlier waiters: only the first of them tries
-                        // the lock and listens for its release, so that a release costs one
-                        // attempt, not one per waiter. Our turn comes when they have left.
-                        let joined = place.insert(queues.join(&self.name));
-                        if tokio::time::timeout_at(deadline, joined.first())
-                            .await
-                            .is_err()
-                        {
+                        place = Some(queues.join(&self.name));
+                    }
+                    if let Some(joined) = place.as_ref().filter(|p| !p.is_first()) {
+                        // Behind this process's earlier waiters: only the first of them
+                        // listens for the release, so that a release costs one attempt, not
+                        // one per waiter. Our turn comes when they have left the line;
+                        // meanwhile we look at the lock on our backoff, as a waiter without
+                        // notifications would (a first waiter whose caller stopped polling it
+                        // must not hold the others up).
+                        registered = None;
+                        let poll = backoff.next().min(remaining.max(Duration::from_millis(1)));
+                        let wake = Instant::now()
+                            .checked_add(poll)
+                            .map_or(deadline, |t| t.min(deadline));
+                        tokio::select! {
+                            () = joined.first() => {
+                                // First in line: listen, then look again at once.
+                                registered = Some(self.store.released(&self.name));
+                            }
+                            () = tokio::time::sleep_until(wake) => {}
+                        }
+                        if Instant::now() >= deadline {
                             if !had_error {
                                 pending.disarm();
                             }
@@ -249,8 +263,7 @@ where
                                 waited: Instant::now() - began,
                             });
                         }
-                        // First in line: listen, and look again at once.
-                        registered = None;
+                        continue;
                     }
                     if registered.is_none() {
                         // First sight of a holder (or first in line): listen for its release,

@@ -709,9 +709,9 @@ async fn queue_of_waiters(
     let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for i in 0..count {
-        let (lock, order) = (lock.clone(), std::sync::Arc::clone(&order));
+        let (waiter, order) = (lock.clone(), std::sync::Arc::clone(&order));
         tasks.push(tokio::spawn(async move {
-            let guard = lock
+            let guard = waiter
                 .acquire(Duration::from_secs(30))
                 .await
                 .unwrap_or_else(|e| panic!("waiter {i}: {e}"));
@@ -720,7 +720,7 @@ async fn queue_of_waiters(
             guard.release().await.expect("release");
         }));
         // Each has tried the lock and lined up before the next comes.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        wait_for_line(&lock, i + 1).await;
     }
     holder.release().await.expect("release");
     for task in tasks {
@@ -775,16 +775,15 @@ fn a_waiter_leaving_the_line_hands_its_turn_on() {
             tokio::spawn(async move { lock.acquire(wait).await.map(|g| (Instant::now(), g)) })
         };
         let first = spawn(Duration::from_secs(30));
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        wait_for_line(&lock, 1).await;
         let impatient = spawn(Duration::from_millis(300));
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        wait_for_line(&lock, 2).await;
         let last = spawn(Duration::from_secs(30));
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        wait_for_line(&lock, 3).await;
         let queues = lock
             .store()
             .wait_queues()
             .expect("the memory store has queues");
-        assert_eq!(queues.waiting(b"line"), 3);
         // The second's deadline passes in the line, behind the first; then the first is
         // cancelled.
         let started = Instant::now();
@@ -810,5 +809,59 @@ fn a_waiter_leaving_the_line_hands_its_turn_on() {
         assert!(handoff < Duration::from_secs(1), "{handoff:?}");
         guard.release().await.expect("release");
         assert_eq!(queues.waiting(b"line"), 0, "the line is gone");
+    });
+}
+
+/// Waits (up to 10 s) until `lock`'s name has `count` waiters in line.
+async fn wait_for_line<S>(lock: &Lock<S>, count: usize)
+where
+    S: LockStore + Clone,
+    Error: From<S::Error>,
+{
+    let queues = lock.store().wait_queues().expect("a store with queues");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while queues.waiting(lock.name()) != count {
+        assert!(
+            Instant::now() < deadline,
+            "{} in line, not {count}",
+            queues.waiting(lock.name())
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A first waiter whose caller stops polling it (its future kept in a `select!` that waits
+/// on something else) does not hold up the waiters behind it: they look at the lock on their
+/// backoff, and take it once it is free.
+#[test]
+fn a_first_waiter_nobody_polls_does_not_hold_the_line_up() {
+    run(Duration::from_secs(60), async {
+        let quick =
+            Backoff::new(Duration::from_millis(10), Duration::from_millis(50)).expect("valid");
+        let lock = Lock::new(MemoryLocks::new(), "stalled", Duration::from_secs(40))
+            .expect("valid")
+            .backoff(quick);
+        let holder = lock.try_acquire().await.expect("ok").expect("free");
+        // First in line, then never polled again (nor dropped).
+        let mut stalled = Box::pin(lock.acquire(Duration::from_secs(30)));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), &mut stalled)
+                .await
+                .is_err()
+        );
+        wait_for_line(&lock, 1).await;
+        let behind = {
+            let lock = lock.clone();
+            tokio::spawn(async move { lock.acquire(Duration::from_secs(10)).await })
+        };
+        wait_for_line(&lock, 2).await;
+        holder.release().await.expect("release");
+        let guard = tokio::time::timeout(Duration::from_secs(5), behind)
+            .await
+            .expect("taken on a poll, not at the deadline")
+            .expect("task")
+            .expect("acquired");
+        guard.release().await.expect("release");
+        drop(stalled);
     });
 }

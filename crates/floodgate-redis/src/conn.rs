@@ -257,6 +257,49 @@ fn is_ask(e: &RedisError) -> bool {
     e.kind() == ErrorKind::Server(ServerErrorKind::Ask)
 }
 
+fn is_redirect(e: &RedisError) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Server(ServerErrorKind::Ask | ServerErrorKind::Moved)
+    )
+}
+
+/// `cmd` sent on a cluster as `routing` says (by its key when `None`).
+async fn send_routed(
+    cluster: &mut ClusterConnection,
+    cmd: &Cmd,
+    routing: Option<RoutingInfo>,
+) -> RedisResult<Value> {
+    match routing {
+        None => cluster.req_packed_command(cmd).await,
+        Some(routing) => cluster.route_command(cmd.clone(), routing).await,
+    }
+}
+
+/// A cluster call's outcome once the cluster client has given up following redirects: an `ASK`
+/// is followed here ([`ask`]). A migrating slot's key that the client keeps failing to ask
+/// about (see [`ask`]) goes back and forth between `ASK` from the source and `MOVED` back from
+/// the target, and the client may give up on either: after a `MOVED`, the call is sent once
+/// more as it was (a redirect means it did not run), to meet the `ASK` again.
+async fn after_redirects(
+    cluster: &mut ClusterConnection,
+    cmd: &Cmd,
+    routing: Option<RoutingInfo>,
+    sent: RedisResult<Value>,
+) -> RedisResult<Value> {
+    let sent = match sent {
+        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::Moved) => {
+            tracing::debug!(error = %e, "sending a call again after MOVED");
+            send_routed(cluster, cmd, routing).await
+        }
+        sent => sent,
+    };
+    match sent {
+        Err(e) if is_ask(&e) => ask(cluster, cmd, e).await,
+        sent => sent,
+    }
+}
+
 /// Sends `cmd` where the `ASK` redirect `redirect` points, behind `ASKING`, in one pipeline.
 ///
 /// The cluster client follows an `ASK` itself, but sends its `ASKING` as a call of its own and
@@ -264,8 +307,9 @@ fn is_ask(e: &RedisError) -> bool {
 /// come between them and use up the permission `ASKING` gives (it is good for one command), and
 /// `cmd` is then redirected back (`MOVED`). With a few checks of keys of a migrating slot at
 /// once, every try could lose that race, and the call failed with `ASK` after all its tries.
-/// Nothing else can come between the two commands of a pipeline. An `ASK` means the command
-/// did not run, so sending it again runs it once.
+/// Nothing else can come between the two commands of a pipeline. An `ASK` means the try that
+/// met it did not run the command (an earlier try that lost its connection mid-call might
+/// have, as with any of the cluster client's own retries).
 async fn ask(
     cluster: &mut ClusterConnection,
     cmd: &Cmd,
@@ -274,6 +318,9 @@ async fn ask(
     let node = redirect.redirect_node().and_then(|(addr, _slot)| {
         let (host, port) = addr.rsplit_once(':')?;
         let host = host.trim_start_matches('[').trim_end_matches(']');
+        if host.is_empty() {
+            return None;
+        }
         Some((host.to_owned(), port.parse::<u16>().ok()?))
     });
     let Some((host, port)) = node else {
@@ -969,14 +1016,9 @@ impl RedisConn {
             }
             Backend::Cluster(cluster) => {
                 let mut cluster = cluster.clone();
-                let sent = match target.routing() {
-                    None => cluster.req_packed_command(cmd).await,
-                    Some(routing) => cluster.route_command(cmd.clone(), routing).await,
-                };
-                match sent {
-                    Err(e) if is_ask(&e) => ask(&mut cluster, cmd, e).await,
-                    sent => sent,
-                }
+                let routing = target.routing();
+                let sent = send_routed(&mut cluster, cmd, routing.clone()).await;
+                after_redirects(&mut cluster, cmd, routing, sent).await
             }
         }?;
         match value {
@@ -1010,11 +1052,16 @@ impl RedisConn {
                     _ => SingleNodeRoutingInfo::RandomPrimary,
                 };
                 let mut cluster = cluster.clone();
-                let sent = cluster.route_pipeline(pipe.clone(), 0, count, route).await;
+                let sent = cluster
+                    .route_pipeline(pipe.clone(), 0, count, route.clone())
+                    .await;
                 // A cluster pipeline is of one call (see `pipeline_scripts`).
                 match (sent, pipe.cmd_iter().next()) {
-                    (Err(e), Some(cmd)) if count == 1 && is_ask(&e) => {
-                        ask(&mut cluster, cmd, e).await.map(|value| vec![value])
+                    (Err(e), Some(cmd)) if count == 1 && is_redirect(&e) => {
+                        let routing = Some(RoutingInfo::SingleNode(route));
+                        after_redirects(&mut cluster, cmd, routing, Err(e))
+                            .await
+                            .map(|value| vec![value])
                     }
                     (sent, _) => sent,
                 }

@@ -956,7 +956,10 @@ fn cluster_batches_split_by_a_migrating_slot_are_sent_check_by_check() {
     run(async {
         let config = RedisConfig::from_urls(cluster.urls())
             .expect("valid seeds")
-            .timeout(Duration::from_secs(1));
+            // Room for the eight checks of the moved user that each go back and forth between the
+            // nodes before they are asked about with ASKING (some 200-400 ms on an idle machine),
+            // and still under the 16 tries, over a second apart, that TRYAGAIN used to take.
+            .timeout(Duration::from_secs(2));
         let conn = RedisConn::connect(&config).await.expect("connect");
         let limiter =
             RedisLimiter::with_batching(conn, config.get_key_prefix(), BatchConfig::default())
