@@ -699,8 +699,9 @@ async fn queue_of_waiters(
     store: RedisLocks,
     count: usize,
 ) -> (Vec<usize>, u64) {
-    // Slow polling: every attempt after the first of each waiter is one a release caused.
-    let slow = Backoff::new(Duration::from_secs(5), Duration::from_secs(5)).expect("valid");
+    // Slow polling (the holder's lease, 10 s, comes first): every attempt after the first of
+    // each waiter is one a release caused.
+    let slow = Backoff::new(Duration::from_secs(20), Duration::from_secs(20)).expect("valid");
     let lock = Lock::new(store, "queued", TTL)
         .expect("valid")
         .backoff(slow);

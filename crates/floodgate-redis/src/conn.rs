@@ -592,9 +592,10 @@ impl RedisConn {
         .await
     }
 
-    /// Runs several scripts with one round trip per node: one pipeline on a
-    /// single node; on a cluster every call on its own, all sent at once (a
-    /// pipeline redirected as a whole would run some calls twice). Each call gets its own result, so one failing script does not fail
+    /// Runs several scripts with one round trip: one pipeline on a single
+    /// node; on a cluster, the calls of each slot one after another (a
+    /// pipeline redirected as a whole would run some calls twice), the slots
+    /// at once. The calls of one slot run in their order. Each call gets its own result, so one failing script does not fail
     /// the others. Calls that met `NOSCRIPT` are run again, after the
     /// others of their pipeline, once the script is loaded.
     ///
@@ -607,17 +608,11 @@ impl RedisConn {
         calls: Vec<ScriptCall<'_>>,
     ) -> Result<Vec<Result<Value, Error>>, Error> {
         let mut results: Vec<Option<Result<Value, Error>>> = Vec::with_capacity(calls.len());
-        let mut groups: HashMap<(Target, usize), Vec<usize>> = HashMap::new();
-        // On a cluster, each call is a pipeline of its own: when one call of a pipeline is
-        // redirected (a slot migrating or moved), the cluster client sends the whole pipeline
-        // again to the other node, and the calls that had run would run twice (and make keys
-        // on a node importing the slot that the migration then cannot move there).
-        let alone = self.inner.kind == ConnectionKind::Cluster;
+        let mut groups: HashMap<Target, Vec<usize>> = HashMap::new();
         for (i, call) in calls.iter().enumerate() {
             match self.script_target(&call.keys) {
                 Ok(target) => {
-                    let group = if alone { i } else { 0 };
-                    groups.entry((target, group)).or_default().push(i);
+                    groups.entry(target).or_default().push(i);
                     results.push(None);
                 }
                 Err(e) => results.push(Some(Err(e))),
@@ -632,7 +627,7 @@ impl RedisConn {
                 Ok(join_all(
                     groups
                         .into_iter()
-                        .map(|((target, _), indices)| self.pipeline_group(calls, target, indices)),
+                        .map(|(target, indices)| self.pipeline_group(calls, target, indices)),
                 )
                 .await)
             })
@@ -1089,15 +1084,37 @@ impl RedisConn {
         .map(drop)
     }
 
-    /// One pipeline of the calls at `indices`, all going to `target`.
+    /// The calls at `indices`, all going to `target`, in their order: one pipeline; on a
+    /// cluster, one call after another. When one call of a pipeline is redirected (its slot
+    /// migrating or moved), the cluster client sends the whole pipeline again to the other
+    /// node: the calls that had run would run twice (and make keys on a node importing the
+    /// slot, which the migration then cannot move there).
     async fn pipeline_group(
         &self,
         calls: &[ScriptCall<'_>],
         target: Target,
         indices: Vec<usize>,
     ) -> (Vec<usize>, RedisResult<Vec<(usize, Result<Value, Error>)>>) {
-        let outcome = self.run_group(calls, target, &indices).await;
-        (indices, outcome)
+        if self.inner.kind != ConnectionKind::Cluster {
+            let outcome = self.run_group(calls, target, &indices).await;
+            return (indices, outcome);
+        }
+        let mut done = Vec::with_capacity(indices.len());
+        for (n, &i) in indices.iter().enumerate() {
+            match self.run_group(calls, target, &[i]).await {
+                Ok(mut one) => done.append(&mut one),
+                // None ran: the group failed as a whole.
+                Err(e) if done.is_empty() => return (indices, Err(e)),
+                // Those that ran keep their results; the failure is the rest's.
+                Err(e) => {
+                    for &left in &indices[n..] {
+                        done.push((left, Err(Error::from_redis(e.clone(), &self.inner.addr))));
+                    }
+                    break;
+                }
+            }
+        }
+        (indices, Ok(done))
     }
 
     async fn run_group(

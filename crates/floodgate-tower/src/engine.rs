@@ -1030,6 +1030,12 @@ where
                     ));
                 }
             }
+            // A probe that failed went past the cache: a denial it holds still stands.
+            if admit == Admit::Probe
+                && let Some(verdict) = self.limiter.check_local(checks, &opts)
+            {
+                return Some((verdict, DecisionSource::Store, Instant::now()));
+            }
         }
         sh.fallback_check(job, checks, opts)
     }
