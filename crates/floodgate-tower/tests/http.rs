@@ -1160,10 +1160,11 @@ async fn a_cached_denial_does_not_pass_for_the_store_answering_again() {
         StatusCode::OK
     );
     tokio::time::sleep(Duration::from_millis(1_100)).await;
-    // The probe, on the key whose denial is cached: the store is asked, and still fails.
+    // The probe, on the key whose denial is cached: the store is asked, and still fails; the
+    // cached denial stands (failing open would let the attacker through).
     let before = store.checks.load(SeqCst);
     let probe = client.get_with("/", &user(b"attacker")).await;
-    assert_eq!(probe.status, StatusCode::OK, "failing open");
+    assert_eq!(probe.status, StatusCode::TOO_MANY_REQUESTS, "the cached denial");
     assert_eq!(
         store.checks.load(SeqCst),
         before + 1,
