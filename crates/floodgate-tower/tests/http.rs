@@ -1164,7 +1164,11 @@ async fn a_cached_denial_does_not_pass_for_the_store_answering_again() {
     // cached denial stands (failing open would let the attacker through).
     let before = store.checks.load(SeqCst);
     let probe = client.get_with("/", &user(b"attacker")).await;
-    assert_eq!(probe.status, StatusCode::TOO_MANY_REQUESTS, "the cached denial");
+    assert_eq!(
+        probe.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "the cached denial"
+    );
     assert_eq!(
         store.checks.load(SeqCst),
         before + 1,
