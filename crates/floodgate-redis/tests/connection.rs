@@ -774,10 +774,7 @@ fn fault_pause_and_resume_never_hangs() {
 fn cluster_loads_a_script_where_a_migrating_slot_asks() {
     let cluster = RedisCluster::start().expect("start a 6-node cluster");
     run(async {
-        let config = RedisConfig::from_urls(cluster.urls())
-            .expect("valid seeds")
-            .timeout(Duration::from_secs(2));
-        let conn = RedisConn::connect(&config).await.expect("connect");
+        let (_, conn) = connect_cluster(&cluster, Duration::from_secs(2)).await;
         let script = incr();
         let seed = b"{seed}:n".as_slice();
         let slot = RedisCluster::key_slot(seed);
@@ -815,10 +812,7 @@ fn cluster_loads_a_script_where_a_migrating_slot_asks() {
 fn cluster_pipelined_calls_of_a_migrating_slot_run_once() {
     let cluster = RedisCluster::start().expect("start a 6-node cluster");
     run(async {
-        let config = RedisConfig::from_urls(cluster.urls())
-            .expect("valid seeds")
-            .timeout(Duration::from_secs(2));
-        let conn = RedisConn::connect(&config).await.expect("connect");
+        let (_, conn) = connect_cluster(&cluster, Duration::from_secs(2)).await;
         let script = incr();
         let (stays, moves) = ("{pipelined}:stays", "{pipelined}:moves");
         let slot = RedisCluster::key_slot(stays.as_bytes());
@@ -857,6 +851,15 @@ fn cluster_pipelined_calls_of_a_migrating_slot_run_once() {
         migration.migrate(&cluster, stays.as_bytes());
         migration.cancel(&cluster);
     });
+}
+
+/// A connection to `cluster` with call timeout `timeout`, and its configuration.
+async fn connect_cluster(cluster: &RedisCluster, timeout: Duration) -> (RedisConfig, RedisConn) {
+    let config = RedisConfig::from_urls(cluster.urls())
+        .expect("valid seeds")
+        .timeout(timeout);
+    let conn = RedisConn::connect(&config).await.expect("connect");
+    (config, conn)
 }
 
 /// A slot moving from node `source` to node `target` of a cluster: `IMPORTING` on the target,
@@ -1078,10 +1081,7 @@ fn cluster_batches_split_by_a_migrating_slot_are_sent_check_by_check() {
 fn cluster_routes_scripts_by_slot_and_pipelines_per_slot() {
     let cluster = RedisCluster::start().expect("start a 6-node cluster");
     run(async {
-        let config = RedisConfig::from_urls(cluster.urls())
-            .expect("valid seeds")
-            .timeout(Duration::from_millis(500));
-        let conn = RedisConn::connect(&config).await.expect("connect");
+        let (_, conn) = connect_cluster(&cluster, Duration::from_millis(500)).await;
         assert_eq!(conn.kind(), ConnectionKind::Cluster);
         conn.ping().await.expect("PING");
         conn.server_time().await.expect("TIME");
@@ -1173,10 +1173,7 @@ fn cluster_routes_scripts_by_slot_and_pipelines_per_slot() {
 fn fault_cluster_failover_of_a_master() {
     let cluster = RedisCluster::start().expect("start a 6-node cluster");
     run(async {
-        let config = RedisConfig::from_urls(cluster.urls())
-            .expect("valid seeds")
-            .timeout(Duration::from_millis(500));
-        let conn = RedisConn::connect(&config).await.expect("connect");
+        let (_, conn) = connect_cluster(&cluster, Duration::from_millis(500)).await;
         let script = incr();
         let key = b"{campaign-42}:sent";
         conn.invoke_script(&script, &[key], &[])
