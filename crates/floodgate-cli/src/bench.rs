@@ -300,9 +300,23 @@ struct Shared {
     policies: Vec<Policy>,
     opts: CheckOptions,
     cost: u64,
-    /// The user keys, built once.
-    keys: Vec<Box<[u8]>>,
+    /// How many user keys (`user_key(0..key_count)`).
+    key_count: usize,
+    /// The user keys, built for the baselines only (floodgate's tasks write each key where
+    /// they use it): a run without baselines does not hold `--keys` of them.
+    keys: std::sync::OnceLock<Vec<Box<[u8]>>>,
     phase: AtomicU8,
+}
+
+impl Shared {
+    /// The user keys, built at the first call.
+    fn keys(&self) -> &[Box<[u8]>] {
+        self.keys.get_or_init(|| {
+            (0..self.key_count)
+                .map(|i| user_key(i).into_bytes().into_boxed_slice())
+                .collect()
+        })
+    }
 }
 
 /// What one task counted.
@@ -335,6 +349,10 @@ fn user_key(i: usize) -> String {
 /// One call's checks, one per policy.
 type ChecksBuf<'a> = smallvec::SmallVec<[Check<'a>; 4]>;
 
+/// The most user keys with baselines, which hold them all (and their Redis keys) in memory:
+/// some 6 GB at this bound.
+const MAX_BASELINE_KEYS: usize = 50_000_000;
+
 /// The longest user key: `bench-` and the digits of `usize::MAX`.
 const USER_KEY_MAX: usize = 26;
 
@@ -366,6 +384,12 @@ pub(crate) fn run(args: BenchArgs) -> Result<(), CliError> {
     }
     if args.duration.is_zero() {
         return Err(CliError::usage("--duration must be longer than 0s"));
+    }
+    if !args.no_baselines && args.keys > MAX_BASELINE_KEYS {
+        return Err(CliError::usage(format!(
+            "the baselines hold every key in memory: --keys at most {MAX_BASELINE_KEYS} with \
+             them, or add --no-baselines (floodgate's own run takes any number)"
+        )));
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads)
@@ -465,9 +489,8 @@ async fn bench(args: &BenchArgs, set: PolicySet) -> Result<Report, CliError> {
         opts: CheckOptions::wait(set.max_wait),
         policies: set.policies.clone(),
         cost: args.cost,
-        keys: (0..args.keys)
-            .map(|i| user_key(i).into_bytes().into_boxed_slice())
-            .collect(),
+        key_count: args.keys,
+        keys: std::sync::OnceLock::new(),
         phase: AtomicU8::new(WARMUP),
     });
     progress(
@@ -563,7 +586,7 @@ async fn run_floodgate(args: &BenchArgs, shared: &Arc<Shared>) -> (Row, bool) {
 async fn floodgate_task(shared: &Shared, seed: u64) -> Tally {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut tally = Tally::default();
-    let n = shared.keys.len();
+    let n = shared.key_count;
     loop {
         let phase = shared.phase.load(Ordering::Relaxed);
         if phase == STOP {
@@ -771,14 +794,14 @@ async fn run_baselines(
         None
     };
     let first_keys: Vec<Vec<u8>> = shared
-        .keys
+        .keys()
         .iter()
         .map(|k| limiter.state_key(&shared.policies[0], k))
         .collect();
     let picker = Arc::new(Picker::new(&first_keys, cluster));
     drop(first_keys);
     let incr_keys: Vec<Vec<u8>> = shared
-        .keys
+        .keys()
         .iter()
         .map(|k| incr_key(&args.redis.prefix, k))
         .collect();
@@ -962,7 +985,7 @@ async fn cell_baselines(
     }
     progress(args, &format!("baseline: {name} x{}...", args.pipeline));
     *keys = shared
-        .keys
+        .keys()
         .iter()
         .map(|k| baseline_key(&args.redis.prefix, "bench-cell", k))
         .collect();
@@ -1141,9 +1164,9 @@ async fn script_calls(
 ) -> Result<(Template, Vec<Vec<Vec<u8>>>), String> {
     let limiter = &shared.limiter;
     let mut template: Option<Template> = None;
-    let mut keys = Vec::with_capacity(shared.keys.len());
+    let mut keys = Vec::with_capacity(shared.key_count);
     let mut checks: Vec<Check<'_>> = Vec::with_capacity(shared.policies.len());
-    for key in &shared.keys {
+    for key in shared.keys() {
         checks.clear();
         checks.extend(
             shared

@@ -229,6 +229,29 @@ fn bench_json_parses_with_every_row() {
     assert_eq!(report["baselines"], serde_json::json!([]));
     assert_eq!(report["batching"], "off");
     assert!(report["decisions_per_sec"].as_f64().expect("a rate") > 0.0);
+
+    // Without baselines no table of keys is built: a trillion keys run as well (building
+    // them aborted the process). With baselines, that many is refused up front.
+    let mut args = vec![
+        "bench",
+        "--redis",
+        &url,
+        "--json",
+        "--no-baselines",
+        "--keys",
+        "1000000000000",
+    ];
+    args.extend_from_slice(&SHORT[..6]);
+    let run = floodgate(&args, "");
+    run.success();
+    let report: Value = serde_json::from_str(run.stdout.trim()).expect("one JSON object");
+    assert_eq!(report["keys"], 1_000_000_000_000_u64);
+    assert!(report["decisions_per_sec"].as_f64().expect("a rate") > 0.0);
+    let mut args = vec!["bench", "--redis", &url, "--keys", "1000000000000"];
+    args.extend_from_slice(&SHORT[..6]);
+    let run = floodgate(&args, "");
+    run.failure(2);
+    assert!(run.stderr.contains("--no-baselines"), "{run:#?}");
 }
 
 #[test]
