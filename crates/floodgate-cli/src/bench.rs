@@ -330,6 +330,33 @@ struct Tally {
 }
 
 impl Tally {
+    /// Whether a call that took `took` (and answered, `ok`) counts: it started in phase
+    /// `started_in` and ended in `phase`'s, both the measured one. Its latency is recorded if
+    /// it answered: an error (a breaker failing fast, a timeout) would pull the percentiles
+    /// towards itself. A failed call outside the measure pauses a moment: not in a tight loop
+    /// while Redis fails during the warm-up either.
+    async fn measured(
+        &mut self,
+        started_in: u8,
+        phase: &AtomicU8,
+        took: Duration,
+        ok: bool,
+    ) -> bool {
+        if started_in != MEASURE || phase.load(Ordering::Relaxed) != MEASURE {
+            if !ok {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            return false;
+        }
+        if ok {
+            self.hist
+                .record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
+        }
+        true
+    }
+}
+
+impl Tally {
     fn merge(&mut self, other: Tally) {
         self.hist.merge(&other.hist);
         self.allowed += other.allowed;
@@ -604,19 +631,11 @@ async fn floodgate_task(shared: &Shared, seed: u64) -> Tally {
         let result = shared.limiter.check(&checks, shared.opts).await;
         let took = started.elapsed();
         // Only calls that started and ended while measured count.
-        if phase != MEASURE || shared.phase.load(Ordering::Relaxed) != MEASURE {
-            if result.is_err() {
-                // Not in a tight loop while Redis fails during the warm-up either.
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+        if !tally
+            .measured(phase, &shared.phase, took, result.is_ok())
+            .await
+        {
             continue;
-        }
-        // Latencies are of decisions: an error (a breaker failing fast, a timeout) would pull
-        // the percentiles towards itself.
-        if result.is_ok() {
-            tally
-                .hist
-                .record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
         }
         match result {
             Ok(v) if v.allowed() => tally.allowed += 1,
@@ -1115,17 +1134,11 @@ async fn pipelined_task(
         let started = Instant::now();
         let result = conn.send(&pipe, depth).await;
         let took = started.elapsed();
-        if started_in != MEASURE || phase.load(Ordering::Relaxed) != MEASURE {
-            if result.is_err() {
-                // Not in a tight loop while Redis fails during the warm-up either.
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+        if !tally
+            .measured(started_in, phase, took, result.is_ok())
+            .await
+        {
             continue;
-        }
-        if result.is_ok() {
-            tally
-                .hist
-                .record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
         }
         match result {
             Ok(values) => {

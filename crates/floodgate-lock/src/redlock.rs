@@ -600,10 +600,11 @@ impl LockStore for Redlock {
             .filter(|raised| *raised)
             .count();
             let took = started.elapsed();
-            if raised >= self.quorum && took + drift < ttl {
+            let late = took + drift >= ttl;
+            if raised >= self.quorum && !late {
                 return Ok(LockAttempt::Acquired { fence });
             }
-            if took + drift >= ttl {
+            if late {
                 // Granted, but too late to be held: not another holder's (a busy lock would
                 // make `try_acquire` answer `None`), a store too slow for this lease.
                 self.release_everywhere(name, token).await;

@@ -1103,18 +1103,31 @@ impl RedisConn {
         for (n, &i) in indices.iter().enumerate() {
             match self.run_group(calls, target, &[i]).await {
                 Ok(mut one) => done.append(&mut one),
-                // None ran: the group failed as a whole.
-                Err(e) if done.is_empty() => return (indices, Err(e)),
-                // Those that ran keep their results; the failure is the rest's.
                 Err(e) => {
-                    for &left in &indices[n..] {
-                        done.push((left, Err(Error::from_redis(e.clone(), &self.inner.addr))));
-                    }
-                    break;
+                    let outcome = self.fail_rest(done, &indices[n..], e);
+                    return (indices, outcome);
                 }
             }
         }
         (indices, Ok(done))
+    }
+
+    /// A group's outcome when the calls at `left` failed with `e` after those in `done` ran:
+    /// those that ran keep their results (a caller trying them all again would run them
+    /// twice), and the failure is the rest's; with none run, the group failed as a whole.
+    fn fail_rest(
+        &self,
+        mut done: Vec<(usize, Result<Value, Error>)>,
+        left: &[usize],
+        e: RedisError,
+    ) -> RedisResult<Vec<(usize, Result<Value, Error>)>> {
+        if done.is_empty() {
+            return Err(e);
+        }
+        for &i in left {
+            done.push((i, Err(Error::from_redis(e.clone(), &self.inner.addr))));
+        }
+        Ok(done)
     }
 
     async fn run_group(
@@ -1126,17 +1139,8 @@ impl RedisConn {
         let mut done = Vec::with_capacity(indices.len());
         let mut missing = self.run_pipeline(calls, target, indices, &mut done).await?;
         // Once some calls have run (their results are in `done`), a failure is the failure of
-        // the calls left, and the results of those that ran are kept: a caller trying them all
-        // again would run those twice. With none run, the group failed as a whole.
-        let fail = |mut done: Vec<_>, left: &[usize], e: RedisError| {
-            if done.is_empty() {
-                return Err(e);
-            }
-            for &i in left {
-                done.push((i, Err(Error::from_redis(e.clone(), &self.inner.addr))));
-            }
-            Ok(done)
-        };
+        // the calls left (see `fail_rest`).
+        let fail = |done, left: &[usize], e| self.fail_rest(done, left, e);
         for round in 0..NOSCRIPT_ROUNDS {
             if missing.is_empty() {
                 break;

@@ -963,7 +963,9 @@ where
         // would decide (failing open, let the key through). Not in place of the interval's
         // one probe: a client hammering a denied key would take every probe, and the store
         // would never be found answering again.
-        if admit == Admit::Skip || admit == Admit::Probe && sh.health.retry_interval().is_zero() {
+        let local_first =
+            admit == Admit::Skip || admit == Admit::Probe && sh.health.retry_interval().is_zero();
+        if local_first {
             let now = Instant::now();
             let local = self.limiter.check_local(checks, &opts);
             // Copied while the store is skipped too: the cache's counters go on.
@@ -1030,8 +1032,10 @@ where
                     ));
                 }
             }
-            // A probe that failed went past the cache: a denial it holds still stands.
+            // A probe that failed went past the cache: a denial it holds still stands (looked
+            // up above already when every request probes).
             if admit == Admit::Probe
+                && !local_first
                 && let Some(verdict) = self.limiter.check_local(checks, &opts)
             {
                 return Some((verdict, DecisionSource::Store, Instant::now()));

@@ -1632,15 +1632,16 @@ async fn a_held_lease_that_waited_its_turn_is_renewed_through_the_wait() {
     let (app, slot) = common::lease_keeping_app();
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
         .rule(common::global(
-            Policy::shaper(1, Duration::from_millis(600)),
+            Policy::shaper(1, Duration::from_millis(1200)),
             "turns",
         ))
+        // Renewed every 200 ms: a stall of the machine under 400 ms does not lose it.
         .rule(common::global(
-            Policy::concurrency(5, Duration::from_millis(300)),
+            Policy::concurrency(5, Duration::from_millis(600)),
             "five",
         ))
         .renew_leases_up_to(Duration::from_secs(60))
-        .delay(Duration::from_secs(2))
+        .delay(Duration::from_secs(3))
         .build()
         .expect("layer");
     let app = app.layer(layer);
@@ -1648,10 +1649,10 @@ async fn a_held_lease_that_waited_its_turn_is_renewed_through_the_wait() {
     let began = Instant::now();
     let second = common::take_held_lease(app, &slot).await;
     assert!(
-        began.elapsed() >= Duration::from_millis(400),
+        began.elapsed() >= Duration::from_millis(800),
         "the second upgrade did not wait its turn"
     );
     assert!(!second.is_lost(), "lost on arrival");
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
     assert!(!second.is_lost(), "lost while renewed");
 }

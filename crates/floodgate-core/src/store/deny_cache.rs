@@ -213,6 +213,15 @@ impl<L, C: Clock> DenyCache<L, C> {
         }
     }
 
+    /// [`DenyCache::lookup`], counting a denial found as a hit.
+    fn lookup_counted(&self, fp: &[u64; 2], now: u64) -> Lookup {
+        let found = self.lookup(fp, now);
+        if matches!(found, Lookup::Denied(_)) {
+            self.shared.hits.fetch_add(1, Ordering::Relaxed);
+        }
+        found
+    }
+
     fn forget(&self, fp: &[u64; 2]) {
         let key = fp_bytes(fp);
         let map = &self.shared.map;
@@ -406,11 +415,8 @@ impl<L: Limiter, C: Clock> DenyCache<L, C> {
     fn consult<'a>(&'a self, fp: [u64; 2], leader: &mut Option<Leader<'a>>) -> Consulted {
         let shared = &self.shared;
         let now = shared.clock.now().as_micros();
-        match self.lookup(&fp, now) {
-            Lookup::Denied(verdict) => {
-                shared.hits.fetch_add(1, Ordering::Relaxed);
-                return Consulted::Denied(verdict);
-            }
+        match self.lookup_counted(&fp, now) {
+            Lookup::Denied(verdict) => return Consulted::Denied(verdict),
             Lookup::Probe => {
                 let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
                 if let Some(n) = probes.get(&fp) {
@@ -459,8 +465,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
         if self.cacheable(checks, opts) {
             let fp = self.fingerprint(checks, opts);
             let now = self.shared.clock.now().as_micros();
-            if let Lookup::Denied(verdict) = self.lookup(&fp, now) {
-                self.shared.hits.fetch_add(1, Ordering::Relaxed);
+            if let Lookup::Denied(verdict) = self.lookup_counted(&fp, now) {
                 return Some(*verdict);
             }
         }
