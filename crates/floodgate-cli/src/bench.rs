@@ -808,7 +808,7 @@ async fn run_baselines(
 ) -> Result<bool, CliError> {
     let limiter = &shared.limiter;
     let ranges = if cluster {
-        Some(cluster_slots(limiter.conn()).await?)
+        Some(cluster_slots(limiter.conn(), &args.redis.seed_host()?).await?)
     } else {
         None
     };

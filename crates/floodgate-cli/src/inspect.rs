@@ -382,7 +382,7 @@ fn list(args: &InspectArgs, pattern: &str) -> Result<(), CliError> {
         let limiter = redis.connect().await?;
         let url = limiter.conn().redacted_url().to_owned();
         let clients = if redis.is_cluster()? {
-            let ranges = cluster_slots(limiter.conn()).await?;
+            let ranges = cluster_slots(limiter.conn(), &redis.seed_host()?).await?;
             masters(&ranges)
                 .into_iter()
                 .map(|(host, port)| redis.node_client(&host, port))

@@ -98,6 +98,21 @@ impl RedisArgs {
         }
     }
 
+    /// The host of the URL: where a cluster node whose endpoint is unknown is reached.
+    pub(crate) fn seed_host(&self) -> Result<String, CliError> {
+        let info = self
+            .plain_url()
+            .into_connection_info()
+            .map_err(|e| self.client_error(&e))?;
+        match info.addr() {
+            ConnectionAddr::Tcp(host, _) | ConnectionAddr::TcpTls { host, .. } => Ok(host.clone()),
+            _ => Err(CliError::usage(format!(
+                "a cluster is reached over TCP, not at {}",
+                info.addr()
+            ))),
+        }
+    }
+
     /// A plain redis-rs client for the URL's node.
     pub(crate) fn client(&self) -> Result<redis::Client, CliError> {
         redis::Client::open(self.plain_url()).map_err(|e| self.client_error(&e))
@@ -155,8 +170,13 @@ pub(crate) struct SlotRange {
     pub(crate) port: u16,
 }
 
-/// The cluster's masters and their slots (`CLUSTER SLOTS`).
-pub(crate) async fn cluster_slots(conn: &RedisConn) -> Result<Vec<SlotRange>, CliError> {
+/// The cluster's masters and their slots (`CLUSTER SLOTS`). A node whose endpoint is unknown
+/// (NULL, or empty) is reached at `seed_host`, the host of the URL the command was sent through,
+/// as the command's documentation asks: nodes behind a load balancer, or a cluster of one node.
+pub(crate) async fn cluster_slots(
+    conn: &RedisConn,
+    seed_host: &str,
+) -> Result<Vec<SlotRange>, CliError> {
     let mut cmd = redis::cmd("CLUSTER");
     cmd.arg("SLOTS");
     let reply: Value = conn.query(cmd).await.map_err(|e| {
@@ -165,8 +185,13 @@ pub(crate) async fn cluster_slots(conn: &RedisConn) -> Result<Vec<SlotRange>, Cl
             e,
         )
     })?;
+    parse_slots(&reply, seed_host)
+}
+
+/// [`cluster_slots`]'s reply read.
+fn parse_slots(reply: &Value, seed_host: &str) -> Result<Vec<SlotRange>, CliError> {
     let bad = || CliError::Failed(format!("unexpected CLUSTER SLOTS reply: {reply:?}"));
-    let Value::Array(ranges) = &reply else {
+    let Value::Array(ranges) = reply else {
         return Err(bad());
     };
     let mut out = Vec::with_capacity(ranges.len());
@@ -182,6 +207,7 @@ pub(crate) async fn cluster_slots(conn: &RedisConn) -> Result<Vec<SlotRange>, Cl
         let host = match master.first() {
             Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
             Some(Value::SimpleString(s)) => s.clone(),
+            Some(Value::Nil) => String::new(),
             _ => return Err(bad()),
         };
         let int = |v: &Value| match v {
@@ -192,6 +218,19 @@ pub(crate) async fn cluster_slots(conn: &RedisConn) -> Result<Vec<SlotRange>, Cl
             (int(start), int(end), master.get(1).and_then(int))
         else {
             return Err(bad());
+        };
+        let host = match host.as_str() {
+            "" => seed_host.to_owned(),
+            // A hostname asked for (`cluster-preferred-endpoint-type hostname`) that the node
+            // was never given: nothing to connect to.
+            "?" => {
+                return Err(CliError::Failed(format!(
+                    "the cluster's master of slots {start}-{end} (port {port}) has no usable \
+                     endpoint (\"?\"): set its cluster-announce-hostname, or set \
+                     cluster-preferred-endpoint-type to ip"
+                )));
+            }
+            _ => host,
         };
         out.push(SlotRange {
             start,
@@ -268,5 +307,82 @@ mod tests {
             .to_string();
         assert!(!err.contains("hunter2"), "{err}");
         assert!(err.contains("***"), "{err}");
+    }
+
+    fn range(start: i64, end: i64, host: Value, port: i64) -> Value {
+        Value::Array(vec![
+            Value::Int(start),
+            Value::Int(end),
+            Value::Array(vec![
+                host,
+                Value::Int(port),
+                Value::BulkString(b"id".to_vec()),
+            ]),
+        ])
+    }
+
+    #[test]
+    fn cluster_slots_reach_an_unknown_endpoint_at_the_seed_host() {
+        let reply = Value::Array(vec![
+            range(8192, 16383, Value::Nil, 7002),
+            range(0, 8191, Value::BulkString(b"10.0.0.1".to_vec()), 7001),
+            range(16384, 16384, Value::BulkString(Vec::new()), 7003),
+        ]);
+        let got = parse_slots(&reply, "lb.example").expect("parsed");
+        let seen: Vec<_> = got
+            .iter()
+            .map(|r| (r.start, r.end, r.host.as_str(), r.port))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (0, 8191, "10.0.0.1", 7001),
+                (8192, 16383, "lb.example", 7002),
+                (16384, 16384, "lb.example", 7003),
+            ]
+        );
+        assert_eq!(
+            masters(&got),
+            [
+                ("10.0.0.1".to_owned(), 7001),
+                ("lb.example".to_owned(), 7002),
+                ("lb.example".to_owned(), 7003),
+            ]
+        );
+    }
+
+    #[test]
+    fn cluster_slots_refuse_a_node_without_a_usable_endpoint() {
+        let reply = Value::Array(vec![range(
+            0,
+            16383,
+            Value::BulkString(b"?".to_vec()),
+            7001,
+        )]);
+        let err = parse_slots(&reply, "h")
+            .expect_err("no endpoint")
+            .to_string();
+        assert!(err.contains("0-16383") && err.contains("7001"), "{err}");
+        // Malformed replies are an error, not a panic.
+        for reply in [
+            Value::Nil,
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![range(0, 70000, Value::Nil, 1)]),
+            Value::Array(vec![range(0, 1, Value::Int(3), 1)]),
+        ] {
+            let err = parse_slots(&reply, "h").expect_err("malformed").to_string();
+            assert!(err.contains("unexpected CLUSTER SLOTS reply"), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_seed_host_is_the_urls() {
+        assert_eq!(
+            redis_args("redis://u:pw@10.1.2.3:7000?cluster=true")
+                .seed_host()
+                .expect("tcp"),
+            "10.1.2.3"
+        );
+        assert!(redis_args("redis+unix:///tmp/r.sock").seed_host().is_err());
     }
 }

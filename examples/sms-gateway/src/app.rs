@@ -539,10 +539,9 @@ async fn create_campaign<S: Shared>(
     // 503), across replicas: creations racing past it overshoot by their number at most.
     let pending = app
         .shared
-        .campaigns_pending()
+        .campaigns_pending_count()
         .await
-        .map_err(|e| ApiError::unavailable("the campaign store", e))?
-        .len();
+        .map_err(|e| ApiError::unavailable("the campaign store", e))?;
     let most = app.config.max_pending_campaigns;
     if pending >= most {
         metrics::counter!("sms_campaigns_refused_total").increment(1);

@@ -309,6 +309,9 @@ pub trait Shared: Send + Sync + 'static {
         id: &str,
     ) -> impl Future<Output = Result<Option<Campaign>, StoreError>> + Send;
     fn campaigns_pending(&self) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
+    /// How many campaigns are pending: [`Shared::campaigns_pending`]'s length, without listing
+    /// them (asked on every campaign creation).
+    fn campaigns_pending_count(&self) -> impl Future<Output = Result<usize, StoreError>> + Send;
     fn campaign_phones(
         &self,
         id: &str,
@@ -595,6 +598,10 @@ impl Shared for MemoryShared {
             .filter(|c| c.campaign.status != "completed")
             .map(|c| c.campaign.id.clone())
             .collect())
+    }
+
+    async fn campaigns_pending_count(&self) -> Result<usize, StoreError> {
+        Ok(self.campaigns_pending().await?.len())
     }
 
     async fn campaign_phones(
@@ -1158,6 +1165,12 @@ impl Shared for RedisShared {
         self.query(members).await
     }
 
+    async fn campaigns_pending_count(&self) -> Result<usize, StoreError> {
+        let mut count = redis::cmd("SCARD");
+        count.arg(self.key(&["campaigns", "pending"]));
+        self.query(count).await
+    }
+
     async fn campaign_phones(
         &self,
         id: &str,
@@ -1322,10 +1335,16 @@ mod tests {
             ..Campaign::default()
         };
         let phones: Vec<String> = phones.iter().map(|p| String::from(*p)).collect();
+        let before = store.campaigns_pending_count().await.expect("count");
         store
             .campaign_create(&campaign, &phones)
             .await
             .expect("create");
+        // Counted without being listed, and listed.
+        let pending = store.campaigns_pending().await.expect("pending");
+        assert!(pending.iter().any(|p| p == id), "{pending:?}");
+        let count = store.campaigns_pending_count().await.expect("count");
+        assert_eq!((count, pending.len()), (before + 1, before + 1));
     }
 
     /// What a dispatcher that lost its lock (and still runs) may write: nothing that moves a
