@@ -206,7 +206,7 @@ impl Lazy {
 enum Backend {
     Multiplexed(Multiplexed),
     Pool(bb8::Pool<PoolManager>),
-    Cluster(ClusterConnection),
+    Cluster(Clustered),
 }
 
 /// The one multiplexed connection (redis-rs' `ConnectionManager`, which connects again after a
@@ -218,20 +218,7 @@ struct Multiplexed {
     connect_timeout: Duration,
     /// Where it was made: a new one is made there too (its I/O task runs there).
     runtime: Option<tokio::runtime::Handle>,
-    /// Whether a call timed out since the last answer (read with every answer).
-    silent: AtomicBool,
-    silence: std::sync::Mutex<Silence>,
-}
-
-/// Calls timing out on the multiplexed connection with no answer between them.
-#[derive(Default)]
-struct Silence {
-    /// When the first of them timed out.
-    since: Option<Instant>,
-    /// How many did.
-    timeouts: u32,
-    /// When the connection was last made again (or tried) for going silent.
-    replaced: Option<Instant>,
+    silences: Silences,
 }
 
 impl Multiplexed {
@@ -240,16 +227,105 @@ impl Multiplexed {
     fn get(&self) -> ConnectionManager {
         ConnectionManager::clone(&self.current.load())
     }
+}
 
-    /// Forgets the silence: an answer came, or a new connection is up.
-    fn end_silence(&self) {
-        self.silent.store(false, Ordering::Relaxed);
-        let mut silence = self
-            .silence
+/// The cluster client's connection (to every master, connecting again after a connection
+/// error or a slot refresh), and what it takes to make a new one when the connection to a
+/// node goes silent without an error.
+struct Clustered {
+    current: ArcSwap<ClusterConnection>,
+    client: redis::cluster::ClusterClient,
+    connect_timeout: Duration,
+    /// Where it was made: a new one is made there too (its tasks run there).
+    runtime: Option<tokio::runtime::Handle>,
+    /// By slot: the calls to one node may time out while the others answer.
+    silences: Silences,
+}
+
+impl Clustered {
+    /// The connection for one call.
+    #[inline]
+    fn get(&self) -> ClusterConnection {
+        ClusterConnection::clone(&self.current.load())
+    }
+}
+
+/// Calls timing out with no answer between them (see `RedisConn::after_timeout`): on a
+/// cluster, by slot (the calls of a slot go to one node); otherwise one entry, `None`.
+#[derive(Default)]
+struct Silences {
+    /// Whether a call timed out since the last answer (read with every answer).
+    any: AtomicBool,
+    state: std::sync::Mutex<SilenceState>,
+}
+
+#[derive(Default)]
+struct SilenceState {
+    /// The calls timing out with no answer between them, by slot.
+    silent: HashMap<Option<u16>, Silence>,
+    /// When the connection was last made again (or tried) for going silent.
+    replaced: Option<Instant>,
+}
+
+/// Calls timing out with no answer between them.
+#[derive(Default)]
+struct Silence {
+    /// When the first of them timed out.
+    since: Option<Instant>,
+    /// How many did.
+    timeouts: u32,
+}
+
+impl Silences {
+    fn state(&self) -> std::sync::MutexGuard<'_, SilenceState> {
+        self.state
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        silence.since = None;
-        silence.timeouts = 0;
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A call to `slot` was answered: it is not silent.
+    #[inline]
+    fn answered(&self, slot: Option<u16>) {
+        if !self.any.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut state = self.state();
+        state.silent.remove(&slot);
+        if state.silent.is_empty() {
+            self.any.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Forgets every silence: a new connection is up.
+    fn end(&self) {
+        let mut state = self.state();
+        state.silent.clear();
+        self.any.store(false, Ordering::Relaxed);
+    }
+
+    /// A call to `slot`, given `timeout`, timed out: how long nothing was answered there, when
+    /// that is long enough for the connection to be made again now (it is then taken as made
+    /// again): [`SILENT_TIMEOUTS`] calls at least, for [`SILENT_FOR`] and two call timeouts
+    /// at least, and not since [`REPLACE_SILENT_EVERY`].
+    fn timed_out(&self, slot: Option<u16>, timeout: Duration) -> Option<Duration> {
+        self.any.store(true, Ordering::Relaxed);
+        let now = Instant::now();
+        let mut state = self.state();
+        let silence = state.silent.entry(slot).or_default();
+        silence.timeouts = silence.timeouts.saturating_add(1);
+        // The first call that timed out was sent a call timeout before it timed out: nothing
+        // has been answered since.
+        let silent_for = now.duration_since(*silence.since.get_or_insert(now)) + timeout;
+        if silence.timeouts < SILENT_TIMEOUTS
+            || silent_for < SILENT_FOR.max(timeout * 2)
+            || state
+                .replaced
+                .is_some_and(|at| now.duration_since(at) < REPLACE_SILENT_EVERY)
+        {
+            return None;
+        }
+        state.replaced = Some(now);
+        Some(silent_for)
     }
 }
 
@@ -792,7 +868,7 @@ impl RedisConn {
             .unwrap_or_else(|_| Err(Error::Timeout { after, op }));
         let (unreachable, demoted) = match &result {
             Ok(answer) => {
-                self.answered();
+                self.answered(slot);
                 let code = refused(answer);
                 (code.is_some(), code == Some("READONLY"))
             }
@@ -810,7 +886,7 @@ impl RedisConn {
                     self.after_connection_error();
                 }
                 if e.is_timeout() {
-                    self.after_timeout();
+                    self.after_timeout(slot);
                 }
                 (e.is_timeout() || e.is_connection(), e.is_demoted())
             }
@@ -883,24 +959,28 @@ impl RedisConn {
         drop_idle(&runtime, pool);
     }
 
-    /// A call was answered: the multiplexed connection is not silent.
+    /// A call to `slot` was answered: the connection is not silent.
     #[inline]
-    fn answered(&self) {
-        if let Some(Backend::Multiplexed(m)) = self.inner.backend.get()
-            && m.silent.load(Ordering::Relaxed)
-        {
-            m.end_silence();
+    fn answered(&self, slot: Option<u16>) {
+        match self.inner.backend.get() {
+            Some(Backend::Multiplexed(m)) => m.silences.answered(None),
+            Some(Backend::Cluster(c)) => c.silences.answered(slot),
+            _ => {}
         }
     }
 
-    /// A call timed out (one given its whole budget, or the breaker's probe). Calls timing out
-    /// on the multiplexed connection with no answer between them may be stuck on a connection
-    /// gone silent without an error (a proxy or load balancer lost its backend, a NAT its
-    /// entry: the kernel still acknowledges what is sent, so neither redis-rs nor
-    /// `TCP_USER_TIMEOUT` ever sees it fail). Once [`SILENT_TIMEOUTS`] have, and nothing was
-    /// answered for [`SILENT_FOR`] and two call timeouts at least, a new connection is made,
-    /// at most every [`REPLACE_SILENT_EVERY`], within the connect timeout, and takes the old
-    /// one's place once it is up; calls under way finish (or time out) on the old one.
+    /// A call to `slot` timed out (one given its whole budget, or the breaker's probe). Calls
+    /// timing out with no answer between them may be stuck on a connection gone silent without
+    /// an error (a proxy or load balancer lost its backend, a NAT its entry: the kernel still
+    /// acknowledges what is sent, so neither redis-rs nor `TCP_USER_TIMEOUT` ever sees it
+    /// fail). Once [`SILENT_TIMEOUTS`] have, and nothing was answered for [`SILENT_FOR`] and two
+    /// call timeouts at least, a new connection is made, at most every
+    /// [`REPLACE_SILENT_EVERY`], within the connect timeout, and takes the old one's place once
+    /// it is up; calls under way finish (or time out) on the old one.
+    ///
+    /// On a cluster the silence is a slot's (the calls to one node time out while the other
+    /// nodes answer), and the whole cluster connection is made again: the cluster client keeps
+    /// a connection to a node until it fails with an error, which a silent one never does.
     ///
     /// A server that is only slow, or hung as a whole, costs a connection attempt a second
     /// (one that does not come up leaves the old connection in place). When a slow one answers
@@ -908,69 +988,66 @@ impl RedisConn {
     /// the old one: a lock released after its acquisition timed out may then be taken after
     /// all, and held until its lease ends, as when Redis cannot be reached to release it.
     ///
-    /// A pool drops a connection whose call timed out by itself. A cluster client's
-    /// connections are not made again for this (redis-rs only replaces them after a
-    /// connection error or a slot refresh).
-    fn after_timeout(&self) {
-        let Some(Backend::Multiplexed(m)) = self.inner.backend.get() else {
-            return;
+    /// A pool drops a connection whose call timed out by itself.
+    fn after_timeout(&self, slot: Option<u16>) {
+        let (silences, runtime) = match self.inner.backend.get() {
+            Some(Backend::Multiplexed(m)) => (&m.silences, &m.runtime),
+            Some(Backend::Cluster(c)) => (&c.silences, &c.runtime),
+            _ => return,
         };
-        m.silent.store(true, Ordering::Relaxed);
-        let now = Instant::now();
-        let mut silence = m
-            .silence
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        silence.timeouts = silence.timeouts.saturating_add(1);
-        // The first call that timed out was sent a call timeout before it timed out: nothing
-        // has been answered since.
-        let silent_for = now.duration_since(*silence.since.get_or_insert(now)) + self.inner.timeout;
-        if silence.timeouts < SILENT_TIMEOUTS
-            || silent_for < SILENT_FOR.max(self.inner.timeout * 2)
-            || silence
-                .replaced
-                .is_some_and(|at| now.duration_since(at) < REPLACE_SILENT_EVERY)
-        {
-            return;
-        }
-        let Some(runtime) = m
-            .runtime
+        let slot = slot.filter(|_| self.inner.kind == ConnectionKind::Cluster);
+        let Some(runtime) = runtime
             .clone()
             .or_else(|| tokio::runtime::Handle::try_current().ok())
         else {
             return;
         };
-        silence.replaced = Some(now);
-        drop(silence);
-        tracing::warn!(
-            addr = %self.inner.addr,
-            "no answer on the Redis connection for {silent_for:?}: connecting again"
-        );
-        let connect = ConnectionManager::new_with_config(m.client.clone(), m.config.clone());
-        let (within, inner) = (m.connect_timeout, Arc::downgrade(&self.inner));
-        runtime.spawn(async move {
-            let made = tokio::time::timeout(within, connect).await;
-            // Not kept alive by the attempt: dropped meanwhile, it needs no new connection.
-            let Some(inner) = inner.upgrade() else {
-                return;
-            };
-            let Some(Backend::Multiplexed(m)) = inner.backend.get() else {
-                return;
-            };
-            match made {
-                Ok(Ok(manager)) => {
-                    m.current.store(Arc::new(manager));
-                    m.end_silence();
-                    tracing::info!(addr = %inner.addr, "connected to Redis again");
-                }
-                Ok(Err(e)) => {
-                    tracing::debug!(addr = %inner.addr, error = %e, "cannot connect to Redis again yet");
-                }
-                Err(_) => {
-                    tracing::debug!(addr = %inner.addr, "connecting to Redis again timed out");
-                }
+        let Some(silent_for) = silences.timed_out(slot, self.inner.timeout) else {
+            return;
+        };
+        match slot {
+            Some(slot) => tracing::warn!(
+                addr = %self.inner.addr,
+                "no answer from the node of slot {slot} for {silent_for:?}: connecting again"
+            ),
+            None => tracing::warn!(
+                addr = %self.inner.addr,
+                "no answer on the Redis connection for {silent_for:?}: connecting again"
+            ),
+        }
+        // Not kept alive by the attempt: dropped meanwhile, it needs no new connection.
+        let inner = Arc::downgrade(&self.inner);
+        match self.inner.backend.get() {
+            Some(Backend::Multiplexed(m)) => {
+                let connect =
+                    ConnectionManager::new_with_config(m.client.clone(), m.config.clone());
+                let within = m.connect_timeout;
+                runtime.spawn(async move {
+                    let made = tokio::time::timeout(within, connect).await;
+                    if let Some(inner) = inner.upgrade()
+                        && let Some(Backend::Multiplexed(m)) = inner.backend.get()
+                        && let Some(new) = made_again(&inner.addr, made)
+                    {
+                        m.current.store(Arc::new(new));
+                        m.silences.end();
+                    }
+                });
             }
-        });
+            Some(Backend::Cluster(c)) => {
+                let (client, within) = (c.client.clone(), c.connect_timeout);
+                runtime.spawn(async move {
+                    let made = tokio::time::timeout(within, client.get_async_connection()).await;
+                    if let Some(inner) = inner.upgrade()
+                        && let Some(Backend::Cluster(c)) = inner.backend.get()
+                        && let Some(new) = made_again(&inner.addr, made)
+                    {
+                        c.current.store(Arc::new(new));
+                        c.silences.end();
+                    }
+                });
+            }
+            _ => {}
+        }
     }
 
     /// Whether the circuit breaker is open or probing: Redis was unreachable just now.
@@ -1010,7 +1087,7 @@ impl RedisConn {
                 conn.finish_reply(result)
             }
             Backend::Cluster(cluster) => {
-                let mut cluster = cluster.clone();
+                let mut cluster = cluster.get();
                 let routing = target.routing();
                 let sent = send_routed(&mut cluster, cmd, routing.clone()).await;
                 after_redirects(&mut cluster, cmd, routing, sent).await
@@ -1046,7 +1123,7 @@ impl RedisConn {
                     }
                     _ => SingleNodeRoutingInfo::RandomPrimary,
                 };
-                let mut cluster = cluster.clone();
+                let mut cluster = cluster.get();
                 let sent = cluster
                     .route_pipeline(pipe.clone(), 0, count, route.clone())
                     .await;
@@ -1075,7 +1152,7 @@ impl RedisConn {
             }
             Backend::Cluster(cluster) => {
                 let mut routed = Routed {
-                    cluster: cluster.clone(),
+                    cluster: cluster.get(),
                     routing: target.routing(),
                 };
                 script.load_async(&mut routed).await
@@ -1306,7 +1383,14 @@ async fn open(config: &RedisConfig, client: Client) -> Result<Backend, Opened> {
     let connect_timeout = config.get_connect_timeout();
     let client = match client {
         Client::Cluster(client) => {
-            return Ok(Backend::Cluster(client.get_async_connection().await?));
+            let connection = client.get_async_connection().await?;
+            return Ok(Backend::Cluster(Clustered {
+                current: ArcSwap::from_pointee(connection),
+                client,
+                connect_timeout,
+                runtime: tokio::runtime::Handle::try_current().ok(),
+                silences: Silences::default(),
+            }));
         }
         Client::Single(client) => client,
     };
@@ -1352,8 +1436,7 @@ async fn open(config: &RedisConfig, client: Client) -> Result<Backend, Opened> {
                 config: manager_config,
                 connect_timeout,
                 runtime: tokio::runtime::Handle::try_current().ok(),
-                silent: AtomicBool::new(false),
-                silence: std::sync::Mutex::new(Silence::default()),
+                silences: Silences::default(),
             }))
         }
     }
@@ -1378,6 +1461,28 @@ fn due(last: &std::sync::Mutex<Option<Instant>>, every: Duration) -> bool {
     }
     *last = Some(Instant::now());
     true
+}
+
+/// The connection made again for going silent (see `RedisConn::after_timeout`), or `None`
+/// (logged) when it did not come up within the connect timeout.
+fn made_again<T>(
+    addr: &str,
+    made: Result<RedisResult<T>, tokio::time::error::Elapsed>,
+) -> Option<T> {
+    match made {
+        Ok(Ok(new)) => {
+            tracing::info!(addr, "connected to Redis again");
+            Some(new)
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(addr, error = %e, "cannot connect to Redis again yet");
+            None
+        }
+        Err(_) => {
+            tracing::debug!(addr, "connecting to Redis again timed out");
+            None
+        }
+    }
 }
 
 /// How often, at most, a pool's idle connections are dropped after a connection error.

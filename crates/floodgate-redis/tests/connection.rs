@@ -10,7 +10,7 @@ use floodgate_redis::{
     BatchConfig, ConnectionKind, DEFAULT_SINGLE_NODE_KIND, Error, RedisConfig, RedisConn,
     RedisLimiter, ScriptCall, display_key,
 };
-use floodgate_testkit::{RedisCluster, RedisServer, TcpProxy};
+use floodgate_testkit::{RedisCluster, RedisServer, Resp, TcpProxy};
 use redis::{Script, Value};
 
 /// No test may run longer than this.
@@ -695,6 +695,89 @@ fn fault_a_connection_gone_silent_is_replaced_while_redis_answers_new_ones() {
             );
             assert!(proxy.connections() > before, "{kind}: no new connection");
         }
+    });
+}
+
+/// The same on a cluster: the connection to one master goes silent while the master (and the
+/// rest of the cluster) answers new connections. The other masters' keys answering meanwhile
+/// do not hide it: the calls to that master's slots time out until the cluster connection is
+/// made again.
+#[test]
+fn fault_a_cluster_node_connection_gone_silent_is_replaced() {
+    let cluster = RedisCluster::builder()
+        .masters(3)
+        .replicas_per_master(0)
+        .start()
+        .expect("start a 3-master cluster");
+    let master = cluster.masters().expect("masters")[0];
+    let key = (0..)
+        .map(|i| format!("silent{i}"))
+        .find(|k| cluster.node_for_key(k.as_bytes()).expect("owner") == master)
+        .expect("a key of the master");
+    let other = (0..)
+        .map(|i| format!("other{i}"))
+        .find(|k| cluster.node_for_key(k.as_bytes()).expect("owner") != master)
+        .expect("a key of another master");
+    let node = cluster.node(master);
+    let proxy = TcpProxy::start(node.addr()).expect("proxy");
+    // The master announces the proxy's port: clients reach it through the proxy (the cluster
+    // bus keeps its own port).
+    let port = proxy.addr().port().to_string();
+    node.cmd_ok(&["CONFIG", "SET", "cluster-announce-port", port.as_str()])
+        .expect("announce the proxy");
+    let announced = Resp::Int(i64::from(proxy.addr().port()));
+    let started = Instant::now();
+    while !(0..cluster.len()).all(|i| {
+        let slots = cluster.node(i).cmd(&["CLUSTER", "SLOTS"]).expect("slots");
+        format!("{slots:?}").contains(&format!("{announced:?}"))
+    }) {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the proxy's port was not gossiped"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    run(async {
+        let config = RedisConfig::from_urls(cluster.urls())
+            .expect("valid seeds")
+            .timeout(Duration::from_millis(200));
+        let conn = RedisConn::connect(&config).await.expect("connect");
+        let script = incr();
+        let call = |key: &str| {
+            let key = key.as_bytes().to_vec();
+            let (conn, script) = (&conn, &script);
+            async move { conn.invoke_script(script, &[key.as_slice()], &[]).await }
+        };
+        let (key, other) = (key.as_str(), other.as_str());
+        // Retried: a busy machine may take longer than 200 ms to load the script at first.
+        let started = Instant::now();
+        while let Err(e) = call(key).await {
+            assert!(started.elapsed() < Duration::from_secs(5), "before: {e:?}");
+        }
+        let before = proxy.connections();
+        assert!(before > 0, "the master is not reached through the proxy");
+        proxy.freeze_open_connections();
+        let started = Instant::now();
+        let mut last = None;
+        let took = loop {
+            // Another master's key answers all along.
+            call(other).await.expect("another master's key");
+            match call(key).await {
+                Ok(_) => break started.elapsed(),
+                Err(e) => {
+                    assert!(e.is_timeout() || e.is_connection(), "{e:?}");
+                    last = Some(e);
+                }
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the silent master's keys did not answer again; last error: {last:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        println!("the master's keys answer again {took:?} after the freeze");
+        assert!(took < Duration::from_secs(5), "recovery took {took:?}");
+        assert!(proxy.connections() > before, "no new connection");
     });
 }
 

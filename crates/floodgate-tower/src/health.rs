@@ -5,13 +5,16 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::telemetry::due;
+
 pub(crate) struct StoreHealth {
     epoch: Instant,
     failing: AtomicBool,
     /// While failing: milliseconds since `epoch` after which one request probes the store.
     next_probe_ms: AtomicU64,
-    /// The last time an error was logged at warn level, ms since `epoch` (plus one).
-    last_warn_ms: AtomicU64,
+    /// While failing: milliseconds since `epoch` after which an error is logged at warn level
+    /// again.
+    next_warn_ms: AtomicU64,
     retry_interval: Duration,
     policy: &'static str,
 }
@@ -33,7 +36,7 @@ impl StoreHealth {
             epoch: Instant::now(),
             failing: AtomicBool::new(false),
             next_probe_ms: AtomicU64::new(0),
-            last_warn_ms: AtomicU64::new(0),
+            next_warn_ms: AtomicU64::new(0),
             retry_interval,
             policy,
         }
@@ -59,18 +62,14 @@ impl StoreHealth {
         if self.retry_interval.is_zero() {
             return Admit::Probe;
         }
-        let now = self.now_ms();
-        let next = self.next_probe_ms.load(Ordering::Relaxed);
-        if now < next {
-            return Admit::Skip;
-        }
-        let until = now.saturating_add(millis(self.retry_interval));
-        match self
-            .next_probe_ms
-            .compare_exchange(next, until, Ordering::AcqRel, Ordering::Relaxed)
-        {
-            Ok(_) => Admit::Probe,
-            Err(_) => Admit::Skip,
+        if due(
+            &self.next_probe_ms,
+            self.now_ms(),
+            millis(self.retry_interval),
+        ) {
+            Admit::Probe
+        } else {
+            Admit::Skip
         }
     }
 
@@ -100,7 +99,8 @@ impl StoreHealth {
             );
         }
         if !self.failing.swap(true, Ordering::AcqRel) {
-            self.last_warn_ms.store(now + 1, Ordering::Relaxed);
+            self.next_warn_ms
+                .store(now.saturating_add(millis(WARN_EVERY)), Ordering::Relaxed);
             tracing::warn!(
                 target: "floodgate",
                 error = %error,
@@ -109,13 +109,7 @@ impl StoreHealth {
             );
             return;
         }
-        let last = self.last_warn_ms.load(Ordering::Relaxed);
-        if now + 1 >= last.saturating_add(millis(WARN_EVERY))
-            && self
-                .last_warn_ms
-                .compare_exchange(last, now + 1, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-        {
+        if due(&self.next_warn_ms, now, millis(WARN_EVERY)) {
             tracing::warn!(
                 target: "floodgate",
                 error = %error,

@@ -332,7 +332,7 @@ impl LayerMetrics {
 
 /// Whether `now_ms` has reached `next` (then it moves `every_ms` on): for work done at most
 /// that often, by one of the threads that get there at once.
-fn due(next: &AtomicU64, now_ms: u64, every_ms: u64) -> bool {
+pub(crate) fn due(next: &AtomicU64, now_ms: u64, every_ms: u64) -> bool {
     let at = next.load(Ordering::Relaxed);
     now_ms >= at
         && next
