@@ -52,7 +52,8 @@ pub struct Cli {
     /// All requests: per second.
     #[arg(long, env = "GLOBAL_PER_SECOND")]
     pub global_per_second: Option<u64>,
-    /// Comma-separated CIDRs of proxies whose X-Forwarded-For / Forwarded headers are trusted.
+    /// Comma-separated CIDRs of proxies whose X-Forwarded-For header is trusted (the client is
+    /// its rightmost address not in them; RFC 7239 `Forwarded` is not read).
     #[arg(long, env = "TRUSTED_PROXIES")]
     pub trusted_proxies: Option<String>,
     /// A campaign's dispatch lease (e.g. 10s): how soon another replica resumes a campaign

@@ -4,6 +4,7 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,7 +13,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio::sync::Mutex;
 
 /// One message to send.
@@ -70,6 +71,8 @@ pub trait SmsProvider: Send + Sync + 'static {
 pub struct FileProvider {
     path: PathBuf,
     file: Mutex<Option<tokio::fs::File>>,
+    /// Whether the last write failed, and may have left part of its line.
+    torn: AtomicBool,
 }
 
 impl FileProvider {
@@ -77,6 +80,7 @@ impl FileProvider {
         Arc::new(FileProvider {
             path: path.into(),
             file: Mutex::new(None),
+            torn: AtomicBool::new(false),
         })
     }
 
@@ -95,6 +99,9 @@ impl SmsProvider for FileProvider {
                 serde_json::to_vec(sms).map_err(|e| ProviderError::NotSent(e.to_string()))?;
             line.push(b'\n');
             let mut file = self.file.lock().await;
+            if self.torn.swap(false, Ordering::Relaxed) && ends_mid_line(&self.path).await {
+                line.insert(0, b'\n');
+            }
             if file.is_none() {
                 let opened = tokio::fs::OpenOptions::new()
                     .create(true)
@@ -106,18 +113,42 @@ impl SmsProvider for FileProvider {
             }
             if let Some(f) = file.as_mut() {
                 // One write of the whole line, then to disk: a line is either there or not.
-                // A failed write may have left part of the line: the outcome is unknown.
-                f.write_all(&line)
-                    .await
-                    .map_err(|e| ProviderError::Unknown(format!("{}: {e}", self.path.display())))?;
-                f.sync_data()
-                    .await
-                    .map_err(|e| ProviderError::Unknown(format!("{}: {e}", self.path.display())))?;
+                // `write_all` on a tokio file only hands the write to a blocking thread: its
+                // error (a full disk) comes from `flush`, which waits for it (`sync_data` would
+                // keep it for the next write, and report this line sent).
+                let written = async {
+                    f.write_all(&line).await?;
+                    f.flush().await?;
+                    f.sync_data().await
+                }
+                .await;
+                if let Err(e) = written {
+                    // A failed write may have left part of the line: the outcome is unknown.
+                    // The file is opened again for the next line, which starts on a line of
+                    // its own.
+                    *file = None;
+                    self.torn.store(true, Ordering::Relaxed);
+                    return Err(ProviderError::Unknown(format!(
+                        "{}: {e}",
+                        self.path.display()
+                    )));
+                }
             }
             tracing::info!(id = %sms.id, phone = %sms.phone, campaign = ?sms.campaign, "sms sent");
             Ok(())
         })
     }
+}
+
+/// Whether the file at `path` ends with part of a line (a write that failed half-way).
+async fn ends_mid_line(path: &Path) -> bool {
+    let last = async {
+        let mut f = tokio::fs::File::open(path).await?;
+        f.seek(std::io::SeekFrom::End(-1)).await?;
+        f.read_u8().await
+    };
+    // Empty or unreadable: nothing to end.
+    last.await.is_ok_and(|b| b != b'\n')
 }
 
 /// POSTs every message as JSON to a URL (plain HTTP).
@@ -191,7 +222,51 @@ impl SmsProvider for WebhookProvider {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::AsyncReadExt;
+
+    fn sms(id: &str) -> OutboundSms {
+        OutboundSms {
+            id: id.into(),
+            phone: "+8613800000000".into(),
+            text: "hi".into(),
+            campaign: None,
+            instance: "test".into(),
+            sent_at_ms: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_outbox_write_is_not_reported_sent() {
+        // Every write to /dev/full fails (ENOSPC), as on a full disk.
+        let provider = FileProvider::new("/dev/full");
+        for id in ["a", "b"] {
+            match provider.send(&sms(id)).await {
+                Err(ProviderError::Unknown(e)) => assert!(e.contains("/dev/full"), "{e}"),
+                other => panic!("{id}: {other:?}"),
+            }
+            assert!(provider.torn.load(Ordering::Relaxed), "{id}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_line_after_a_torn_write_starts_a_line_of_its_own() {
+        let path = std::env::temp_dir().join(format!("outbox-torn-{}", std::process::id()));
+        // What a write that failed half-way leaves.
+        std::fs::write(&path, b"{\"id\":\"x\"}\n{\"id\":\"half").expect("write");
+        let provider = FileProvider::new(&path);
+        provider.torn.store(true, Ordering::Relaxed);
+        provider.send(&sms("whole")).await.expect("sent");
+        // A write that did not fail adds nothing before the next line.
+        provider.send(&sms("next")).await.expect("sent");
+        let text = std::fs::read_to_string(&path).expect("read");
+        let _ = std::fs::remove_file(&path);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text:?}");
+        assert_eq!(lines[1], "{\"id\":\"half");
+        for (line, id) in [(lines[2], "whole"), (lines[3], "next")] {
+            let value: serde_json::Value = serde_json::from_str(line).expect("a line of JSON");
+            assert_eq!(value["id"], id);
+        }
+    }
 
     #[tokio::test]
     async fn a_webhook_that_stalls_mid_body_times_out() {
