@@ -320,6 +320,19 @@ pub(crate) async fn refund<S: Shared>(app: &App<S>, checks: &[Check<'_>], verdic
     }
 }
 
+/// [`refund`] of every check but the first, the client's (see [`accept_sms`]).
+async fn refund_all_but_the_client<S: Shared>(
+    app: &App<S>,
+    checks: &[Check<'_>],
+    verdict: &Verdict,
+) {
+    let rest = Verdict {
+        decisions: verdict.decisions.iter().skip(1).copied().collect(),
+        ..verdict.clone()
+    };
+    refund(app, checks.get(1..).unwrap_or_default(), &rest).await;
+}
+
 async fn send_sms<S: Shared>(
     State(app): State<Arc<App<S>>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -418,8 +431,14 @@ async fn send_sms<S: Shared>(
     })
 }
 
-/// Everything after validation: opt-out, limits, send. `Ok` is an accepted message (with the
+/// Everything after validation: limits, opt-out, send. `Ok` is an accepted message (with the
 /// body an idempotent retry gets again); `Err` any refusal, as its response.
+///
+/// The limits come first: a client over them costs the opt-out list nothing (with Redis, its
+/// repeats are answered by the deny cache), and cannot learn at any rate which numbers opted
+/// out. A message that is then not sent (the number opted out, the provider refused it) gives
+/// back its units but the client's: every request that reaches the provider or the opt-out
+/// list spends one of the client's.
 async fn accept_sms<S: Shared>(
     app: &App<S>,
     peer: SocketAddr,
@@ -427,20 +446,6 @@ async fn accept_sms<S: Shared>(
     phone: &Phone,
     text: &str,
 ) -> Result<(Response, String), Response> {
-    let opted_out = app
-        .shared
-        .is_opted_out(phone.as_str())
-        .await
-        .map_err(|e| ApiError::unavailable("the opt-out list", e).into_response())?;
-    if opted_out {
-        metrics::counter!("sms_rejected_total", "limit" => "opted-out").increment(1);
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "opted_out",
-            "this phone number opted out of messages",
-        )
-        .into_response());
-    }
     let ip = client_key(&app.client_ip, peer, headers);
     let l = &app.limits;
     let policies = [&l.client_ip, &l.global, &l.phone, &l.phone_daily];
@@ -455,6 +460,24 @@ async fn accept_sms<S: Shared>(
         .map_err(IntoResponse::into_response)?;
     if !verdict.allowed() {
         return Err(limited(&policies, &verdict));
+    }
+    let opted_out = match app.shared.is_opted_out(phone.as_str()).await {
+        Ok(opted_out) => opted_out,
+        Err(e) => {
+            // Not the client's doing: nothing counts (as for the layer's 503s).
+            refund(app, &checks, &verdict).await;
+            return Err(ApiError::unavailable("the opt-out list", e).into_response());
+        }
+    };
+    if opted_out {
+        metrics::counter!("sms_rejected_total", "limit" => "opted-out").increment(1);
+        refund_all_but_the_client(app, &checks, &verdict).await;
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "opted_out",
+            "this phone number opted out of messages",
+        )
+        .into_response());
     }
     let sms = OutboundSms {
         id: message_id(),
@@ -480,9 +503,10 @@ async fn accept_sms<S: Shared>(
             response.extensions_mut().insert(UnknownFate(stored));
             return Err(response);
         }
-        // The message did not go out: it does not count against any limit, so the client can
-        // try again at once.
-        refund(app, &checks, &verdict).await;
+        // The message did not go out: it does not count against the phone's or the global
+        // limit, so the client can try again at once (its own unit is spent: a number the
+        // provider refuses cannot be sent to it at any rate).
+        refund_all_but_the_client(app, &checks, &verdict).await;
         return Err(ApiError::new(
             StatusCode::BAD_GATEWAY,
             "provider_error",

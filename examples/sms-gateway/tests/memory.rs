@@ -182,6 +182,75 @@ async fn per_ip_limit_and_graceful_shutdown() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A message that is not sent gives back the phone's and the global units, not the client's:
+/// a client cannot ask at any rate which numbers opted out, nor make the provider refuse
+/// messages at any rate. Once over its limit, it is refused before either is asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_not_sent_still_spend_the_clients_budget() {
+    use std::sync::atomic::Ordering;
+    let mode = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(REFUSE));
+    let (url, taken) = webhook(std::sync::Arc::clone(&mode)).await;
+    let dir = temp_dir("not-sent");
+    let gw = Gateway::start(
+        &dir,
+        "not-sent",
+        &[("WEBHOOK_URL", &url), ("IP_PER_MINUTE", "6")],
+    );
+    let http = Http::new();
+    // The opt-out spends one unit of the client's (the layer's per-IP limit).
+    let opted = "+8613833333333";
+    let r = http
+        .post(
+            &gw.url("/v1/opt-outs"),
+            &format!(r#"{{"phone":"{opted}"}}"#),
+        )
+        .await;
+    assert_eq!(r.status, 201, "{}", r.body);
+    let mut seen = Vec::new();
+    for i in 0..4 {
+        // Two opted-out lookups, then two messages the provider refuses.
+        let phone = if i < 2 {
+            opted.to_owned()
+        } else {
+            format!("+86138000001{i:02}")
+        };
+        let r = http.post(&gw.url("/v1/sms"), &sms(&phone, "hi")).await;
+        seen.push((
+            r.status,
+            r.body["error"]["code"].as_str().map(str::to_owned),
+        ));
+    }
+    assert_eq!(
+        seen,
+        [
+            (403, Some("opted_out".to_owned())),
+            (403, Some("opted_out".to_owned())),
+            (502, Some("provider_error".to_owned())),
+            (502, Some("provider_error".to_owned())),
+        ]
+    );
+    // The phone's units came back: its message goes out once the provider takes it.
+    mode.store(TAKE, Ordering::SeqCst);
+    let r = http
+        .post(&gw.url("/v1/sms"), &sms("+8613800000102", "hi"))
+        .await;
+    assert_eq!(r.status, 202, "{}", r.body);
+    assert_eq!(taken.load(Ordering::SeqCst), 1);
+    // Six requests spent the client's six units: the next is refused for the client, neither
+    // the opt-out list nor the provider asked.
+    for phone in [opted, "+8613800000103"] {
+        let r = http.post(&gw.url("/v1/sms"), &sms(phone, "hi")).await;
+        assert_eq!(
+            (r.status, r.body["error"]["limit"].as_str()),
+            (429, Some("client-ip")),
+            "{}",
+            r.body
+        );
+    }
+    assert_eq!(taken.load(Ordering::SeqCst), 1);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_creating_campaigns_spends_the_global_budget() {
     let dir = temp_dir("global");
