@@ -38,6 +38,16 @@ impl<S: LockStore> Held<S> {
         }
         let started = Instant::now();
         let deadline = self.lease.get().deadline;
+        // The drift allowance of this ttl, which may not be the lock's.
+        let new_deadline = started + ttl.saturating_sub(self.store.clock_drift(ttl));
+        // An extension that fails (a timeout, a lost reply) or is dropped may have run in the
+        // store all the same: its expiry may stand there, and the lease is good until the
+        // sooner of the two (a shorter ttl than the lease's, `extend_for`, would otherwise be
+        // trusted past the store's expiry).
+        let unknown = Unsettled {
+            lease: &self.lease,
+            deadline: new_deadline,
+        };
         let held = match tokio::time::timeout_at(
             deadline,
             self.store.extend(&self.name, self.token.as_bytes(), ttl),
@@ -50,15 +60,27 @@ impl<S: LockStore> Held<S> {
                 return Err(Error::lost(&self.name, LeaseLost::Expired));
             }
         };
+        std::mem::forget(unknown);
         if !held {
             self.lease.lose(LeaseLost::NotHeld);
             return Err(Error::lost(&self.name, LeaseLost::NotHeld));
         }
-        // The drift allowance of this ttl, which may not be the lock's.
-        let new_deadline = started + ttl.saturating_sub(self.store.clock_drift(ttl));
         self.lease
             .renewed(started, new_deadline)
             .map_err(|reason| Error::lost(&self.name, reason))
+    }
+}
+
+/// An extension under way: dropped before its outcome is known (failed, or cancelled), the
+/// lease is good until the sooner of its deadline and the extension's.
+struct Unsettled<'a> {
+    lease: &'a LeaseCell,
+    deadline: Instant,
+}
+
+impl Drop for Unsettled<'_> {
+    fn drop(&mut self) {
+        self.lease.at_most(self.deadline);
     }
 }
 
@@ -161,8 +183,10 @@ impl<S: LockStore + Clone> LockGuard<S> {
     ///
     /// # Errors
     /// [`Error::Lost`] if the store no longer holds the lock for us or the lease had already
-    /// run out (the guard is then lost for good); a store error otherwise (the lease stays as
-    /// it was).
+    /// run out (the guard is then lost for good); a store error otherwise. A failed extension
+    /// (or one cancelled before its answer) may have run in the store all the same: the lease
+    /// is then taken to end at the sooner of its deadline and the one the extension would
+    /// have set.
     pub async fn extend(&self) -> Result<(), Error>
     where
         Error: From<S::Error>,

@@ -75,6 +75,18 @@ impl LeaseCell {
         outcome
     }
 
+    /// Brings the deadline forward to `deadline` if that is sooner (an extension whose outcome
+    /// is unknown: it may have set a sooner expiry in the store).
+    pub(crate) fn at_most(&self, deadline: Instant) {
+        self.tx.send_if_modified(|lease| {
+            if deadline >= lease.deadline {
+                return false;
+            }
+            lease.deadline = deadline;
+            true
+        });
+    }
+
     /// Marks the lease lost (the first reason sticks).
     pub(crate) fn lose(&self, reason: LeaseLost) {
         self.tx.send_if_modified(|lease| {

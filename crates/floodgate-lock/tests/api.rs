@@ -269,6 +269,45 @@ fn try_acquire_does_not_wait_and_acquire_times_out() {
     });
 }
 
+/// An extension to a shorter lease that times out may have run in Redis all the same (here it
+/// runs once Redis resumes): the guard does not go on trusting its longer lease past the
+/// expiry that extension set.
+#[test]
+fn fault_an_extension_that_times_out_may_have_shortened_the_lease() {
+    let server = server();
+    run(Duration::from_secs(20), async {
+        let locks = redis_locks_with(&server.url(), Duration::from_millis(100)).await;
+        let lock = Lock::new(locks, "unsure-extension", TTL).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        guard
+            .extend_for(Duration::from_secs(60))
+            .await
+            .expect("extended");
+        assert!(guard.remaining() > Duration::from_secs(50));
+        server.pause().expect("pause");
+        let err = guard
+            .extend_for(Duration::from_secs(1))
+            .await
+            .expect_err("Redis paused");
+        server.resume().expect("resume");
+        assert!(!err.is_lost(), "{err}");
+        // The shorter expiry may be Redis' now (it is: the command ran on resume).
+        assert!(
+            guard.remaining() <= Duration::from_secs(1),
+            "{:?}",
+            guard.remaining()
+        );
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert!(guard.is_lost(), "trusted past Redis' expiry");
+        let other = redis_locks(&server.url()).await;
+        let other = Lock::new(other, "unsure-extension", TTL).expect("valid");
+        assert!(
+            other.try_acquire().await.expect("ok").is_some(),
+            "Redis let the lease expire"
+        );
+    });
+}
+
 /// A release that times out is retried within the lease instead of leaving waiters to wait for
 /// the lease to run out. Here Redis is paused past the first attempt's timeout; the retry
 /// answers once it resumes. (If the timed-out attempt ran first after all, the retry finds the
