@@ -243,10 +243,19 @@ where
                         // notifications would (a first waiter whose caller stopped polling it
                         // must not hold the others up).
                         registered = None;
+                        let now = Instant::now();
+                        // The look just made was at the deadline or after it: the last.
+                        if now >= deadline {
+                            if !had_error {
+                                pending.disarm();
+                            }
+                            return Err(Error::Timeout {
+                                name: floodgate_redis::display_key(&self.name),
+                                waited: now - began,
+                            });
+                        }
                         let poll = backoff.next().min(remaining.max(Duration::from_millis(1)));
-                        let wake = Instant::now()
-                            .checked_add(poll)
-                            .map_or(deadline, |t| t.min(deadline));
+                        let wake = now.checked_add(poll).map_or(deadline, |t| t.min(deadline));
                         tokio::select! {
                             () = joined.first() => {
                                 // First in line: listen, then look again at once.
@@ -254,15 +263,7 @@ where
                             }
                             () = tokio::time::sleep_until(wake) => {}
                         }
-                        if Instant::now() >= deadline {
-                            if !had_error {
-                                pending.disarm();
-                            }
-                            return Err(Error::Timeout {
-                                name: floodgate_redis::display_key(&self.name),
-                                waited: Instant::now() - began,
-                            });
-                        }
+                        // Looks again, at the deadline at the latest.
                         continue;
                     }
                     if registered.is_none() {

@@ -905,3 +905,37 @@ fn a_first_waiter_nobody_polls_does_not_hold_the_line_up() {
         drop(stalled);
     });
 }
+
+/// A waiter behind another looks at the lock once more at its deadline: freed in between (and
+/// not taken by the first in line, whose caller stopped polling it), it is taken then, not
+/// given up on with a timeout.
+#[test]
+fn a_waiter_in_line_looks_once_more_at_its_deadline() {
+    run(Duration::from_secs(60), async {
+        // Longer than the wait: the waiter behind sleeps to its deadline.
+        let slow = Backoff::new(Duration::from_secs(5), Duration::from_secs(5)).expect("valid");
+        let lock = Lock::new(MemoryLocks::new(), "deadline-look", Duration::from_secs(40))
+            .expect("valid")
+            .backoff(slow);
+        let holder = lock.try_acquire().await.expect("ok").expect("free");
+        let mut stalled = Box::pin(lock.acquire(Duration::from_secs(30)));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), &mut stalled)
+                .await
+                .is_err()
+        );
+        wait_for_line(&lock, 1).await;
+        let behind = {
+            let lock = lock.clone();
+            tokio::spawn(async move { lock.acquire(Duration::from_millis(600)).await })
+        };
+        wait_for_line(&lock, 2).await;
+        holder.release().await.expect("release");
+        let guard = behind
+            .await
+            .expect("task")
+            .expect("taken at the deadline's last look");
+        guard.release().await.expect("release");
+        drop(stalled);
+    });
+}
