@@ -208,13 +208,12 @@ where
     pub async fn acquire_until(&self, deadline: impl Into<Instant>) -> Result<LockGuard<S>, Error> {
         let deadline = deadline.into();
         let began = Instant::now();
-        // One token for every attempt of this acquisition: if an attempt timed out after the
-        // store had taken the lock for us, the next attempt finds our own token and keeps it.
-        let token = Token::random()?;
+        // The attempts' token: a new one after an attempt that failed (see below).
+        let mut token = Token::random()?;
         // Armed while an attempt may have taken the lock for us unseen (an attempt in flight,
         // or one that failed): dropped armed, by an error return or by cancellation, it
         // releases the token in the background.
-        let pending = PendingAttempt::new(self, &token);
+        let mut pending = PendingAttempt::new(self, &token);
         let mut backoff = self.backoff.start();
         let mut registered = None;
         // This waiter's place in the store's queue for the name, if the store has queues:
@@ -281,6 +280,15 @@ where
                         error = %e,
                         "acquiring the lock failed; retrying"
                     );
+                    // It may have taken the lock for us unseen, or have sent a give-back (a
+                    // grant that came too late, a Redlock short of a quorum) that is still on
+                    // its way. Under the same token, that give-back arriving late would delete
+                    // what a later attempt is granted, and the guard would hold nothing. The
+                    // next attempts draw a new token; this one is given back in the
+                    // background (a lock it holds frees itself, and wakes us, then).
+                    let fresh = Token::random()?;
+                    pending.replace(&fresh);
+                    token = fresh;
                     had_error = true;
                     last_error = Some(e);
                     backoff.next()
@@ -415,10 +423,14 @@ impl<S: LockStore + Clone> PendingAttempt<S> {
     fn disarm(mut self) {
         self.token = None;
     }
-}
 
-impl<S: LockStore + Clone> Drop for PendingAttempt<S> {
-    fn drop(&mut self) {
+    /// The attempts go on under `token`: the one before is given back in the background.
+    fn replace(&mut self, token: &Token) {
+        self.give_back();
+        self.token = Some(token.clone());
+    }
+
+    fn give_back(&mut self) {
         let Some(token) = self.token.take() else {
             return;
         };
@@ -428,6 +440,12 @@ impl<S: LockStore + Clone> Drop for PendingAttempt<S> {
                 let _ = store.unlock(&name, token.as_bytes()).await;
             });
         }
+    }
+}
+
+impl<S: LockStore + Clone> Drop for PendingAttempt<S> {
+    fn drop(&mut self) {
+        self.give_back();
     }
 }
 

@@ -939,3 +939,111 @@ fn a_waiter_in_line_looks_once_more_at_its_deadline() {
         drop(stalled);
     });
 }
+
+/// The memory store, whose first grant's reply is lost (the lock taken, the caller told the
+/// store timed out), and which records the tokens of the attempts.
+#[derive(Clone)]
+struct LosesFirstGrant {
+    inner: MemoryLocks,
+    tokens: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+}
+
+impl LockStore for LosesFirstGrant {
+    type Error = floodgate_redis::Error;
+
+    async fn try_lock(
+        &self,
+        name: &[u8],
+        token: &[u8],
+        ttl: Duration,
+    ) -> Result<LockAttempt, floodgate_redis::Error> {
+        let first = {
+            let mut tokens = self.tokens.lock().expect("tokens");
+            tokens.push(token.to_vec());
+            tokens.len() == 1
+        };
+        let attempt = self
+            .inner
+            .try_lock(name, token, ttl)
+            .await
+            .expect("memory store");
+        if first {
+            assert!(matches!(attempt, LockAttempt::Acquired { .. }));
+            return Err(floodgate_redis::Error::Timeout {
+                after: Duration::from_millis(100),
+                op: "try_lock (its reply lost)",
+            });
+        }
+        Ok(attempt)
+    }
+
+    async fn unlock(&self, name: &[u8], token: &[u8]) -> Result<bool, floodgate_redis::Error> {
+        Ok(self.inner.unlock(name, token).await.expect("memory store"))
+    }
+
+    async fn extend(
+        &self,
+        name: &[u8],
+        token: &[u8],
+        ttl: Duration,
+    ) -> Result<bool, floodgate_redis::Error> {
+        Ok(self
+            .inner
+            .extend(name, token, ttl)
+            .await
+            .expect("memory store"))
+    }
+
+    async fn remaining(
+        &self,
+        name: &[u8],
+        token: &[u8],
+    ) -> Result<Option<Duration>, floodgate_redis::Error> {
+        Ok(self
+            .inner
+            .remaining(name, token)
+            .await
+            .expect("memory store"))
+    }
+
+    fn released(&self, name: &[u8]) -> floodgate_core::lock::Released {
+        self.inner.released(name)
+    }
+}
+
+/// After an attempt whose outcome is unknown, the next attempts use a new token: a give-back of
+/// the old one still on its way (a late grant's, a Redlock short of a quorum) cannot delete
+/// what they are granted. The old token's lock is given back, and the new token takes it.
+#[test]
+fn after_a_failed_attempt_the_next_ones_use_a_new_token() {
+    run(Duration::from_secs(20), async {
+        let store = LosesFirstGrant {
+            inner: MemoryLocks::new(),
+            tokens: std::sync::Arc::default(),
+        };
+        let quick =
+            Backoff::new(Duration::from_millis(5), Duration::from_millis(20)).expect("valid");
+        let lock = Lock::new(store.clone(), "lost-reply", TTL)
+            .expect("valid")
+            .backoff(quick);
+        let guard = lock
+            .acquire(Duration::from_secs(5))
+            .await
+            .expect("acquired once the lost grant is given back");
+        let tokens = store.tokens.lock().expect("tokens").clone();
+        assert!(tokens.len() >= 2, "{tokens:?}");
+        assert!(
+            tokens[1..].iter().all(|t| *t != tokens[0]),
+            "an attempt after the failed one reused its token"
+        );
+        // The old token holds nothing: its give-back cannot take the lock from the guard.
+        assert!(
+            !store
+                .unlock(b"lost-reply", &tokens[0])
+                .await
+                .expect("unlock")
+        );
+        assert!(guard.verify().await.expect("verify") > Duration::ZERO);
+        guard.release().await.expect("release");
+    });
+}
