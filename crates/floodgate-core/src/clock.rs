@@ -75,6 +75,13 @@ pub(crate) fn duration_micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// Microseconds in `d`, rounded up, saturating at `u64::MAX`: a policy's period or window,
+/// which must not come out shorter (its rate more permissive) than the one asked for.
+pub(crate) fn period_micros(d: Duration) -> u64 {
+    let part = u128::from(!d.subsec_nanos().is_multiple_of(1000));
+    u64::try_from(d.as_micros() + part).unwrap_or(u64::MAX)
+}
+
 /// A source of the current time.
 ///
 /// Implementations must be cheap (they are called once per decision) and should not go
@@ -187,6 +194,28 @@ impl Clock for ManualClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn periods_round_up_to_whole_microseconds() {
+        for (nanos, micros) in [
+            (0, 0),
+            (1, 1),
+            (999, 1),
+            (1_000, 1),
+            (1_001, 2),
+            (1_999, 2),
+            (2_000, 2),
+            (1_000_000_001, 1_000_001),
+        ] {
+            assert_eq!(
+                period_micros(Duration::from_nanos(nanos)),
+                micros,
+                "{nanos} ns"
+            );
+        }
+        assert_eq!(period_micros(Duration::MAX), u64::MAX);
+        assert_eq!(duration_micros(Duration::from_nanos(1_999)), 1);
+    }
 
     #[test]
     fn system_clock_tracks_wall_clock() {

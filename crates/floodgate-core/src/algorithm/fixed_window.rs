@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo};
 use crate::calendar::Calendar;
-use crate::clock::duration_micros;
+use crate::clock::period_micros;
 use crate::error::PolicyError;
 
 /// How windows are laid out in time.
@@ -41,7 +41,7 @@ impl FixedWindow {
     /// `limit` per rolling window of `window`.
     pub fn rolling(limit: u64, window: Duration) -> Result<Self, PolicyError> {
         check_limit(limit)?;
-        let w = duration_micros(window);
+        let w = period_micros(window);
         if w == 0 {
             return Err(PolicyError::Zero { field: "window" });
         }

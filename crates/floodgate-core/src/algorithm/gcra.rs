@@ -24,7 +24,7 @@ use std::fmt;
 use std::time::Duration;
 
 use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo, mul_span};
-use crate::clock::duration_micros;
+use crate::clock::period_micros;
 use crate::error::PolicyError;
 
 /// GCRA parameters: an emission interval `T` and a tolerance `tau = T * (max_burst + 1)`.
@@ -76,7 +76,7 @@ impl Gcra {
         if count == 0 {
             return Err(PolicyError::Zero { field: "count" });
         }
-        let period_us = duration_micros(period);
+        let period_us = period_micros(period);
         if period_us == 0 {
             return Err(PolicyError::Zero { field: "period" });
         }
@@ -91,7 +91,7 @@ impl Gcra {
         if count == 0 {
             return Err(PolicyError::Zero { field: "count" });
         }
-        let period_us = duration_micros(period);
+        let period_us = period_micros(period);
         if period_us == 0 {
             return Err(PolicyError::Zero { field: "period" });
         }

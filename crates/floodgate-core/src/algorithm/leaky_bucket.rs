@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use super::gcra::{Gcra, spaced};
 use super::{Algorithm, Ctx, Outcome, Undo, mul_span};
-use crate::clock::duration_micros;
+use crate::clock::period_micros;
 use crate::error::PolicyError;
 
 /// Funnel parameters.
@@ -44,7 +44,7 @@ impl LeakyBucket {
         if capacity == 0 {
             return Err(PolicyError::Zero { field: "capacity" });
         }
-        let drain_us = duration_micros(drain);
+        let drain_us = period_micros(drain);
         if drain_us == 0 {
             return Err(PolicyError::Zero { field: "drain" });
         }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use super::gcra::{Gcra, spaced};
 use super::{Algorithm, Ctx, MAX_SPAN_US, Outcome, Undo, mul_span};
-use crate::clock::duration_micros;
+use crate::clock::period_micros;
 use crate::error::PolicyError;
 
 /// Shaper parameters.
@@ -43,7 +43,7 @@ impl Shaper {
         if burst == 0 {
             return Err(PolicyError::Zero { field: "burst" });
         }
-        let period_us = duration_micros(period);
+        let period_us = period_micros(period);
         if period_us == 0 {
             return Err(PolicyError::Zero { field: "period" });
         }

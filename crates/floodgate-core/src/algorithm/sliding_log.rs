@@ -8,7 +8,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use super::{Algorithm, Ctx, MAX_SPAN_US, Outcome, Undo};
-use crate::clock::duration_micros;
+use crate::clock::period_micros;
 use crate::error::PolicyError;
 
 /// The largest limit a log may have: the log keeps one entry per admitted request.
@@ -51,7 +51,7 @@ impl SlidingLog {
                 max: format!("{MAX_LOG_LIMIT} for a sliding log (use sliding_window)"),
             });
         }
-        let w = duration_micros(window);
+        let w = period_micros(window);
         if w == 0 {
             return Err(PolicyError::Zero { field: "window" });
         }

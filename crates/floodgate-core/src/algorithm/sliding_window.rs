@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo};
-use crate::clock::duration_micros;
+use crate::clock::period_micros;
 use crate::error::PolicyError;
 
 const MS: u64 = 1_000;
@@ -48,7 +48,7 @@ impl SlidingWindow {
                 max: MAX_LIMIT.to_string(),
             });
         }
-        let w = duration_micros(window);
+        let w = period_micros(window);
         if w == 0 {
             return Err(PolicyError::Zero { field: "window" });
         }

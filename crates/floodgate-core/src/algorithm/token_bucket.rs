@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use super::gcra::spaced;
 use super::{Algorithm, Ctx, MAX_LIMIT, MAX_SPAN_US, Outcome, Undo};
-use crate::clock::duration_micros;
+use crate::clock::period_micros;
 use crate::error::PolicyError;
 
 /// Token bucket parameters.
@@ -71,7 +71,7 @@ impl TokenBucket {
                 field: "refill amount",
             });
         }
-        let interval_us = duration_micros(interval);
+        let interval_us = period_micros(interval);
         if interval_us == 0 {
             return Err(PolicyError::Zero {
                 field: "refill interval",
@@ -81,7 +81,9 @@ impl TokenBucket {
             // Rounded up: never more than `amount` tokens per `interval`.
             (1, spaced(interval_us, amount))
         } else {
-            (amount, interval_us)
+            // More than a whole bucket at once fills it, as the whole bucket does: the smaller
+            // number keeps the Redis scripts' arithmetic exact (doubles, under 2^53).
+            (amount.min(capacity), interval_us)
         };
         if step == 0 {
             return Err(PolicyError::TooSmall {
@@ -219,6 +221,39 @@ mod tests {
     use super::*;
 
     const T0: u64 = 1_700_000_000_000_000;
+
+    /// A refill larger than the bucket fills it, as the bucket's capacity does; the step is
+    /// kept small for the Redis scripts' doubles (an amount of 2^64 - 1 made them read a
+    /// full bucket's `reset_after` as a whole interval).
+    #[test]
+    fn an_interval_refill_larger_than_the_bucket_is_the_bucket() {
+        let huge = TokenBucket::intervally(10, u64::MAX, Duration::from_secs(60)).expect("valid");
+        let whole = TokenBucket::intervally(10, 10, Duration::from_secs(60)).expect("valid");
+        assert_eq!((huge.per_step(), huge.step_us()), (10, 60_000_000));
+        assert_eq!(huge.amount, u64::MAX);
+        let (mut a, mut b) = (huge.fresh(), whole.fresh());
+        for (dt, cost) in [
+            (0, 10),
+            (1, 1),
+            (60_000_000, 0),
+            (60_000_001, 10),
+            (60_000_002, 1),
+        ] {
+            let ctx = Ctx::new(T0 + dt, cost);
+            assert_eq!(
+                huge.check(&mut a, &ctx).decision,
+                whole.check(&mut b, &ctx).decision,
+                "{dt}"
+            );
+        }
+    }
+
+    /// A period finer than a microsecond is rounded up, not down: never more than asked for.
+    #[test]
+    fn sub_microsecond_intervals_round_up() {
+        let t = TokenBucket::new(1, 1, Duration::from_nanos(1_999)).expect("valid");
+        assert_eq!(t.step_us(), 2);
+    }
 
     #[test]
     fn a_state_ahead_of_the_clock_refills_from_then_or_reads_as_full() {
