@@ -323,11 +323,19 @@ impl Kind {
             },
             Kind::SlidingLog(a) => a.window_us(),
             Kind::SlidingWindow(a) => a.window_us(),
-            // In u128: capacity × interval can pass u64 (10,000,000 per 4 weeks).
-            Kind::TokenBucket(a) => u64::try_from(
-                u128::from(a.capacity()) * u128::from(a.interval_us()) / u128::from(a.amount()),
-            )
-            .unwrap_or(u64::MAX),
+            // In u128: capacity × interval can pass u64 (10,000,000 per 4 weeks). A refill at
+            // once of more than the bucket fills it in one interval, not a fraction of one.
+            Kind::TokenBucket(a) => {
+                let amount = if a.is_greedy() {
+                    a.amount()
+                } else {
+                    a.amount().min(a.capacity())
+                };
+                u64::try_from(
+                    u128::from(a.capacity()) * u128::from(a.interval_us()) / u128::from(amount),
+                )
+                .unwrap_or(u64::MAX)
+            }
             Kind::LeakyBucket(a) => a.unit_us() * a.capacity(),
             Kind::Gcra(a) => a.tolerance_us(),
             Kind::Shaper(a) => a.interval_us() * a.burst(),

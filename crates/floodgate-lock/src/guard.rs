@@ -46,6 +46,7 @@ impl<S: LockStore> Held<S> {
         // trusted past the store's expiry).
         let unknown = Unsettled {
             lease: &self.lease,
+            started,
             deadline: new_deadline,
         };
         let held = match tokio::time::timeout_at(
@@ -75,12 +76,13 @@ impl<S: LockStore> Held<S> {
 /// lease is good until the sooner of its deadline and the extension's.
 struct Unsettled<'a> {
     lease: &'a LeaseCell,
+    started: Instant,
     deadline: Instant,
 }
 
 impl Drop for Unsettled<'_> {
     fn drop(&mut self) {
-        self.lease.at_most(self.deadline);
+        self.lease.at_most(self.started, self.deadline);
     }
 }
 

@@ -75,10 +75,14 @@ impl LeaseCell {
         outcome
     }
 
-    /// Brings the deadline forward to `deadline` if that is sooner (an extension whose outcome
-    /// is unknown: it may have set a sooner expiry in the store).
-    pub(crate) fn at_most(&self, deadline: Instant) {
+    /// An extension that started at `started` and would have made the lease good until
+    /// `deadline` has an unknown outcome: it may have set that expiry in the store. The
+    /// deadline comes forward to it if it is sooner, and a renewal that started before this
+    /// one and answers later may have run before it in the store: it can no longer push the
+    /// deadline back (see [`LeaseCell::renewed`]).
+    pub(crate) fn at_most(&self, started: Instant, deadline: Instant) {
         self.tx.send_if_modified(|lease| {
+            lease.settled = lease.settled.max(started);
             if deadline >= lease.deadline {
                 return false;
             }
@@ -182,6 +186,24 @@ impl LeaseWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An extension with an unknown outcome (started at 10 s, for 2 s) brings the deadline
+    /// forward; a renewal that started before it (at 9.9 s, for 30 s) and answers after it
+    /// may have run first in the store: it does not push the deadline back.
+    #[tokio::test(start_paused = true)]
+    async fn an_unknown_extension_is_not_undone_by_an_earlier_renewal() {
+        let start = Instant::now();
+        let cell = LeaseCell::new(start + Duration::from_secs(60));
+        let ms = |n| start + Duration::from_millis(n);
+        cell.at_most(ms(10_000), ms(12_000));
+        assert_eq!(cell.get().deadline, ms(12_000));
+        tokio::time::advance(Duration::from_millis(10_300)).await;
+        assert!(cell.renewed(ms(9_900), ms(39_900)).is_ok());
+        assert_eq!(cell.get().deadline, ms(12_000));
+        // A renewal that started after it ran after it: its deadline stands.
+        assert!(cell.renewed(ms(10_300), ms(40_300)).is_ok());
+        assert_eq!(cell.get().deadline, ms(40_300));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn once_lost_the_lease_stays_lost() {

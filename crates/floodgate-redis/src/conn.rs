@@ -75,8 +75,15 @@ const LEAVE_DEMOTED_EVERY: Duration = Duration::from_secs(1);
 const SILENT_TIMEOUTS: u32 = 2;
 /// ...once it has been silent for this long at least (and two call timeouts).
 const SILENT_FOR: Duration = Duration::from_secs(1);
-/// How often, at most, a silent multiplexed connection is made again.
+/// How often, at most, a silent connection is made again: at first...
 const REPLACE_SILENT_EVERY: Duration = Duration::from_secs(1);
+/// ...then doubling while the silences go on, up to this.
+const REPLACE_SILENT_AT_MOST: Duration = Duration::from_secs(30);
+/// How often, at most, an answer looks for silences to forget.
+const SWEEP_SILENCES_EVERY: Duration = Duration::from_secs(1);
+/// A silence that has not grown for this long (no call timed out there, and none was
+/// answered: a slot with no calls) is forgotten.
+const FORGET_SILENCE_AFTER: Duration = Duration::from_secs(10);
 
 /// One script call for [`RedisConn::pipeline_scripts`].
 #[derive(Clone)]
@@ -265,13 +272,21 @@ struct SilenceState {
     silent: HashMap<Option<u16>, Silence>,
     /// When the connection was last made again (or tried) for going silent.
     replaced: Option<Instant>,
+    /// Connections made again (or tried) since the last time nothing was silent: each one
+    /// doubles the wait before the next ([`REPLACE_SILENT_EVERY`] up to
+    /// [`REPLACE_SILENT_AT_MOST`]), for a server or node hung for good (a master powered off,
+    /// until the cluster fails it over), which a new connection does not help.
+    replacements: u32,
+    /// When the silences that stopped growing were last forgotten.
+    swept: Option<Instant>,
 }
 
 /// Calls timing out with no answer between them.
-#[derive(Default)]
 struct Silence {
     /// When the first of them timed out.
-    since: Option<Instant>,
+    since: Instant,
+    /// When the last of them did.
+    last: Instant,
     /// How many did.
     timeouts: u32,
 }
@@ -283,7 +298,8 @@ impl Silences {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A call to `slot` was answered: it is not silent.
+    /// A call to `slot` was answered: it is not silent. Silences that have not grown for
+    /// [`FORGET_SILENCE_AFTER`] (a slot timed out once, then saw no call) are forgotten too.
     #[inline]
     fn answered(&self, slot: Option<u16>) {
         if !self.any.load(Ordering::Relaxed) {
@@ -291,7 +307,18 @@ impl Silences {
         }
         let mut state = self.state();
         state.silent.remove(&slot);
+        let now = Instant::now();
+        if state
+            .swept
+            .is_none_or(|at| now.duration_since(at) >= SWEEP_SILENCES_EVERY)
+        {
+            state.swept = Some(now);
+            state
+                .silent
+                .retain(|_, s| now.duration_since(s.last) < FORGET_SILENCE_AFTER);
+        }
         if state.silent.is_empty() {
+            state.replacements = 0;
             self.any.store(false, Ordering::Relaxed);
         }
     }
@@ -306,25 +333,58 @@ impl Silences {
     /// A call to `slot`, given `timeout`, timed out: how long nothing was answered there, when
     /// that is long enough for the connection to be made again now (it is then taken as made
     /// again): [`SILENT_TIMEOUTS`] calls at least, for [`SILENT_FOR`] and two call timeouts
-    /// at least, and not since [`REPLACE_SILENT_EVERY`].
+    /// at least, and not since [`REPLACE_SILENT_EVERY`] (doubled with each replacement while
+    /// silences go on).
     fn timed_out(&self, slot: Option<u16>, timeout: Duration) -> Option<Duration> {
-        self.any.store(true, Ordering::Relaxed);
         let now = Instant::now();
         let mut state = self.state();
-        let silence = state.silent.entry(slot).or_default();
+        // Set under the lock: an answer clearing it meanwhile would hide this silence.
+        self.any.store(true, Ordering::Relaxed);
+        let silence = state
+            .silent
+            .entry(slot)
+            .and_modify(|s| {
+                // A silence that stopped growing long ago (no call since) starts again.
+                if now.duration_since(s.last) >= FORGET_SILENCE_AFTER {
+                    *s = Silence {
+                        since: now,
+                        last: now,
+                        timeouts: 0,
+                    };
+                }
+            })
+            .or_insert(Silence {
+                since: now,
+                last: now,
+                timeouts: 0,
+            });
         silence.timeouts = silence.timeouts.saturating_add(1);
+        silence.last = now;
         // The first call that timed out was sent a call timeout before it timed out: nothing
         // has been answered since.
-        let silent_for = now.duration_since(*silence.since.get_or_insert(now)) + timeout;
-        if silence.timeouts < SILENT_TIMEOUTS
+        let silent_for = now.duration_since(silence.since) + timeout;
+        let timeouts = silence.timeouts;
+        // Replacements long ago belong to another silence: the wait starts short again.
+        if state
+            .replaced
+            .is_some_and(|at| now.duration_since(at) >= REPLACE_SILENT_AT_MOST * 2)
+        {
+            state.replacements = 0;
+        }
+        let replacements = state.replacements;
+        let wait = REPLACE_SILENT_EVERY
+            .saturating_mul(1 << replacements.min(8))
+            .min(REPLACE_SILENT_AT_MOST);
+        if timeouts < SILENT_TIMEOUTS
             || silent_for < SILENT_FOR.max(timeout * 2)
             || state
                 .replaced
-                .is_some_and(|at| now.duration_since(at) < REPLACE_SILENT_EVERY)
+                .is_some_and(|at| now.duration_since(at) < wait)
         {
             return None;
         }
         state.replaced = Some(now);
+        state.replacements = replacements.saturating_add(1);
         Some(silent_for)
     }
 }
@@ -975,15 +1035,17 @@ impl RedisConn {
     /// acknowledges what is sent, so neither redis-rs nor `TCP_USER_TIMEOUT` ever sees it
     /// fail). Once [`SILENT_TIMEOUTS`] have, and nothing was answered for [`SILENT_FOR`] and two
     /// call timeouts at least, a new connection is made, at most every
-    /// [`REPLACE_SILENT_EVERY`], within the connect timeout, and takes the old one's place once
-    /// it is up; calls under way finish (or time out) on the old one.
+    /// [`REPLACE_SILENT_EVERY`] (the wait doubling with each one while silences go on, up to
+    /// [`REPLACE_SILENT_AT_MOST`]), within the connect timeout, and takes the old one's place
+    /// once it is up; calls under way finish (or time out) on the old one.
     ///
     /// On a cluster the silence is a slot's (the calls to one node time out while the other
     /// nodes answer), and the whole cluster connection is made again: the cluster client keeps
     /// a connection to a node until it fails with an error, which a silent one never does.
     ///
-    /// A server that is only slow, or hung as a whole, costs a connection attempt a second
-    /// (one that does not come up leaves the old connection in place). When a slow one answers
+    /// A server (or cluster node) that is only slow, or hung as a whole, costs a connection
+    /// attempt after a second, two, four... then every 30 s (one that does not come up leaves
+    /// the old connection in place). When a slow one answers
     /// again, commands sent on the new connection may have run before those still queued on
     /// the old one: a lock released after its acquisition timed out may then be taken after
     /// all, and held until its lease ends, as when Redis cannot be reached to release it.
@@ -1704,6 +1766,62 @@ impl Drop for Pending<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A silence makes the connection again once it is long enough; another slot's answers do
+    /// not end it; the next replacement waits twice as long; an answer ends it all.
+    #[test]
+    fn silences_make_the_connection_again_backing_off() {
+        let s = Silences::default();
+        // Two call timeouts of 500 ms: a second, SILENT_FOR.
+        let t = Duration::from_millis(500);
+        assert!(s.timed_out(Some(1), t).is_none(), "one timeout");
+        std::thread::sleep(Duration::from_millis(550));
+        assert!(s.timed_out(Some(1), t).is_some(), "silent for a second");
+        s.answered(Some(2));
+        assert!(
+            s.any.load(Ordering::Relaxed),
+            "another slot's answer ended it"
+        );
+        std::thread::sleep(Duration::from_millis(1100));
+        assert!(
+            s.timed_out(Some(1), t).is_none(),
+            "replaced again within 2 s"
+        );
+        std::thread::sleep(Duration::from_millis(1000));
+        assert!(s.timed_out(Some(1), t).is_some(), "2 s after the last");
+        assert_eq!(s.state().replacements, 2);
+        s.answered(Some(1));
+        assert!(!s.any.load(Ordering::Relaxed));
+        assert_eq!(s.state().replacements, 0);
+    }
+
+    /// A slot that timed out once and then saw no call does not keep the answers of every
+    /// other slot on the lock, nor add to a silence much later.
+    #[test]
+    fn a_silence_that_stopped_growing_is_forgotten() {
+        let s = Silences::default();
+        let t = Duration::from_millis(100);
+        assert!(s.timed_out(Some(7), t).is_none());
+        let long_ago = Instant::now()
+            .checked_sub(FORGET_SILENCE_AFTER + Duration::from_secs(1))
+            .expect("an instant that long ago");
+        if let Some(silence) = s.state().silent.get_mut(&Some(7)) {
+            silence.since = long_ago;
+            silence.last = long_ago;
+        }
+        // A timeout now starts a new silence: not two timeouts over a long silence.
+        assert!(
+            s.timed_out(Some(7), t).is_none(),
+            "counted with the old one"
+        );
+        assert_eq!(s.state().silent.get(&Some(7)).map(|x| x.timeouts), Some(1));
+        if let Some(silence) = s.state().silent.get_mut(&Some(7)) {
+            silence.last = long_ago;
+        }
+        s.answered(Some(1));
+        assert!(s.state().silent.is_empty());
+        assert!(!s.any.load(Ordering::Relaxed));
+    }
 
     #[test]
     fn key_slot_matches_redis_rs() {

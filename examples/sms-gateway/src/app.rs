@@ -320,17 +320,20 @@ pub(crate) async fn refund<S: Shared>(app: &App<S>, checks: &[Check<'_>], verdic
     }
 }
 
-/// [`refund`] of every check but the first, the client's (see [`accept_sms`]).
+/// [`refund`] of every check but the first, the client's (see [`accept_sms`]): everything is
+/// given back, then the client's unit is spent again. Giving back all but the client's would
+/// leave a deny cache holding the denial it recorded for the whole check (the phone's last
+/// unit spent): the client's retry would be told to wait the phone's 30 minutes.
 async fn refund_all_but_the_client<S: Shared>(
     app: &App<S>,
     checks: &[Check<'_>],
     verdict: &Verdict,
 ) {
-    let rest = Verdict {
-        decisions: verdict.decisions.iter().skip(1).copied().collect(),
-        ..verdict.clone()
-    };
-    refund(app, checks.get(1..).unwrap_or_default(), &rest).await;
+    refund(app, checks, verdict).await;
+    // Denied (another request took the client's last unit meanwhile), it is spent all the same.
+    if let Err(e) = check(app, checks.get(..1).unwrap_or_default()).await {
+        tracing::warn!(error = %e.body(), "could not spend the client's unit of a message not sent");
+    }
 }
 
 async fn send_sms<S: Shared>(

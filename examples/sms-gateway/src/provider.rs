@@ -99,7 +99,8 @@ impl SmsProvider for FileProvider {
                 serde_json::to_vec(sms).map_err(|e| ProviderError::NotSent(e.to_string()))?;
             line.push(b'\n');
             let mut file = self.file.lock().await;
-            if self.torn.swap(false, Ordering::Relaxed) && ends_mid_line(&self.path).await {
+            // Cleared once a line is written: a reopening that fails keeps it for the next.
+            if self.torn.load(Ordering::Relaxed) && ends_mid_line(&self.path).await {
                 line.insert(0, b'\n');
             }
             if file.is_none() {
@@ -133,6 +134,7 @@ impl SmsProvider for FileProvider {
                         self.path.display()
                     )));
                 }
+                self.torn.store(false, Ordering::Relaxed);
             }
             tracing::info!(id = %sms.id, phone = %sms.phone, campaign = ?sms.campaign, "sms sent");
             Ok(())
@@ -147,8 +149,15 @@ async fn ends_mid_line(path: &Path) -> bool {
         f.seek(std::io::SeekFrom::End(-1)).await?;
         f.read_u8().await
     };
-    // Empty or unreadable: nothing to end.
-    last.await.is_ok_and(|b| b != b'\n')
+    // Empty (seeking before its start is refused) or gone: nothing to end. Otherwise
+    // unreadable: taken as torn (an empty line is better than two lines joined).
+    match last.await {
+        Ok(b) => b != b'\n',
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::InvalidInput | std::io::ErrorKind::NotFound
+        ),
+    }
 }
 
 /// POSTs every message as JSON to a URL (plain HTTP).

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use floodgate_testkit::RedisServer;
 use serde_json::json;
-use support::{Gateway, Http, SLOW_REFUSE, TAKE, sms, temp_dir, wait_campaign, webhook};
+use support::{Gateway, Http, REFUSE, SLOW_REFUSE, TAKE, sms, temp_dir, wait_campaign, webhook};
 
 fn pair(dir: &std::path::Path, redis: &RedisServer, env: &[(&str, &str)]) -> (Gateway, Gateway) {
     let url = redis.url();
@@ -419,6 +419,31 @@ async fn a_refund_on_one_replica_reaches_the_other() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    assert_eq!(taken.load(Ordering::SeqCst), 1);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// On Redis, behind the deny cache: a message the provider refused gives the phone's units
+/// back, and the same client's retry on the same replica goes out at once. The check that
+/// spent the phone's last unit had the cache hold a denial for the whole check; the refund
+/// must clear it, or the retry is told to wait the phone's 30 minutes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_provider_refusal_is_sent_on_the_same_replica() {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    let redis = RedisServer::start().expect("redis-server");
+    let mode = Arc::new(AtomicU8::new(REFUSE));
+    let (hook, taken) = webhook(Arc::clone(&mode)).await;
+    let dir = temp_dir("refund-same-replica");
+    let url = redis.url();
+    let gw = Gateway::start(&dir, "solo", &[("REDIS_URL", &url), ("WEBHOOK_URL", &hook)]);
+    let http = Http::new();
+    let phone = "+8613877777777";
+    let refused = http.post(&gw.url("/v1/sms"), &sms(phone, "hello")).await;
+    assert_eq!(refused.status, 502, "{}", refused.body);
+    assert_eq!(refused.body["error"]["code"], "provider_error");
+    mode.store(TAKE, Ordering::SeqCst);
+    let retried = http.post(&gw.url("/v1/sms"), &sms(phone, "hello")).await;
+    assert_eq!(retried.status, 202, "{}", retried.body);
     assert_eq!(taken.load(Ordering::SeqCst), 1);
     let _ = std::fs::remove_dir_all(dir);
 }

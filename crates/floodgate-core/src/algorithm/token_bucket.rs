@@ -231,6 +231,10 @@ mod tests {
         let whole = TokenBucket::intervally(10, 10, Duration::from_secs(60)).expect("valid");
         assert_eq!((huge.per_step(), huge.step_us()), (10, 60_000_000));
         assert_eq!(huge.amount, u64::MAX);
+        // Its quota window (the `w` of `RateLimit-Policy`) is the interval, as the bucket's.
+        let window = |b: TokenBucket| crate::policy::Kind::TokenBucket(b).window();
+        assert_eq!(window(huge), Some(Duration::from_secs(60)));
+        assert_eq!(window(huge), window(whole));
         let (mut a, mut b) = (huge.fresh(), whole.fresh());
         for (dt, cost) in [
             (0, 10),
