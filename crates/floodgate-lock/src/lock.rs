@@ -222,6 +222,8 @@ where
         let mut last_error: Option<Error>;
         let mut had_error = false;
         loop {
+            // Whether this waiter is behind others of its process in the lock's line.
+            let mut in_line = false;
             let wait = match self.attempt(&token).await {
                 Ok(Attempt::Acquired(guard)) => {
                     pending.disarm();
@@ -234,7 +236,8 @@ where
                     {
                         place = Some(queues.join(&self.name));
                     }
-                    if let Some(joined) = place.as_ref().filter(|p| !p.is_first()) {
+                    in_line = place.as_ref().is_some_and(|p| !p.is_first());
+                    if in_line {
                         // Behind this process's earlier waiters: only the first of them
                         // listens for the release, so that a release costs one attempt, not
                         // one per waiter. Our turn comes when they have left the line;
@@ -242,36 +245,14 @@ where
                         // notifications would (a first waiter whose caller stopped polling it
                         // must not hold the others up).
                         registered = None;
-                        let now = Instant::now();
-                        // The look just made was at the deadline or after it: the last.
-                        if now >= deadline {
-                            if !had_error {
-                                pending.disarm();
-                            }
-                            return Err(Error::Timeout {
-                                name: floodgate_redis::display_key(&self.name),
-                                waited: now - began,
-                            });
-                        }
-                        let poll = backoff.next().min(remaining.max(Duration::from_millis(1)));
-                        let wake = now.checked_add(poll).map_or(deadline, |t| t.min(deadline));
-                        tokio::select! {
-                            () = joined.first() => {
-                                // First in line: listen, then look again at once.
-                                registered = Some(self.store.released(&self.name));
-                            }
-                            () = tokio::time::sleep_until(wake) => {}
-                        }
-                        // Looks again, at the deadline at the latest.
-                        continue;
-                    }
-                    if registered.is_none() {
+                    } else if registered.is_none() {
                         // First sight of a holder (or first in line): listen for its release,
                         // then look again at once, so that a release in between is not missed.
                         registered = Some(self.store.released(&self.name));
                         continue;
                     }
-                    // Back when the holder's lease ends, if no release wakes us before.
+                    // Back when the holder's lease ends, if no release (in line: our turn)
+                    // wakes us before.
                     backoff.next().min(remaining.max(Duration::from_millis(1)))
                 }
                 Err(e) if e.is_transient() => {
@@ -307,6 +288,16 @@ where
                 }));
             }
             let wake = now.checked_add(wait).map_or(deadline, |t| t.min(deadline));
+            if let Some(joined) = place.as_ref().filter(|_| in_line) {
+                tokio::select! {
+                    () = joined.first() => {
+                        // First in line: listen, then look again at once.
+                        registered = Some(self.store.released(&self.name));
+                    }
+                    () = tokio::time::sleep_until(wake) => {}
+                }
+                continue;
+            }
             match registered.take() {
                 Some(released) => {
                     tokio::select! {

@@ -5,11 +5,12 @@
 
 mod support;
 
+use std::future::Future;
 use std::time::Duration;
 
 use floodgate_lock::{
-    Backoff, Error, Lock, LockAttempt, LockStore, MAX_LOCK_NAME, MAX_TTL, MemoryLocks, RedisLocks,
-    Redlock,
+    Backoff, Error, Lock, LockAttempt, LockGuard, LockStore, MAX_LOCK_NAME, MAX_TTL, MemoryLocks,
+    RedisLocks, Redlock,
 };
 use floodgate_redis::{RedisConfig, RedisConn};
 use support::{
@@ -870,6 +871,33 @@ where
     }
 }
 
+/// Takes `lock`, lines up behind it a first waiter whose caller then stops polling it (nor
+/// drops it), and a task waiting up to `wait` behind that one, and releases the lock: the
+/// stalled waiter (to drop at the end) and the task.
+async fn release_behind_a_stalled_first_waiter(
+    lock: &Lock<MemoryLocks>,
+    wait: Duration,
+) -> (
+    std::pin::Pin<Box<impl Future<Output = Result<LockGuard<MemoryLocks>, Error>> + '_>>,
+    tokio::task::JoinHandle<Result<LockGuard<MemoryLocks>, Error>>,
+) {
+    let holder = lock.try_acquire().await.expect("ok").expect("free");
+    let mut stalled = Box::pin(lock.acquire(Duration::from_secs(30)));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), &mut stalled)
+            .await
+            .is_err()
+    );
+    wait_for_line(lock, 1).await;
+    let behind = {
+        let lock = lock.clone();
+        tokio::spawn(async move { lock.acquire(wait).await })
+    };
+    wait_for_line(lock, 2).await;
+    holder.release().await.expect("release");
+    (stalled, behind)
+}
+
 /// A first waiter whose caller stops polling it (its future kept in a `select!` that waits
 /// on something else) does not hold up the waiters behind it: they look at the lock on their
 /// backoff, and take it once it is free.
@@ -881,21 +909,8 @@ fn a_first_waiter_nobody_polls_does_not_hold_the_line_up() {
         let lock = Lock::new(MemoryLocks::new(), "stalled", Duration::from_secs(40))
             .expect("valid")
             .backoff(quick);
-        let holder = lock.try_acquire().await.expect("ok").expect("free");
-        // First in line, then never polled again (nor dropped).
-        let mut stalled = Box::pin(lock.acquire(Duration::from_secs(30)));
-        assert!(
-            tokio::time::timeout(Duration::from_millis(100), &mut stalled)
-                .await
-                .is_err()
-        );
-        wait_for_line(&lock, 1).await;
-        let behind = {
-            let lock = lock.clone();
-            tokio::spawn(async move { lock.acquire(Duration::from_secs(10)).await })
-        };
-        wait_for_line(&lock, 2).await;
-        holder.release().await.expect("release");
+        let (stalled, behind) =
+            release_behind_a_stalled_first_waiter(&lock, Duration::from_secs(10)).await;
         let guard = tokio::time::timeout(Duration::from_secs(5), behind)
             .await
             .expect("taken on a poll, not at the deadline")
@@ -917,20 +932,8 @@ fn a_waiter_in_line_looks_once_more_at_its_deadline() {
         let lock = Lock::new(MemoryLocks::new(), "deadline-look", Duration::from_secs(40))
             .expect("valid")
             .backoff(slow);
-        let holder = lock.try_acquire().await.expect("ok").expect("free");
-        let mut stalled = Box::pin(lock.acquire(Duration::from_secs(30)));
-        assert!(
-            tokio::time::timeout(Duration::from_millis(100), &mut stalled)
-                .await
-                .is_err()
-        );
-        wait_for_line(&lock, 1).await;
-        let behind = {
-            let lock = lock.clone();
-            tokio::spawn(async move { lock.acquire(Duration::from_millis(600)).await })
-        };
-        wait_for_line(&lock, 2).await;
-        holder.release().await.expect("release");
+        let (stalled, behind) =
+            release_behind_a_stalled_first_waiter(&lock, Duration::from_millis(600)).await;
         let guard = behind
             .await
             .expect("task")

@@ -282,6 +282,7 @@ struct SilenceState {
 }
 
 /// Calls timing out with no answer between them.
+#[derive(Clone, Copy)]
 struct Silence {
     /// When the first of them timed out.
     since: Instant,
@@ -340,24 +341,16 @@ impl Silences {
         let mut state = self.state();
         // Set under the lock: an answer clearing it meanwhile would hide this silence.
         self.any.store(true, Ordering::Relaxed);
-        let silence = state
-            .silent
-            .entry(slot)
-            .and_modify(|s| {
-                // A silence that stopped growing long ago (no call since) starts again.
-                if now.duration_since(s.last) >= FORGET_SILENCE_AFTER {
-                    *s = Silence {
-                        since: now,
-                        last: now,
-                        timeouts: 0,
-                    };
-                }
-            })
-            .or_insert(Silence {
-                since: now,
-                last: now,
-                timeouts: 0,
-            });
+        let fresh = Silence {
+            since: now,
+            last: now,
+            timeouts: 0,
+        };
+        let silence = state.silent.entry(slot).or_insert(fresh);
+        // A silence that stopped growing long ago (no call since) starts again.
+        if now.duration_since(silence.last) >= FORGET_SILENCE_AFTER {
+            *silence = fresh;
+        }
         silence.timeouts = silence.timeouts.saturating_add(1);
         silence.last = now;
         // The first call that timed out was sent a call timeout before it timed out: nothing
@@ -1052,21 +1045,43 @@ impl RedisConn {
     ///
     /// A pool drops a connection whose call timed out by itself.
     fn after_timeout(&self, slot: Option<u16>) {
-        let (silences, runtime) = match self.inner.backend.get() {
-            Some(Backend::Multiplexed(m)) => (&m.silences, &m.runtime),
-            Some(Backend::Cluster(c)) => (&c.silences, &c.runtime),
-            _ => return,
-        };
-        let slot = slot.filter(|_| self.inner.kind == ConnectionKind::Cluster);
-        let Some(runtime) = runtime
+        match self.inner.backend.get() {
+            Some(Backend::Multiplexed(m)) => {
+                if let Some(runtime) = self.silent_too_long(&m.silences, &m.runtime, None) {
+                    let connect =
+                        ConnectionManager::new_with_config(m.client.clone(), m.config.clone());
+                    self.replace(runtime, m.connect_timeout, connect, |b| match b {
+                        Backend::Multiplexed(m) => Some((&m.current, &m.silences)),
+                        _ => None,
+                    });
+                }
+            }
+            Some(Backend::Cluster(c)) => {
+                if let Some(runtime) = self.silent_too_long(&c.silences, &c.runtime, slot) {
+                    let client = c.client.clone();
+                    let connect = async move { client.get_async_connection().await };
+                    self.replace(runtime, c.connect_timeout, connect, |b| match b {
+                        Backend::Cluster(c) => Some((&c.current, &c.silences)),
+                        _ => None,
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Counts a timeout of a call to `slot` in `silences`; when the connection is to be made
+    /// again now, the runtime to make it on (logged).
+    fn silent_too_long(
+        &self,
+        silences: &Silences,
+        runtime: &Option<tokio::runtime::Handle>,
+        slot: Option<u16>,
+    ) -> Option<tokio::runtime::Handle> {
+        let runtime = runtime
             .clone()
-            .or_else(|| tokio::runtime::Handle::try_current().ok())
-        else {
-            return;
-        };
-        let Some(silent_for) = silences.timed_out(slot, self.inner.timeout) else {
-            return;
-        };
+            .or_else(|| tokio::runtime::Handle::try_current().ok())?;
+        let silent_for = silences.timed_out(slot, self.inner.timeout)?;
         match slot {
             Some(slot) => tracing::warn!(
                 addr = %self.inner.addr,
@@ -1077,39 +1092,30 @@ impl RedisConn {
                 "no answer on the Redis connection for {silent_for:?}: connecting again"
             ),
         }
-        // Not kept alive by the attempt: dropped meanwhile, it needs no new connection.
+        Some(runtime)
+    }
+
+    /// Makes the connection again on `runtime` with `connect`, within `within`: once it is up,
+    /// it takes the place of the one `part` finds in the backend, and the silences end. The
+    /// attempt does not keep the connection alive: dropped meanwhile, it needs no new one.
+    fn replace<C: Send + Sync + 'static>(
+        &self,
+        runtime: tokio::runtime::Handle,
+        within: Duration,
+        connect: impl Future<Output = RedisResult<C>> + Send + 'static,
+        part: ReplaceablePart<C>,
+    ) {
         let inner = Arc::downgrade(&self.inner);
-        match self.inner.backend.get() {
-            Some(Backend::Multiplexed(m)) => {
-                let connect =
-                    ConnectionManager::new_with_config(m.client.clone(), m.config.clone());
-                let within = m.connect_timeout;
-                runtime.spawn(async move {
-                    let made = tokio::time::timeout(within, connect).await;
-                    if let Some(inner) = inner.upgrade()
-                        && let Some(Backend::Multiplexed(m)) = inner.backend.get()
-                        && let Some(new) = made_again(&inner.addr, made)
-                    {
-                        m.current.store(Arc::new(new));
-                        m.silences.end();
-                    }
-                });
+        runtime.spawn(async move {
+            let made = tokio::time::timeout(within, connect).await;
+            if let Some(inner) = inner.upgrade()
+                && let Some((current, silences)) = inner.backend.get().and_then(part)
+                && let Some(new) = made_again(&inner.addr, made)
+            {
+                current.store(Arc::new(new));
+                silences.end();
             }
-            Some(Backend::Cluster(c)) => {
-                let (client, within) = (c.client.clone(), c.connect_timeout);
-                runtime.spawn(async move {
-                    let made = tokio::time::timeout(within, client.get_async_connection()).await;
-                    if let Some(inner) = inner.upgrade()
-                        && let Some(Backend::Cluster(c)) = inner.backend.get()
-                        && let Some(new) = made_again(&inner.addr, made)
-                    {
-                        c.current.store(Arc::new(new));
-                        c.silences.end();
-                    }
-                });
-            }
-            _ => {}
-        }
+        });
     }
 
     /// Whether the circuit breaker is open or probing: Redis was unreachable just now.
@@ -1524,6 +1530,9 @@ fn due(last: &std::sync::Mutex<Option<Instant>>, every: Duration) -> bool {
     *last = Some(Instant::now());
     true
 }
+
+/// Where a backend keeps a connection made again for going silent, and its silences.
+type ReplaceablePart<C> = fn(&Backend) -> Option<(&ArcSwap<C>, &Silences)>;
 
 /// The connection made again for going silent (see `RedisConn::after_timeout`), or `None`
 /// (logged) when it did not come up within the connect timeout.
