@@ -174,7 +174,11 @@ pub fn router<S: Shared>(app: Arc<App<S>>) -> Result<Router, floodgate::tower::C
     let limited = Router::new()
         .route("/v1/campaigns", post(create_campaign::<S>))
         .route("/v1/campaigns/{id}", get(get_campaign::<S>))
-        .route("/v1/opt-outs", post(opt_out::<S>))
+        // An opt-out is one number: the small limit of a message, not a campaign's.
+        .route(
+            "/v1/opt-outs",
+            post(opt_out::<S>).layer(DefaultBodyLimit::max(MAX_SMS_BODY)),
+        )
         .layer(DefaultBodyLimit::max(MAX_CAMPAIGN_BODY))
         .layer(layer);
     Ok(Router::new()

@@ -79,6 +79,22 @@ pub struct Cli {
     /// each).
     #[arg(long, env = "MAX_PENDING_CAMPAIGNS")]
     pub max_pending_campaigns: Option<u64>,
+    /// The most client connections served at once; further ones wait in the listen queue
+    /// until one closes.
+    #[arg(long, env = "MAX_CONNECTIONS")]
+    pub max_connections: Option<u64>,
+    /// Time a client has to send a request's headers, and that an idle keep-alive connection
+    /// stays open (e.g. 10s).
+    #[arg(long, env = "HEADER_TIMEOUT")]
+    pub header_timeout: Option<String>,
+    /// Time a request has from its headers to its response, its body included (e.g. 30s):
+    /// past it the client gets 408.
+    #[arg(long, env = "REQUEST_TIMEOUT")]
+    pub request_timeout: Option<String>,
+    /// On SIGTERM, how long requests in progress may take to finish before their connections
+    /// are closed (e.g. 20s).
+    #[arg(long, env = "SHUTDOWN_GRACE")]
+    pub shutdown_grace: Option<String>,
 }
 
 /// The file form of the settings: every key optional.
@@ -102,6 +118,10 @@ struct FileConfig {
     redis_prefix: Option<String>,
     memory_max_keys: Option<u64>,
     max_pending_campaigns: Option<u64>,
+    max_connections: Option<u64>,
+    header_timeout: Option<String>,
+    request_timeout: Option<String>,
+    shutdown_grace: Option<String>,
 }
 
 /// The gateway's settings, validated.
@@ -126,6 +146,14 @@ pub struct Config {
     pub memory_max_keys: usize,
     /// The most campaigns pending at once.
     pub max_pending_campaigns: usize,
+    /// The most client connections served at once.
+    pub max_connections: usize,
+    /// Time to send a request's headers; an idle keep-alive connection's life.
+    pub header_timeout: Duration,
+    /// Time from a request's headers to its response.
+    pub request_timeout: Duration,
+    /// On SIGTERM, the longest wait for requests in progress.
+    pub shutdown_grace: Duration,
 }
 
 impl Default for Config {
@@ -148,6 +176,10 @@ impl Default for Config {
             redis_prefix: "sms".into(),
             memory_max_keys: floodgate::DEFAULT_MAX_KEYS,
             max_pending_campaigns: 100,
+            max_connections: 1024,
+            header_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(20),
         }
     }
 }
@@ -289,7 +321,44 @@ impl Config {
                 Some(n) => usize::try_from(n)
                     .map_err(|_| bad("max_pending_campaigns", format!("{n} is too large")))?,
             },
+            max_connections: match cli.max_connections.or(file.max_connections) {
+                None => d.max_connections,
+                Some(0) => return Err(bad("max_connections", "must be at least 1")),
+                // Each connection holds a socket: past this, the process' file limit is hit
+                // before the bound.
+                Some(n) if n > 1_000_000 => {
+                    return Err(bad("max_connections", "must be at most 1000000"));
+                }
+                Some(n) => usize::try_from(n)
+                    .map_err(|_| bad("max_connections", format!("{n} is too large")))?,
+            },
+            header_timeout: duration(
+                "header_timeout",
+                cli.header_timeout.or(file.header_timeout),
+                d.header_timeout,
+            )?,
+            request_timeout: duration(
+                "request_timeout",
+                cli.request_timeout.or(file.request_timeout),
+                d.request_timeout,
+            )?,
+            shutdown_grace: duration(
+                "shutdown_grace",
+                cli.shutdown_grace.or(file.shutdown_grace),
+                d.shutdown_grace,
+            )?,
         };
+        // Timers past a day are a mistake (a unit left out), and tokio's timer wheel takes
+        // at most about two years.
+        for (name, value) in [
+            ("header_timeout", config.header_timeout),
+            ("request_timeout", config.request_timeout),
+            ("shutdown_grace", config.shutdown_grace),
+        ] {
+            if value > Duration::from_secs(24 * 3600) {
+                return Err(bad(name, "must be at most 24h"));
+            }
+        }
         // Redis takes a TTL of at most 2^63 - 1 ms; a year is plenty for a report.
         if config.campaign_retention > Duration::from_secs(366 * 24 * 3600) {
             return Err(bad("campaign_retention", "must be at most 366d"));
@@ -344,6 +413,20 @@ mod tests {
         let err = Config::load(cli(&["--campaign-lease", "60d"])).expect_err("bad");
         assert_eq!(err.name, "campaign_lease");
         assert!(err.reason.contains("at most"), "{}", err.reason);
+        let err = Config::load(cli(&["--max-connections", "0"])).expect_err("bad");
+        assert_eq!(err.name, "max_connections");
+        let err = Config::load(cli(&["--header-timeout", "0s"])).expect_err("bad");
+        assert_eq!(err.name, "header_timeout");
+        let err = Config::load(cli(&["--request-timeout", "2d"])).expect_err("bad");
+        assert_eq!(err.name, "request_timeout");
+        let err = Config::load(cli(&["--shutdown-grace", "later"])).expect_err("bad");
+        assert_eq!(err.name, "shutdown_grace");
+        let config = Config::load(cli(&["--max-connections", "10", "--request-timeout", "5s"]))
+            .expect("valid");
+        assert_eq!(
+            (config.max_connections, config.request_timeout),
+            (10, Duration::from_secs(5))
+        );
     }
 
     #[test]

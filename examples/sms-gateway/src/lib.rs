@@ -9,4 +9,5 @@ pub mod dispatcher;
 pub mod error;
 pub mod phone;
 pub mod provider;
+pub mod server;
 pub mod shared;

@@ -1,4 +1,3 @@
-use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,6 +8,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sms_gateway::app::{App, Limits, router};
 use sms_gateway::config::{Cli, Config};
 use sms_gateway::provider::{FileProvider, SmsProvider, WebhookProvider};
+use sms_gateway::server::{ServeLimits, serve as serve_http};
 use sms_gateway::shared::{MemoryShared, RedisShared, Shared};
 use tokio::sync::{Notify, watch};
 
@@ -96,13 +96,8 @@ where
         "sms-gateway listening on http://{addr}"
     );
     println!("listening on http://{addr}");
-    axum::serve(
-        listener,
-        router.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown_signal())
-    .await
-    .map_err(|e| format!("server: {e}"))?;
+    let limits = ServeLimits::from_config(&app.config);
+    serve_http(listener, router, limits, shutdown_signal()).await;
     // Messages still being sent for clients that hung up: recorded before we go.
     if !app.sends.idle(Duration::from_secs(10)).await {
         tracing::warn!("stopping with messages still being sent");

@@ -67,6 +67,9 @@ async fn one_replica_in_memory_limits_validates_and_opts_out() {
     );
     let r = http.post(&gw.url("/v1/sms"), &huge).await;
     assert_eq!(r.status, 413, "{}", r.body);
+    // An opt-out is one number: not a campaign's 4 MiB.
+    let r = http.post(&gw.url("/v1/opt-outs"), &huge).await;
+    assert_eq!(r.status, 413, "{}", r.body);
     let r = http
         .send(
             "POST",
@@ -480,5 +483,165 @@ async fn campaigns_beyond_the_pending_bound_are_refused() {
         assert_eq!(got.status, 200, "{}", got.body);
         assert_eq!(got.body["total"], 300, "{}", got.body);
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Connects to `gw` with a read timeout.
+fn connect(gw: &Gateway, read_timeout: Duration) -> std::net::TcpStream {
+    let stream = std::net::TcpStream::connect(("127.0.0.1", gw.port)).expect("connect");
+    stream
+        .set_read_timeout(Some(read_timeout))
+        .expect("read timeout");
+    stream
+}
+
+/// Everything `stream` receives until the server closes it, and how long that took; a panic if
+/// it is still open after the stream's read timeout.
+fn read_until_closed(stream: &mut std::net::TcpStream) -> (String, Duration) {
+    use std::io::{ErrorKind, Read};
+    let started = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => break,
+            Err(e) => panic!(
+                "still open after {:?} ({e}); received {:?}",
+                started.elapsed(),
+                String::from_utf8_lossy(&got)
+            ),
+        }
+    }
+    (
+        String::from_utf8_lossy(&got).into_owned(),
+        started.elapsed(),
+    )
+}
+
+/// One `GET /healthz` on a kept-alive connection; its status line.
+fn healthz_on(stream: &mut std::net::TcpStream) -> String {
+    use std::io::{Read, Write};
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .expect("write");
+    let mut buf = [0u8; 4096];
+    let n = stream.read(&mut buf).expect("a reply");
+    let reply = String::from_utf8_lossy(&buf[..n]).into_owned();
+    reply.lines().next().unwrap_or_default().to_owned()
+}
+
+/// A client that never finishes its headers ("slowloris"), or leaves its connection idle, is
+/// cut off after the header timeout, instead of holding a connection for good.
+#[test]
+fn a_client_that_never_finishes_its_headers_is_cut_off() {
+    use std::io::Write;
+    let dir = temp_dir("slow-headers");
+    let gw = Gateway::start(&dir, "slow-headers", &[("HEADER_TIMEOUT", "300ms")]);
+    let mut slow = connect(&gw, Duration::from_secs(5));
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .expect("write");
+    let (got, after) = read_until_closed(&mut slow);
+    assert!(after < Duration::from_secs(3), "closed after {after:?}");
+    // Nothing, or hyper's 408: never the answer to a request it did not finish reading.
+    assert!(got.is_empty() || got.starts_with("HTTP/1.1 408"), "{got:?}");
+
+    let mut idle = connect(&gw, Duration::from_secs(5));
+    assert_eq!(healthz_on(&mut idle), "HTTP/1.1 200 OK");
+    let (got, after) = read_until_closed(&mut idle);
+    assert!(after < Duration::from_secs(3), "closed after {after:?}");
+    assert!(got.is_empty(), "{got:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A body that never ends gets 408 after the request timeout, and the connection is closed.
+#[test]
+fn a_request_whose_body_never_ends_gets_408() {
+    use std::io::Write;
+    let dir = temp_dir("slow-body");
+    let gw = Gateway::start(&dir, "slow-body", &[("REQUEST_TIMEOUT", "500ms")]);
+    let mut slow = connect(&gw, Duration::from_secs(10));
+    slow.write_all(
+        b"POST /v1/sms HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+          Content-Length: 100\r\n\r\n{\"phone\":",
+    )
+    .expect("write");
+    let (got, after) = read_until_closed(&mut slow);
+    assert!(got.starts_with("HTTP/1.1 408"), "{got:?}");
+    assert!(got.contains("request_timeout"), "{got:?}");
+    assert!(
+        after >= Duration::from_millis(400) && after < Duration::from_secs(5),
+        "answered after {after:?}"
+    );
+    assert!(gw.outbox_lines().is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Past the connection bound, the next client waits until a connection closes.
+#[test]
+fn connections_beyond_the_bound_wait_their_turn() {
+    use std::io::Write;
+    let dir = temp_dir("max-connections");
+    let gw = Gateway::start(&dir, "max-connections", &[("MAX_CONNECTIONS", "2")]);
+    // Two kept-alive connections, each answered: both are being served.
+    let mut first = connect(&gw, Duration::from_secs(5));
+    assert_eq!(healthz_on(&mut first), "HTTP/1.1 200 OK");
+    let mut second = connect(&gw, Duration::from_secs(5));
+    assert_eq!(healthz_on(&mut second), "HTTP/1.1 200 OK");
+    let mut third = connect(&gw, Duration::from_millis(700));
+    third
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        .expect("write");
+    let mut buf = [0u8; 64];
+    let waited = std::io::Read::read(&mut third, &mut buf);
+    assert!(
+        waited.as_ref().is_err_and(|e| matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        )),
+        "the third connection was served at once: {waited:?}"
+    );
+    drop(first);
+    third
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("read timeout");
+    let (got, _) = read_until_closed(&mut third);
+    assert!(got.starts_with("HTTP/1.1 200"), "{got:?}");
+    drop(second);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// SIGTERM lets a request in progress finish within the grace period, then closes it: a
+/// client that never sends its body cannot keep the process from stopping.
+#[test]
+fn shutdown_closes_requests_that_outlast_the_grace_period() {
+    use std::io::Write;
+    let dir = temp_dir("grace");
+    let mut gw = Gateway::start(
+        &dir,
+        "grace",
+        &[("SHUTDOWN_GRACE", "500ms"), ("REQUEST_TIMEOUT", "60s")],
+    );
+    let mut slow = connect(&gw, Duration::from_secs(10));
+    slow.write_all(
+        b"POST /v1/sms HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+          Content-Length: 100\r\n\r\n{\"phone\":",
+    )
+    .expect("write");
+    // An idle kept-alive connection does not hold shutdown up either.
+    let mut idle = connect(&gw, Duration::from_secs(5));
+    assert_eq!(healthz_on(&mut idle), "HTTP/1.1 200 OK");
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    let status = gw.terminate();
+    assert!(status.success(), "{status:?}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(400) && took < Duration::from_secs(4),
+        "stopped after {took:?}"
+    );
+    let (got, _) = read_until_closed(&mut slow);
+    assert!(!got.starts_with("HTTP/1.1 2"), "{got:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
