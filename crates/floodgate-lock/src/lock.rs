@@ -231,6 +231,12 @@ where
                 }
                 Ok(Attempt::Busy(remaining)) => {
                     last_error = None;
+                    // Nothing granted to give back. But a store of several nodes (Redlock)
+                    // answers "held" to a split vote too, after giving back what some nodes
+                    // granted, and its give-back to a node cooling off may still be on its
+                    // way: the next attempts draw a new token, which it cannot delete.
+                    token = Token::random()?;
+                    pending.rebind(&token);
                     if place.is_none()
                         && let Some(queues) = self.store.wait_queues()
                     {
@@ -418,6 +424,11 @@ impl<S: LockStore + Clone> PendingAttempt<S> {
     /// The attempts go on under `token`: the one before is given back in the background.
     fn replace(&mut self, token: &Token) {
         self.give_back();
+        self.rebind(token);
+    }
+
+    /// The attempts go on under `token`; the one before holds nothing to give back.
+    fn rebind(&mut self, token: &Token) {
         self.token = Some(token.clone());
     }
 

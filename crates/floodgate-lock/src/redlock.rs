@@ -403,20 +403,31 @@ impl Redlock {
         F: Fn(RedisLocks) -> Fut,
         Fut: Future<Output = Result<T, Error>> + 'a,
     {
-        let cooling: Vec<Option<Duration>> =
-            self.nodes.iter().map(|node| node.skipped_for()).collect();
-        let ready = cooling.iter().filter(|c| c.is_none()).count();
-        let skip = ready >= self.quorum;
-        join_all(self.nodes.iter().zip(cooling).map(|(node, cooling)| {
-            let op = &op;
-            async move {
-                if let Some(left) = cooling.filter(|_| skip) {
-                    return Err(node.down(left));
-                }
-                self.on_node(node, op).await
-            }
-        }))
+        join_all(
+            self.nodes
+                .iter()
+                .zip(self.skipped())
+                .map(|(node, skipped)| {
+                    let op = &op;
+                    async move {
+                        if let Some(left) = skipped {
+                            return Err(node.down(left));
+                        }
+                        self.on_node(node, op).await
+                    }
+                }),
+        )
         .await
+    }
+
+    /// For each node, how long it is skipped for: `Some` for a node cooling off, unless the
+    /// nodes not cooling off are too few for a quorum (then every node is asked).
+    fn skipped(&self) -> Vec<Option<Duration>> {
+        let mut cooling: Vec<Option<Duration>> = self.nodes.iter().map(Node::skipped_for).collect();
+        if cooling.iter().filter(|c| c.is_none()).count() < self.quorum {
+            cooling.fill(None);
+        }
+        cooling
     }
 
     /// `op` on one node, bounded by the node timeout; the outcome is recorded for its cool-off.
@@ -432,34 +443,43 @@ impl Redlock {
 
     /// Unlocks `name` on every node. A node cooling off after a failure may have granted the
     /// lock all the same (it answered too late), and would keep it for nobody for its whole
-    /// ttl: it is sent the unlock too, in the background, bounded by the node timeout, and
-    /// counts as failed, so that nobody waits on a dead node.
+    /// ttl. As in [`Redlock::on_all`], it is asked with the others when they are too few for
+    /// a quorum (else a release with a majority cooling off would be reported `NoQuorum`
+    /// while it released the lock); otherwise it is sent the unlock in the background, bounded
+    /// by the node timeout, and counts as failed, so that nobody waits on a dead node.
     async fn unlock_all(&self, name: &[u8], token: &[u8]) -> Vec<Result<bool, Error>> {
         let runtime = tokio::runtime::Handle::try_current().ok();
         let unlock = |locks: RedisLocks| async move { locks.unlock(name, token).await };
-        join_all(self.nodes.iter().enumerate().map(|(i, node)| {
-            let (runtime, unlock) = (runtime.clone(), &unlock);
-            async move {
-                let Some(left) = node.skipped_for() else {
-                    return self.on_node(node, unlock).await;
-                };
-                if let Some(runtime) = runtime {
-                    let (nodes, after) = (Arc::clone(&self.nodes), self.node_timeout);
-                    let (name, token) = (name.to_vec(), token.to_vec());
-                    runtime.spawn(async move {
-                        let unlock =
-                            |locks: RedisLocks| async move { locks.unlock(&name, &token).await };
-                        if let Err(e) = nodes[i].timed(after, unlock).await {
-                            tracing::debug!(
-                                error = %e,
-                                "unlocking a Redlock node that is cooling off failed"
-                            );
+        join_all(
+            self.nodes
+                .iter()
+                .zip(self.skipped())
+                .enumerate()
+                .map(|(i, (node, skipped))| {
+                    let (runtime, unlock) = (runtime.clone(), &unlock);
+                    async move {
+                        let Some(left) = skipped else {
+                            return self.on_node(node, unlock).await;
+                        };
+                        if let Some(runtime) = runtime {
+                            let (nodes, after) = (Arc::clone(&self.nodes), self.node_timeout);
+                            let (name, token) = (name.to_vec(), token.to_vec());
+                            runtime.spawn(async move {
+                                let unlock = |locks: RedisLocks| async move {
+                                    locks.unlock(&name, &token).await
+                                };
+                                if let Err(e) = nodes[i].timed(after, unlock).await {
+                                    tracing::debug!(
+                                        error = %e,
+                                        "unlocking a Redlock node that is cooling off failed"
+                                    );
+                                }
+                            });
                         }
-                    });
-                }
-                Err(node.down(left))
-            }
-        }))
+                        Err(node.down(left))
+                    }
+                }),
+        )
         .await
     }
 

@@ -943,12 +943,25 @@ fn a_waiter_in_line_looks_once_more_at_its_deadline() {
     });
 }
 
-/// The memory store, whose first grant's reply is lost (the lock taken, the caller told the
-/// store timed out), and which records the tokens of the attempts.
+/// The memory store, which records the tokens of the attempts, and whose first attempt goes
+/// wrong: its grant's reply is lost (the lock taken, the caller told the store timed out); or,
+/// with `split_first`, it is a Redlock split vote, answered "held" while the give-back of the
+/// one node cooling off is still on its way (it arrives 50 ms later).
 #[derive(Clone)]
 struct LosesFirstGrant {
     inner: MemoryLocks,
     tokens: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+    split_first: bool,
+}
+
+impl LosesFirstGrant {
+    fn new(split_first: bool) -> Self {
+        LosesFirstGrant {
+            inner: MemoryLocks::new(),
+            tokens: std::sync::Arc::default(),
+            split_first,
+        }
+    }
 }
 
 impl LockStore for LosesFirstGrant {
@@ -965,6 +978,16 @@ impl LockStore for LosesFirstGrant {
             tokens.push(token.to_vec());
             tokens.len() == 1
         };
+        if first && self.split_first {
+            let (inner, name, token) = (self.inner.clone(), name.to_vec(), token.to_vec());
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let _ = inner.unlock(&name, &token).await;
+            });
+            return Ok(LockAttempt::Held {
+                remaining: Duration::MAX,
+            });
+        }
         let attempt = self
             .inner
             .try_lock(name, token, ttl)
@@ -1020,10 +1043,7 @@ impl LockStore for LosesFirstGrant {
 #[test]
 fn after_a_failed_attempt_the_next_ones_use_a_new_token() {
     run(Duration::from_secs(20), async {
-        let store = LosesFirstGrant {
-            inner: MemoryLocks::new(),
-            tokens: std::sync::Arc::default(),
-        };
+        let store = LosesFirstGrant::new(false);
         let quick =
             Backoff::new(Duration::from_millis(5), Duration::from_millis(20)).expect("valid");
         let lock = Lock::new(store.clone(), "lost-reply", TTL)
@@ -1047,6 +1067,31 @@ fn after_a_failed_attempt_the_next_ones_use_a_new_token() {
                 .expect("unlock")
         );
         assert!(guard.verify().await.expect("verify") > Duration::ZERO);
+        guard.release().await.expect("release");
+    });
+}
+
+/// After a Redlock split vote (answered "held", with a give-back still on its way to a node
+/// cooling off), the next attempts use a new token: the late give-back cannot delete what they
+/// are granted, and the guard keeps the lock.
+#[test]
+fn after_a_split_vote_the_next_ones_use_a_new_token() {
+    run(Duration::from_secs(20), async {
+        let store = LosesFirstGrant::new(true);
+        let lock = Lock::new(store.clone(), "split-vote", TTL).expect("valid");
+        let guard = lock
+            .acquire(Duration::from_secs(5))
+            .await
+            .expect("acquired after the split vote");
+        // The first attempt's give-back arrives.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let tokens = store.tokens.lock().expect("tokens").clone();
+        assert!(tokens.len() >= 2, "{tokens:?}");
+        assert!(
+            tokens[1..].iter().all(|t| *t != tokens[0]),
+            "an attempt after the split vote reused its token"
+        );
+        assert!(guard.verify().await.expect("still ours") > Duration::ZERO);
         guard.release().await.expect("release");
     });
 }

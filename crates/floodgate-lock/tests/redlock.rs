@@ -360,6 +360,41 @@ fn a_node_that_cannot_answer_makes_a_renewal_undecided_not_lost() {
     });
 }
 
+/// A release while two of three nodes cool off (each timed out once) asks them all the same:
+/// the two that answer after all make a quorum, and the release is reported done. Passed over
+/// (unlocked in the background), they counted as failed and the release was `NoQuorum`.
+#[test]
+fn a_release_with_a_majority_cooling_off_asks_them_all() {
+    let servers = servers(3);
+    run(Duration::from_secs(60), async {
+        let redlock = redlock(&servers).await;
+        warm_up(&redlock).await;
+        let lock = Lock::new(redlock.clone(), "cooling", TTL).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        for i in [1, 2] {
+            servers.servers()[i].pause().expect("pause");
+        }
+        let e = guard.extend().await.expect_err("nodes 1 and 2 time out");
+        for i in [1, 2] {
+            servers.servers()[i].resume().expect("resume");
+        }
+        assert!(matches!(e, Error::NoQuorum { failed: 2, .. }), "{e}");
+        // At once, well inside both nodes' cool-off.
+        guard.release().await.expect("released on every node");
+        let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
+        let key = node.lock_key(b"cooling");
+        for server in servers.iter() {
+            let exists = server.cmd(&[&b"EXISTS"[..], &key]).expect("EXISTS");
+            assert_eq!(
+                exists,
+                floodgate_testkit::Resp::Int(0),
+                "still locked on {}",
+                server.url()
+            );
+        }
+    });
+}
+
 #[test]
 fn half_the_nodes_saying_not_ours_is_lost_even_when_the_others_fail() {
     let servers = servers(4);
