@@ -67,7 +67,8 @@ pub trait LockStore: Send + Sync + 'static {
         ttl: Duration,
     ) -> impl Future<Output = Result<bool, Self::Error>> + Send;
 
-    /// `token`'s remaining lease on `name`, or `None` when it does not hold it.
+    /// `token`'s remaining lease on `name`, or `None` when it does not hold it: as the store
+    /// counts it (the caller allows for the clock drift and the round trip).
     fn remaining(
         &self,
         name: &[u8],

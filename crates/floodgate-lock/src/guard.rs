@@ -209,25 +209,44 @@ impl<S: LockStore + Clone> LockGuard<S> {
         self.held.extend(ttl).await
     }
 
-    /// Asks the store how long our lease has left.
+    /// Asks the store how long our lease has left, and trusts it no longer than that from now
+    /// on: when the store's figure is shorter than what this process counted (the lock was
+    /// renewed to a shorter ttl elsewhere, the store's clock runs fast),
+    /// [`remaining`](LockGuard::remaining) and the watchdog go by the store's.
+    ///
+    /// Conservative, like [`remaining`](LockGuard::remaining): the store's figure is counted
+    /// from before the question was sent, minus the store's clock drift allowance
+    /// ([`LockStore::clock_drift`]).
     ///
     /// # Errors
-    /// [`Error::Lost`] if the store no longer holds the lock for us; a store error.
+    /// [`Error::Lost`] if the store no longer holds the lock for us, or holds it for less than
+    /// the time the question took and the drift allowance; a store error.
     pub async fn verify(&self) -> Result<Duration, Error>
     where
         Error: From<S::Error>,
     {
-        match self
-            .held
+        let held = &self.held;
+        let asked = Instant::now();
+        let Some(left) = held
             .store
-            .remaining(&self.held.name, self.held.token.as_bytes())
+            .remaining(&held.name, held.token.as_bytes())
             .await?
-        {
-            Some(left) => Ok(left),
-            None => {
-                self.held.lease.lose(LeaseLost::NotHeld);
-                Err(Error::lost(&self.held.name, LeaseLost::NotHeld))
-            }
+        else {
+            held.lease.lose(LeaseLost::NotHeld);
+            return Err(Error::lost(&held.name, LeaseLost::NotHeld));
+        };
+        let trusted = left.saturating_sub(held.store.clock_drift(left));
+        // A figure past the end of time (a corrupt TTL) brings nothing forward.
+        if let Some(deadline) = asked.checked_add(trusted) {
+            held.lease.verified(asked, deadline);
+        }
+        match held.lease.check() {
+            Some(reason) => Err(Error::lost(&held.name, reason)),
+            None => Ok(held
+                .lease
+                .get()
+                .deadline
+                .saturating_duration_since(Instant::now())),
         }
     }
 

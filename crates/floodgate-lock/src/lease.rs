@@ -81,13 +81,28 @@ impl LeaseCell {
     /// one and answers later may have run before it in the store: it can no longer push the
     /// deadline back (see [`LeaseCell::renewed`]).
     pub(crate) fn at_most(&self, started: Instant, deadline: Instant) {
+        self.bring_forward(started, deadline, true);
+    }
+
+    /// The store, asked at `started`, said the lease lasts until `deadline`: the deadline comes
+    /// forward to it if it is sooner, and renewals that started before can no longer push it
+    /// back. A later deadline changes nothing (renewals answering later stay trusted).
+    pub(crate) fn verified(&self, started: Instant, deadline: Instant) {
+        self.bring_forward(started, deadline, false);
+    }
+
+    /// The deadline at most `deadline`; renewals started before `started` ordered after it
+    /// when it came forward, or `always`.
+    fn bring_forward(&self, started: Instant, deadline: Instant, always: bool) {
         self.tx.send_if_modified(|lease| {
-            lease.settled = lease.settled.max(started);
-            if deadline >= lease.deadline {
-                return false;
+            let sooner = deadline < lease.deadline;
+            if sooner || always {
+                lease.settled = lease.settled.max(started);
             }
-            lease.deadline = deadline;
-            true
+            if sooner {
+                lease.deadline = deadline;
+            }
+            sooner
         });
     }
 

@@ -676,12 +676,10 @@ impl LockStore for Redlock {
         if left.len() < self.quorum {
             return Ok(None);
         }
-        // Held on a quorum for at least the quorum-th longest lease.
+        // Held on a quorum for at least the quorum-th longest lease (the guard allows for the
+        // clock drift, as for every store).
         left.sort_unstable_by(|a, b| b.cmp(a));
-        let quorum_left = left[self.quorum - 1];
-        Ok(Some(
-            quorum_left.saturating_sub(self.clock_drift(quorum_left)),
-        ))
+        Ok(Some(left[self.quorum - 1]))
     }
 
     fn released(&self, name: &[u8]) -> Released {

@@ -1095,3 +1095,36 @@ fn after_a_split_vote_the_next_ones_use_a_new_token() {
         guard.release().await.expect("release");
     });
 }
+
+/// `verify` goes by the store's figure when it is shorter than the lease this process counted
+/// (the lock renewed to a shorter ttl elsewhere, the server's clock running fast): counted from
+/// before the question, minus the drift allowance; `remaining()` follows it. A figure within
+/// the drift allowance is a lease lost.
+#[test]
+fn verify_trusts_the_stores_shorter_figure() {
+    let server = server();
+    run(Duration::from_secs(20), async {
+        let locks = redis_locks(&server.url()).await;
+        let lock = Lock::new(locks.clone(), "verified", TTL).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        assert!(guard.remaining() > TTL - Duration::from_secs(1));
+        let key = locks.lock_key(b"verified");
+        server
+            .cmd(&[&b"PEXPIRE"[..], &key, b"3000"])
+            .expect("PEXPIRE");
+        let left = guard.verify().await.expect("held");
+        // 3 s less the drift allowance (1% and 2 ms).
+        assert!(
+            left <= Duration::from_millis(3000 - 32) && left > Duration::from_millis(2000),
+            "{left:?}"
+        );
+        assert!(guard.remaining() <= left, "{:?}", guard.remaining());
+        server.cmd(&[&b"PEXPIRE"[..], &key, b"2"]).expect("PEXPIRE");
+        let e = guard
+            .verify()
+            .await
+            .expect_err("within the drift allowance");
+        assert!(e.is_lost(), "{e}");
+        assert!(guard.is_lost());
+    });
+}
