@@ -24,6 +24,7 @@ use crate::config::Config;
 use crate::error::ApiError;
 use crate::phone::{Phone, validate_text};
 use crate::provider::{OutboundSms, SmsProvider};
+use crate::server::BodyTimeout;
 use crate::shared::{Campaign, Idempotency, Shared, now_ms};
 
 /// The most bytes of a `POST /v1/sms` body.
@@ -204,6 +205,13 @@ pub fn router<S: Shared>(app: Arc<App<S>>) -> Result<Router, floodgate::tower::C
 /// A body read as bytes: oversized bodies are a JSON 413, not a plain-text one.
 fn body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|rejection| {
+        if let Some(timeout) = BodyTimeout::find(&rejection) {
+            return ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                timeout.to_string(),
+            );
+        }
         let status = rejection.status();
         let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
             "body_too_large"
@@ -394,44 +402,43 @@ async fn send_sms<S: Shared>(
             }
         }
     }
-    let answer = match idem {
-        None => accept_sms(&app, peer, &headers, &phone, text).await,
-        // With a key, accepting and recording run in a task of their own: a client that hangs
-        // up mid-send (hyper then drops this handler) must not leave the key "in progress".
-        Some(key) => {
-            let text = text.to_owned();
-            let in_flight = app.sends.enter();
-            let task = tokio::spawn(async move {
-                let _in_flight = in_flight;
-                let answer = accept_sms(&app, peer, &headers, &phone, &text).await;
-                // What a retry with this key gets: an accepted answer, or one whose message
-                // was perhaps sent; `None`: not accepted, the same key may be retried.
-                let stored = match &answer {
-                    Ok((_, body)) => Some(body.clone()),
-                    Err(refused) => refused
-                        .extensions()
-                        .get::<UnknownFate>()
-                        .map(|u| u.0.clone()),
-                };
-                let recorded = match stored {
-                    Some(stored) => app.shared.idempotency_finish(&key, &request, &stored).await,
-                    None => app.shared.idempotency_abort(&key).await,
-                };
-                if let Err(e) = recorded {
-                    tracing::warn!(error = %e, "could not record an idempotency key");
-                }
-                answer
-            });
-            task.await.map_err(|e| {
-                tracing::error!(error = %e, "the task sending an SMS failed");
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    "the message may or may not have been sent; retry with the same Idempotency-Key",
-                )
-            })?
+    // Accepting (and recording the key's answer) runs in a task of its own, which shutdown
+    // waits for: a client that hangs up mid-send (hyper then drops this handler) must not
+    // leave units spent for nothing, a message sent but not recorded, or a key "in progress".
+    let text = text.to_owned();
+    let in_flight = app.sends.enter();
+    let task = tokio::spawn(async move {
+        let _in_flight = in_flight;
+        let answer = accept_sms(&app, peer, &headers, &phone, &text).await;
+        let Some(key) = idem else {
+            return answer;
+        };
+        // What a retry with this key gets: an accepted answer, or one whose message was
+        // perhaps sent; `None`: not accepted, the same key may be retried.
+        let stored = match &answer {
+            Ok((_, body)) => Some(body.clone()),
+            Err(refused) => refused
+                .extensions()
+                .get::<UnknownFate>()
+                .map(|u| u.0.clone()),
+        };
+        let recorded = match stored {
+            Some(stored) => app.shared.idempotency_finish(&key, &request, &stored).await,
+            None => app.shared.idempotency_abort(&key).await,
+        };
+        if let Err(e) = recorded {
+            tracing::warn!(error = %e, "could not record an idempotency key");
         }
-    };
+        answer
+    });
+    let answer = task.await.map_err(|e| {
+        tracing::error!(error = %e, "the task sending an SMS failed");
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "the message may or may not have been sent; retry with the same Idempotency-Key",
+        )
+    })?;
     Ok(match answer {
         Ok((response, _)) => response,
         Err(refused) => refused,

@@ -80,17 +80,20 @@ pub struct Cli {
     #[arg(long, env = "MAX_PENDING_CAMPAIGNS")]
     pub max_pending_campaigns: Option<u64>,
     /// The most client connections served at once; further ones wait in the listen queue
-    /// until one closes.
+    /// until one closes. Keep it under the process' open-file limit (`ulimit -n`), which
+    /// Redis, the outbox and webhook calls share.
     #[arg(long, env = "MAX_CONNECTIONS")]
     pub max_connections: Option<u64>,
-    /// Time a client has to send a request's headers, and that an idle keep-alive connection
-    /// stays open (e.g. 10s).
+    /// Time a client has to send a request's headers, that an idle keep-alive connection stays
+    /// open, and that a response may wait for the client to read any of it (e.g. 75s). Behind
+    /// a proxy that keeps connections to the gateway, keep it longer than the proxy's idle
+    /// timeout (60s for nginx upstream keep-alive and AWS ALB).
     #[arg(long, env = "HEADER_TIMEOUT")]
     pub header_timeout: Option<String>,
-    /// Time a request has from its headers to its response, its body included (e.g. 30s):
-    /// past it the client gets 408.
-    #[arg(long, env = "REQUEST_TIMEOUT")]
-    pub request_timeout: Option<String>,
+    /// Time a client has to send a request's body, from its headers (e.g. 30s): past it the
+    /// client gets 408. Handlers are never cut off: what they do has bounds of its own.
+    #[arg(long, env = "BODY_TIMEOUT")]
+    pub body_timeout: Option<String>,
     /// On SIGTERM, how long requests in progress may take to finish before their connections
     /// are closed (e.g. 20s).
     #[arg(long, env = "SHUTDOWN_GRACE")]
@@ -120,7 +123,7 @@ struct FileConfig {
     max_pending_campaigns: Option<u64>,
     max_connections: Option<u64>,
     header_timeout: Option<String>,
-    request_timeout: Option<String>,
+    body_timeout: Option<String>,
     shutdown_grace: Option<String>,
 }
 
@@ -148,10 +151,11 @@ pub struct Config {
     pub max_pending_campaigns: usize,
     /// The most client connections served at once.
     pub max_connections: usize,
-    /// Time to send a request's headers; an idle keep-alive connection's life.
+    /// Time to send a request's headers; an idle keep-alive connection's life; the longest a
+    /// response waits for the client to read.
     pub header_timeout: Duration,
-    /// Time from a request's headers to its response.
-    pub request_timeout: Duration,
+    /// Time to send a request's body, from its headers.
+    pub body_timeout: Duration,
     /// On SIGTERM, the longest wait for requests in progress.
     pub shutdown_grace: Duration,
 }
@@ -176,10 +180,15 @@ impl Default for Config {
             redis_prefix: "sms".into(),
             memory_max_keys: floodgate::DEFAULT_MAX_KEYS,
             max_pending_campaigns: 100,
-            max_connections: 1024,
-            header_timeout: Duration::from_secs(10),
-            request_timeout: Duration::from_secs(30),
-            shutdown_grace: Duration::from_secs(20),
+            // Under the common soft limit of 1024 open files, with room for the rest.
+            max_connections: 512,
+            // Longer than the 60 s a proxy in front commonly keeps an idle connection: else
+            // it may send a request on a connection the gateway is closing.
+            header_timeout: Duration::from_secs(75),
+            body_timeout: Duration::from_secs(30),
+            // With the 10 s given to sends in progress after it, under the 30 s a container
+            // orchestrator commonly waits after SIGTERM before SIGKILL.
+            shutdown_grace: Duration::from_secs(15),
         }
     }
 }
@@ -337,10 +346,10 @@ impl Config {
                 cli.header_timeout.or(file.header_timeout),
                 d.header_timeout,
             )?,
-            request_timeout: duration(
-                "request_timeout",
-                cli.request_timeout.or(file.request_timeout),
-                d.request_timeout,
+            body_timeout: duration(
+                "body_timeout",
+                cli.body_timeout.or(file.body_timeout),
+                d.body_timeout,
             )?,
             shutdown_grace: duration(
                 "shutdown_grace",
@@ -352,7 +361,7 @@ impl Config {
         // at most about two years.
         for (name, value) in [
             ("header_timeout", config.header_timeout),
-            ("request_timeout", config.request_timeout),
+            ("body_timeout", config.body_timeout),
             ("shutdown_grace", config.shutdown_grace),
         ] {
             if value > Duration::from_secs(24 * 3600) {
@@ -417,14 +426,14 @@ mod tests {
         assert_eq!(err.name, "max_connections");
         let err = Config::load(cli(&["--header-timeout", "0s"])).expect_err("bad");
         assert_eq!(err.name, "header_timeout");
-        let err = Config::load(cli(&["--request-timeout", "2d"])).expect_err("bad");
-        assert_eq!(err.name, "request_timeout");
+        let err = Config::load(cli(&["--body-timeout", "2d"])).expect_err("bad");
+        assert_eq!(err.name, "body_timeout");
         let err = Config::load(cli(&["--shutdown-grace", "later"])).expect_err("bad");
         assert_eq!(err.name, "shutdown_grace");
-        let config = Config::load(cli(&["--max-connections", "10", "--request-timeout", "5s"]))
-            .expect("valid");
+        let config =
+            Config::load(cli(&["--max-connections", "10", "--body-timeout", "5s"])).expect("valid");
         assert_eq!(
-            (config.max_connections, config.request_timeout),
+            (config.max_connections, config.body_timeout),
             (10, Duration::from_secs(5))
         );
     }

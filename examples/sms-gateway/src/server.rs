@@ -3,45 +3,53 @@
 //!
 //! - At most [`ServeLimits::max_connections`] connections at once: the next client waits in
 //!   the listen queue until one closes, instead of costing a socket and a task each.
-//! - A client has [`ServeLimits::header_timeout`] to send a request's headers, and an idle
-//!   keep-alive connection is closed after as long: a client trickling bytes ("slowloris")
-//!   holds a connection for that long at most.
-//! - A request has [`ServeLimits::request_timeout`] from its headers to its response, its body
-//!   included: a body that never ends gets `408` and the connection is closed.
+//! - A client has [`ServeLimits::header_timeout`] to send a request's headers, an idle
+//!   keep-alive connection is closed after as long, and so is a connection whose client has
+//!   read nothing of a response for as long (it pipelined requests and stopped reading): a
+//!   client trickling bytes, or one that never reads, holds a connection for that long at most.
+//! - A client has [`ServeLimits::body_timeout`] from a request's headers to the end of its
+//!   body: past it, reading the body fails with [`BodyTimeout`], which the handlers answer
+//!   with `408`, and the connection is closed. Handlers are never cut off by the server (what
+//!   they do has bounds of its own): cut off, a message could be sent while the client is told
+//!   its request did not complete.
 //! - On shutdown, connections stop being accepted, idle ones are closed at once, and requests
 //!   in progress have [`ServeLimits::shutdown_grace`] to finish; what is still open then is
-//!   closed. A message being sent when its request is cut off is still recorded: sends run in
-//!   tasks of their own (see `App::sends`).
+//!   closed. Messages being sent go on in tasks of their own (see `App::sends`).
 
-use std::convert::Infallible;
 use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
+use axum::body::Body;
 use axum::extract::ConnectInfo;
-use axum::response::{IntoResponse, Response};
-use http::{HeaderValue, StatusCode, header};
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
+use tokio::time::Sleep;
 use tower::ServiceExt;
 
 use crate::config::Config;
-use crate::error::ApiError;
 
 /// How the server bounds its clients.
 #[derive(Clone, Copy, Debug)]
 pub struct ServeLimits {
     /// The most connections served at once.
     pub max_connections: usize,
-    /// Time to send a request's headers; the life of an idle keep-alive connection.
+    /// Time to send a request's headers; the life of an idle keep-alive connection; the
+    /// longest a response waits for the client to read any of it.
     pub header_timeout: Duration,
-    /// Time from a request's headers to its response.
-    pub request_timeout: Duration,
+    /// Time to send a request's body, from its headers.
+    pub body_timeout: Duration,
     /// On shutdown, the longest wait for requests in progress.
     pub shutdown_grace: Duration,
 }
@@ -51,7 +59,7 @@ impl ServeLimits {
         ServeLimits {
             max_connections: c.max_connections,
             header_timeout: c.header_timeout,
-            request_timeout: c.request_timeout,
+            body_timeout: c.body_timeout,
             shutdown_grace: c.shutdown_grace,
         }
     }
@@ -85,11 +93,18 @@ pub async fn serve(
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
+                // The client gave up before it was accepted: the next one.
+                Err(e) if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionAborted
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionRefused
+                ) => continue,
                 Err(e) => {
-                    // Out of file descriptors, or a connection reset before it was accepted:
-                    // a pause keeps the former from spinning.
+                    // Out of file descriptors or memory: a pause (and a line a second at
+                    // most) until connections close.
                     tracing::warn!(error = %e, "cannot accept a connection");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
                     continue;
                 }
             },
@@ -132,24 +147,17 @@ async fn connection(
     mut stopped: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
-    let service = hyper::service::service_fn(move |mut request: http::Request<Incoming>| {
+    let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
+        let mut request = request.map(|body| Body::new(Deadline::new(body, limits.body_timeout)));
         request.extensions_mut().insert(ConnectInfo(peer));
-        let response = router.clone().oneshot(request);
-        async move {
-            Ok::<Response, Infallible>(
-                match tokio::time::timeout(limits.request_timeout, response).await {
-                    Ok(Ok(response)) => response,
-                    Ok(Err(never)) => match never {},
-                    Err(_) => request_timed_out(limits.request_timeout),
-                },
-            )
-        }
+        router.clone().oneshot(request)
     });
+    let io = TokioIo::new(WriteStall::new(stream, limits.header_timeout));
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
-    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
     let served = tokio::select! {
         served = conn.as_mut() => Some(served),
@@ -167,16 +175,160 @@ async fn connection(
     }
 }
 
-/// `408`, closing the connection: what is left of the request's body is not read.
-fn request_timed_out(after: Duration) -> Response {
-    let mut response = ApiError::new(
-        StatusCode::REQUEST_TIMEOUT,
-        "request_timeout",
-        format!("the request did not complete within {after:?}"),
-    )
-    .into_response();
-    response
-        .headers_mut()
-        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-    response
+/// Reading a request's body failed: it did not end in time.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not complete within {0:?}")]
+pub struct BodyTimeout(pub Duration);
+
+impl BodyTimeout {
+    /// The timeout among the causes of `error`, if it is one.
+    pub fn find<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a BodyTimeout> {
+        let mut cause = Some(error);
+        while let Some(e) = cause {
+            if let Some(timeout) = e.downcast_ref::<BodyTimeout>() {
+                return Some(timeout);
+            }
+            cause = e.source();
+        }
+        None
+    }
+}
+
+/// A request body that fails with [`BodyTimeout`] when it has not ended `limit` after the
+/// request's headers. The timer is made at the first read: a request whose body nobody reads
+/// costs none.
+struct Deadline {
+    body: Incoming,
+    limit: Duration,
+    started: tokio::time::Instant,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl Deadline {
+    fn new(body: Incoming, limit: Duration) -> Self {
+        Deadline {
+            body,
+            limit,
+            started: tokio::time::Instant::now(),
+            timer: None,
+        }
+    }
+}
+
+impl http_body::Body for Deadline {
+    type Data = Bytes;
+    type Error = axum::BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        let (started, limit) = (self.started, self.limit);
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(started + limit)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyTimeout(limit))))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// A connection whose writes fail once they have made no progress for `limit`: a client that
+/// sent requests and stopped reading the responses (its receive window full) does not hold
+/// its connection, nor its place among the bounded connections, for good.
+struct WriteStall {
+    io: TcpStream,
+    limit: Duration,
+    /// Running while a write waits.
+    stalled: Option<Pin<Box<Sleep>>>,
+}
+
+impl WriteStall {
+    fn new(io: TcpStream, limit: Duration) -> Self {
+        WriteStall {
+            io,
+            limit,
+            stalled: None,
+        }
+    }
+
+    /// `polled`, a write's outcome, with the stall timer started when it waits and stopped
+    /// when it makes progress.
+    fn timed<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let limit = self.limit;
+        let timer = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client read nothing for {limit:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncRead for WriteStall {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for WriteStall {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.timed(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.timed(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.io).poll_flush(cx);
+        self.timed(cx, polled)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.io).poll_shutdown(cx);
+        self.timed(cx, polled)
+    }
 }

@@ -555,27 +555,81 @@ fn a_client_that_never_finishes_its_headers_is_cut_off() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// A body that never ends gets 408 after the request timeout, and the connection is closed.
+/// A body that never ends gets 408 after the body timeout, and the connection is closed.
 #[test]
 fn a_request_whose_body_never_ends_gets_408() {
     use std::io::Write;
     let dir = temp_dir("slow-body");
-    let gw = Gateway::start(&dir, "slow-body", &[("REQUEST_TIMEOUT", "500ms")]);
+    let gw = Gateway::start(&dir, "slow-body", &[("BODY_TIMEOUT", "500ms")]);
     let mut slow = connect(&gw, Duration::from_secs(10));
+    let started = Instant::now();
     slow.write_all(
         b"POST /v1/sms HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
           Content-Length: 100\r\n\r\n{\"phone\":",
     )
     .expect("write");
-    let (got, after) = read_until_closed(&mut slow);
+    let (got, _) = read_until_closed(&mut slow);
+    let after = started.elapsed();
     assert!(got.starts_with("HTTP/1.1 408"), "{got:?}");
     assert!(got.contains("request_timeout"), "{got:?}");
     assert!(
-        after >= Duration::from_millis(400) && after < Duration::from_secs(5),
+        after >= Duration::from_millis(500) && after < Duration::from_secs(5),
         "answered after {after:?}"
     );
     assert!(gw.outbox_lines().is_empty());
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A client that sends requests and never reads the responses does not hold its connection
+/// (nor its place among the bounded connections) for good: once the responses have waited the
+/// header timeout for it to read, the connection is closed and the next client is served.
+#[test]
+fn a_client_that_never_reads_gives_its_connection_up() {
+    use std::io::Write;
+    let dir = temp_dir("never-reads");
+    let gw = Gateway::start(
+        &dir,
+        "never-reads",
+        &[("MAX_CONNECTIONS", "1"), ("HEADER_TIMEOUT", "1s")],
+    );
+    let sock = socket2_free_recv_buffer(&gw);
+    // 20,000 pipelined requests, megabytes of answers nobody reads: they fill the buffers.
+    let writer = std::thread::spawn(move || {
+        let mut sock = sock;
+        let request = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+        for _ in 0..20_000 {
+            if sock.write_all(request).is_err() {
+                break;
+            }
+        }
+        sock
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let mut next = connect(&gw, Duration::from_secs(10));
+    let started = Instant::now();
+    assert_eq!(healthz_on(&mut next), "HTTP/1.1 200 OK");
+    assert!(started.elapsed() < Duration::from_secs(8));
+    drop(writer.join().expect("writer"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A connection to `gw` whose receive buffer is as small as the kernel allows.
+fn socket2_free_recv_buffer(gw: &Gateway) -> std::net::TcpStream {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(1024).expect("SO_RCVBUF");
+        let stream = socket
+            .connect(([127, 0, 0, 1], gw.port).into())
+            .await
+            .expect("connect");
+        let stream = stream.into_std().expect("std stream");
+        stream.set_nonblocking(false).expect("blocking");
+        stream
+    })
 }
 
 /// Past the connection bound, the next client waits until a connection closes.
@@ -613,7 +667,8 @@ fn connections_beyond_the_bound_wait_their_turn() {
 }
 
 /// SIGTERM lets a request in progress finish within the grace period, then closes it: a
-/// client that never sends its body cannot keep the process from stopping.
+/// client that never sends its body cannot keep the process from stopping. An idle kept-alive
+/// connection is closed at once.
 #[test]
 fn shutdown_closes_requests_that_outlast_the_grace_period() {
     use std::io::Write;
@@ -621,27 +676,48 @@ fn shutdown_closes_requests_that_outlast_the_grace_period() {
     let mut gw = Gateway::start(
         &dir,
         "grace",
-        &[("SHUTDOWN_GRACE", "500ms"), ("REQUEST_TIMEOUT", "60s")],
+        &[("SHUTDOWN_GRACE", "1s"), ("BODY_TIMEOUT", "60s")],
     );
+    let partial = b"POST /v1/sms HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
+          Content-Length: 40\r\n\r\n{\"phone\":";
     let mut slow = connect(&gw, Duration::from_secs(10));
-    slow.write_all(
-        b"POST /v1/sms HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
-          Content-Length: 100\r\n\r\n{\"phone\":",
-    )
-    .expect("write");
-    // An idle kept-alive connection does not hold shutdown up either.
+    slow.write_all(partial).expect("write");
+    // This one's body ends within the grace period: it is answered.
+    let mut finishing = connect(&gw, Duration::from_secs(10));
+    finishing.write_all(partial).expect("write");
     let mut idle = connect(&gw, Duration::from_secs(5));
     assert_eq!(healthz_on(&mut idle), "HTTP/1.1 200 OK");
     std::thread::sleep(Duration::from_millis(200));
+    let idle_closed = std::thread::spawn(move || {
+        let started = Instant::now();
+        let (got, _) = read_until_closed(&mut idle);
+        (got, started.elapsed())
+    });
     let started = Instant::now();
+    let finish = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        finishing
+            .write_all(b"\"+8613812345678\",\"text\":\"late\"}")
+            .expect("the rest of the body");
+        read_until_closed(&mut finishing).0
+    });
     let status = gw.terminate();
     assert!(status.success(), "{status:?}");
     let took = started.elapsed();
     assert!(
-        took >= Duration::from_millis(400) && took < Duration::from_secs(4),
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
         "stopped after {took:?}"
     );
+    let (got, idle_after) = idle_closed.join().expect("idle");
+    assert!(got.is_empty(), "{got:?}");
+    assert!(
+        idle_after < Duration::from_millis(900),
+        "idle closed after {idle_after:?}"
+    );
+    let answered = finish.join().expect("finishing");
+    assert!(answered.starts_with("HTTP/1.1 202"), "{answered:?}");
     let (got, _) = read_until_closed(&mut slow);
     assert!(!got.starts_with("HTTP/1.1 2"), "{got:?}");
+    assert_eq!(gw.outbox_lines().len(), 1);
     let _ = std::fs::remove_dir_all(dir);
 }
