@@ -443,17 +443,29 @@ impl Redlock {
 
     /// Unlocks `name` on every node. A node cooling off after a failure may have granted the
     /// lock all the same (it answered too late), and would keep it for nobody for its whole
-    /// ttl. As in [`Redlock::on_all`], it is asked with the others when they are too few for
-    /// a quorum (else a release with a majority cooling off would be reported `NoQuorum`
-    /// while it released the lock); otherwise it is sent the unlock in the background, bounded
-    /// by the node timeout, and counts as failed, so that nobody waits on a dead node.
-    async fn unlock_all(&self, name: &[u8], token: &[u8]) -> Vec<Result<bool, Error>> {
+    /// ttl. When the answer is `reported` (a release), it is asked with the others as in
+    /// [`Redlock::on_all`] if they are too few for a quorum: else a release with a majority
+    /// cooling off would be reported `NoQuorum` while it released the lock. Otherwise (and
+    /// always for a failed attempt's clean-up, whose answer nobody reads) it is sent the
+    /// unlock in the background, bounded by the node timeout, and counts as failed, so that
+    /// nobody waits on a dead node.
+    async fn unlock_all(
+        &self,
+        name: &[u8],
+        token: &[u8],
+        reported: bool,
+    ) -> Vec<Result<bool, Error>> {
         let runtime = tokio::runtime::Handle::try_current().ok();
         let unlock = |locks: RedisLocks| async move { locks.unlock(name, token).await };
+        let skipped = if reported {
+            self.skipped()
+        } else {
+            self.nodes.iter().map(Node::skipped_for).collect()
+        };
         join_all(
             self.nodes
                 .iter()
-                .zip(self.skipped())
+                .zip(skipped)
                 .enumerate()
                 .map(|(i, (node, skipped))| {
                     let (runtime, unlock) = (runtime.clone(), &unlock);
@@ -547,7 +559,7 @@ impl Redlock {
 
     /// Releases on every node, ignoring errors (a failed acquisition's clean-up).
     async fn release_everywhere(&self, name: &[u8], token: &[u8]) {
-        let _ = self.unlock_all(name, token).await;
+        let _ = self.unlock_all(name, token, false).await;
     }
 }
 
@@ -642,7 +654,7 @@ impl LockStore for Redlock {
     }
 
     async fn unlock(&self, name: &[u8], token: &[u8]) -> Result<bool, Error> {
-        let results = self.unlock_all(name, token).await;
+        let results = self.unlock_all(name, token, true).await;
         let released = self
             .settle(results, |r| *r)?
             .iter()

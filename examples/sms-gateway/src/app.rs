@@ -405,7 +405,7 @@ async fn send_sms<S: Shared>(
     // Accepting (and recording the key's answer) runs in a task of its own, which shutdown
     // waits for: a client that hangs up mid-send (hyper then drops this handler) must not
     // leave units spent for nothing, a message sent but not recorded, or a key "in progress".
-    let text = text.to_owned();
+    let (text, keyed) = (text.to_owned(), idem.is_some());
     let in_flight = app.sends.enter();
     let task = tokio::spawn(async move {
         let _in_flight = in_flight;
@@ -436,7 +436,11 @@ async fn send_sms<S: Shared>(
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
-            "the message may or may not have been sent; retry with the same Idempotency-Key",
+            if keyed {
+                "the message may or may not have been sent; retry with the same Idempotency-Key"
+            } else {
+                "the message may or may not have been sent"
+            },
         )
     })?;
     Ok(match answer {

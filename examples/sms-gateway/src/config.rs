@@ -91,7 +91,8 @@ pub struct Cli {
     #[arg(long, env = "HEADER_TIMEOUT")]
     pub header_timeout: Option<String>,
     /// Time a client has to send a request's body, from its headers (e.g. 30s): past it the
-    /// client gets 408. Handlers are never cut off: what they do has bounds of its own.
+    /// client gets 408. The timeout does not cut handlers off: what they do has bounds of its
+    /// own.
     #[arg(long, env = "BODY_TIMEOUT")]
     pub body_timeout: Option<String>,
     /// On SIGTERM, how long requests in progress may take to finish before their connections

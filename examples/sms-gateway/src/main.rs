@@ -97,7 +97,12 @@ where
     );
     println!("listening on http://{addr}");
     let limits = ServeLimits::from_config(&app.config);
-    serve_http(listener, router, limits, shutdown_signal()).await;
+    // The dispatcher stops at the signal, its last number sent while requests finish.
+    let signal = async {
+        shutdown_signal().await;
+        let _ = stop.send(true);
+    };
+    serve_http(listener, router, limits, signal).await;
     // Messages still being sent for clients that hung up: recorded before we go.
     if !app.sends.idle(Duration::from_secs(10)).await {
         tracing::warn!("stopping with messages still being sent");

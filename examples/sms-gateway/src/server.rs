@@ -9,12 +9,13 @@
 //!   client trickling bytes, or one that never reads, holds a connection for that long at most.
 //! - A client has [`ServeLimits::body_timeout`] from a request's headers to the end of its
 //!   body: past it, reading the body fails with [`BodyTimeout`], which the handlers answer
-//!   with `408`, and the connection is closed. Handlers are never cut off by the server (what
+//!   with `408`, and the connection is closed. The timeout does not cut handlers off (what
 //!   they do has bounds of its own): cut off, a message could be sent while the client is told
 //!   its request did not complete.
 //! - On shutdown, connections stop being accepted, idle ones are closed at once, and requests
 //!   in progress have [`ServeLimits::shutdown_grace`] to finish; what is still open then is
-//!   closed. Messages being sent go on in tasks of their own (see `App::sends`).
+//!   closed, and their handlers with them, but messages being sent go on in tasks of their
+//!   own (see `App::sends`), which shutdown waits for next.
 
 use std::future::Future;
 use std::io;
@@ -104,8 +105,11 @@ pub async fn serve(
                     // Out of file descriptors or memory: a pause (and a line a second at
                     // most) until connections close.
                     tracing::warn!(error = %e, "cannot accept a connection");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    continue;
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => break,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                    }
                 }
             },
         };
@@ -223,13 +227,17 @@ impl http_body::Body for Deadline {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let (deadline, limit) = (self.started + self.limit, self.limit);
+        // Strict: a body whose bytes are always ready is cut off at the deadline too.
+        if tokio::time::Instant::now() >= deadline {
+            return Poll::Ready(Some(Err(Box::new(BodyTimeout(limit)))));
+        }
         if let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(cx) {
             return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
         }
-        let (started, limit) = (self.started, self.limit);
         let timer = self
             .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(started + limit)));
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         match timer.as_mut().poll(cx) {
             Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyTimeout(limit))))),
             Poll::Pending => Poll::Pending,

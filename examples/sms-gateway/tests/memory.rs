@@ -676,7 +676,7 @@ fn shutdown_closes_requests_that_outlast_the_grace_period() {
     let mut gw = Gateway::start(
         &dir,
         "grace",
-        &[("SHUTDOWN_GRACE", "1s"), ("BODY_TIMEOUT", "60s")],
+        &[("SHUTDOWN_GRACE", "3s"), ("BODY_TIMEOUT", "60s")],
     );
     let partial = b"POST /v1/sms HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
           Content-Length: 40\r\n\r\n{\"phone\":";
@@ -705,13 +705,13 @@ fn shutdown_closes_requests_that_outlast_the_grace_period() {
     assert!(status.success(), "{status:?}");
     let took = started.elapsed();
     assert!(
-        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        took >= Duration::from_millis(2900) && took < Duration::from_secs(8),
         "stopped after {took:?}"
     );
     let (got, idle_after) = idle_closed.join().expect("idle");
     assert!(got.is_empty(), "{got:?}");
     assert!(
-        idle_after < Duration::from_millis(900),
+        idle_after < Duration::from_secs(2),
         "idle closed after {idle_after:?}"
     );
     let answered = finish.join().expect("finishing");
