@@ -406,7 +406,7 @@ impl Redlock {
         join_all(
             self.nodes
                 .iter()
-                .zip(self.skipped())
+                .zip(self.skipped(true))
                 .map(|(node, skipped)| {
                     let op = &op;
                     async move {
@@ -420,11 +420,12 @@ impl Redlock {
         .await
     }
 
-    /// For each node, how long it is skipped for: `Some` for a node cooling off, unless the
-    /// nodes not cooling off are too few for a quorum (then every node is asked).
-    fn skipped(&self) -> Vec<Option<Duration>> {
+    /// For each node, how long it is skipped for: `Some` for a node cooling off, unless
+    /// `quorum_needs_them` and the nodes not cooling off are too few for a quorum (then every
+    /// node is asked).
+    fn skipped(&self, quorum_needs_them: bool) -> Vec<Option<Duration>> {
         let mut cooling: Vec<Option<Duration>> = self.nodes.iter().map(Node::skipped_for).collect();
-        if cooling.iter().filter(|c| c.is_none()).count() < self.quorum {
+        if quorum_needs_them && cooling.iter().filter(|c| c.is_none()).count() < self.quorum {
             cooling.fill(None);
         }
         cooling
@@ -457,11 +458,7 @@ impl Redlock {
     ) -> Vec<Result<bool, Error>> {
         let runtime = tokio::runtime::Handle::try_current().ok();
         let unlock = |locks: RedisLocks| async move { locks.unlock(name, token).await };
-        let skipped = if reported {
-            self.skipped()
-        } else {
-            self.nodes.iter().map(Node::skipped_for).collect()
-        };
+        let skipped = self.skipped(reported);
         join_all(
             self.nodes
                 .iter()

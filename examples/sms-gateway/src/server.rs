@@ -36,7 +36,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 use tower::ServiceExt;
 
 use crate::config::Config;
@@ -198,13 +198,25 @@ impl BodyTimeout {
     }
 }
 
+/// Polls the timer in `slot`, made to fire at `at()` if there is none yet: whether it fired.
+fn fired(
+    slot: &mut Option<Pin<Box<Sleep>>>,
+    at: impl FnOnce() -> Instant,
+    cx: &mut Context<'_>,
+) -> bool {
+    slot.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at())))
+        .as_mut()
+        .poll(cx)
+        .is_ready()
+}
+
 /// A request body that fails with [`BodyTimeout`] when it has not ended `limit` after the
-/// request's headers. The timer is made at the first read: a request whose body nobody reads
+/// request's headers. The timer is made at the first wait: a request whose body nobody reads
 /// costs none.
 struct Deadline {
     body: Incoming,
     limit: Duration,
-    started: tokio::time::Instant,
+    deadline: Instant,
     timer: Option<Pin<Box<Sleep>>>,
 }
 
@@ -213,7 +225,7 @@ impl Deadline {
         Deadline {
             body,
             limit,
-            started: tokio::time::Instant::now(),
+            deadline: Instant::now() + limit,
             timer: None,
         }
     }
@@ -227,21 +239,18 @@ impl http_body::Body for Deadline {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let (deadline, limit) = (self.started + self.limit, self.limit);
+        let this = &mut *self;
+        let deadline = this.deadline;
         // Strict: a body whose bytes are always ready is cut off at the deadline too.
-        if tokio::time::Instant::now() >= deadline {
-            return Poll::Ready(Some(Err(Box::new(BodyTimeout(limit)))));
+        if Instant::now() < deadline {
+            if let Poll::Ready(frame) = Pin::new(&mut this.body).poll_frame(cx) {
+                return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+            }
+            if !fired(&mut this.timer, || deadline, cx) {
+                return Poll::Pending;
+            }
         }
-        if let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(cx) {
-            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
-        }
-        let timer = self
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        match timer.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyTimeout(limit))))),
-            Poll::Pending => Poll::Pending,
-        }
+        Poll::Ready(Some(Err(Box::new(BodyTimeout(this.limit)))))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -284,16 +293,13 @@ impl WriteStall {
             return polled;
         }
         let limit = self.limit;
-        let timer = self
-            .stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        match timer.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("the client read nothing for {limit:?}"),
-            ))),
-            Poll::Pending => Poll::Pending,
+        if !fired(&mut self.stalled, || Instant::now() + limit, cx) {
+            return Poll::Pending;
         }
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the client read nothing for {limit:?}"),
+        )))
     }
 }
 
