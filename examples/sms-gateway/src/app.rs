@@ -88,7 +88,8 @@ pub struct App<S: Shared> {
     pub metrics: PrometheusHandle,
     /// Wakes the campaign dispatcher when a campaign is created.
     pub new_campaign: Notify,
-    /// Sends that may outlive their request (the client hung up): shutdown waits for them.
+    /// Sends and campaign creations that may outlive their request (the client hung up):
+    /// shutdown waits for them.
     pub sends: Arc<InFlight>,
 }
 
@@ -640,18 +641,39 @@ async fn create_campaign<S: Shared>(
         text: text.to_owned(),
         ..Campaign::default()
     };
-    app.shared
-        .campaign_create(&campaign, &phones)
-        .await
-        .map_err(|e| ApiError::unavailable("the campaign store", e))?;
-    app.new_campaign.notify_one();
+    // Written in a task of its own, which shutdown waits for: a client that hangs up (hyper
+    // then drops this handler) does not cut a creation off half-way.
+    let duplicates = list.len() - phones.len();
+    let in_flight = app.sends.enter();
+    let creating = {
+        let (app, campaign) = (Arc::clone(&app), campaign.clone());
+        tokio::spawn(async move {
+            let _in_flight = in_flight;
+            let created = app.shared.campaign_create(&campaign, &phones).await;
+            if created.is_ok() {
+                app.new_campaign.notify_one();
+            }
+            created
+        })
+    };
+    match creating.await {
+        Ok(created) => created.map_err(|e| ApiError::unavailable("the campaign store", e))?,
+        Err(e) => {
+            tracing::error!(error = %e, "the task creating a campaign failed");
+            return Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "the campaign may or may not have been created",
+            ));
+        }
+    }
     Ok((
         StatusCode::ACCEPTED,
         Json(json!({
             "id": campaign.id,
             "status": "pending",
             "total": campaign.total,
-            "duplicates_dropped": list.len() - phones.len(),
+            "duplicates_dropped": duplicates,
         })),
     )
         .into_response())

@@ -103,9 +103,10 @@ where
         let _ = stop.send(true);
     };
     serve_http(listener, router, limits, signal).await;
-    // Messages still being sent for clients that hung up: recorded before we go.
+    // Messages still being sent and campaigns being created for clients that hung up:
+    // recorded before we go.
     if !app.sends.idle(Duration::from_secs(10)).await {
-        tracing::warn!("stopping with messages still being sent");
+        tracing::warn!("stopping with messages still being sent or campaigns being created");
     }
     let _ = stop.send(true);
     let _ = dispatcher.await;

@@ -145,6 +145,44 @@ return 0
     ))
 });
 
+/// Writes part of a campaign being created (KEYS: its hash, its `:phones` list; ARGV: how long
+/// the parts live in ms, the number `n` of hash arguments that follow, `n` field-value
+/// arguments of the hash, then numbers to append to the list), each part written and given
+/// that expiry at once: a creation cut off (the process killed) leaves nothing for good.
+static STAGE: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"
+local n = tonumber(ARGV[2])
+if n > 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 3, 2 + n))
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+if #ARGV > 2 + n then
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, 3 + n))
+  redis.call('PEXPIRE', KEYS[2], ARGV[1])
+end
+return 1
+",
+    )
+});
+/// Keeps a created campaign (KEYS: its hash, its `:phones` list) until it completes: both
+/// parts lose the expiry [`STAGE`] gave them, together.
+static KEEP: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r"
+redis.call('PERSIST', KEYS[1])
+redis.call('PERSIST', KEYS[2])
+return 1
+",
+    )
+});
+/// How long the parts of a campaign being created live until its creation completes: what a
+/// creation cut off by the process's death leaves is gone after this.
+const STAGED_CAMPAIGN_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Numbers appended to a campaign's list per call while it is created: Redis serves other
+/// clients between calls.
+const STAGE_CHUNK: usize = 1_000;
+
 /// The most idempotency keys kept in memory (the oldest expire first).
 const MAX_MEMORY_IDEMPOTENCY_KEYS: usize = 200_000;
 
@@ -980,6 +1018,63 @@ impl RedisShared {
         format!("{}:campaign:{{{id}}}{suffix}", self.prefix)
     }
 
+    /// Writes campaign `c`'s hash and its numbers (`keys`: the hash, the list) with
+    /// [`STAGE`]: in chunks, the hash with the first.
+    async fn stage_campaign(
+        &self,
+        keys: &[&[u8]; 2],
+        c: &Campaign,
+        phones: &[String],
+    ) -> Result<(), StoreError> {
+        let ttl = STAGED_CAMPAIGN_TTL.as_millis().to_string();
+        let (total, created) = (c.total.to_string(), c.created_ms.to_string());
+        let hash: [&str; 10] = [
+            "text",
+            &c.text,
+            "total",
+            &total,
+            "status",
+            "pending",
+            "created_ms",
+            &created,
+            "cursor",
+            "0",
+        ];
+        // The hash goes with the first chunk (alone when there are no numbers).
+        let mut chunks = phones.chunks(STAGE_CHUNK);
+        let first = (&hash[..], chunks.next().unwrap_or_default());
+        for (fields, chunk) in std::iter::once(first).chain(chunks.map(|c| (&[][..], c))) {
+            let n = fields.len().to_string();
+            let mut args: Vec<&[u8]> = Vec::with_capacity(2 + fields.len() + chunk.len());
+            args.extend([ttl.as_bytes(), n.as_bytes()]);
+            args.extend(fields.iter().map(|f| f.as_bytes()));
+            args.extend(chunk.iter().map(|p| p.as_bytes()));
+            self.conn
+                .invoke_script(&STAGE, keys, &args)
+                .await
+                .map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// Takes back what a failed creation of campaign `id` wrote (`keys`: its hash, its list):
+    /// its place among the pending ones first, so that no dispatcher takes it up. What cannot
+    /// be taken back (Redis failing again) expires with the parts' staging expiry; a campaign
+    /// that was pending already then stays pending, and is sent.
+    async fn unstage_campaign(&self, keys: &[&[u8]; 2], id: &str) {
+        let mut pending = redis::cmd("SREM");
+        pending.arg(self.key(&["campaigns", "pending"])).arg(id);
+        let mut parts = redis::cmd("DEL");
+        parts.arg(keys[0]).arg(keys[1]);
+        if let Err(e) = self.query::<i64>(pending).await {
+            tracing::warn!(campaign = %id, error = %e, "cannot take back a campaign whose creation failed");
+            return;
+        }
+        if let Err(e) = self.query::<i64>(parts).await {
+            tracing::warn!(campaign = %id, error = %e, "cannot delete a campaign whose creation failed; its parts expire");
+        }
+    }
+
     /// Claims a number (`value`: the claim, `fence`: the dispatcher's fencing token) or
     /// records its outcome (`value`: the outcome, no token) with [`DECIDE`]: 1 when claimed
     /// (a record: when the campaign exists), -1 when superseded, 0 otherwise.
@@ -1105,24 +1200,31 @@ impl Shared for RedisShared {
     }
 
     async fn campaign_create(&self, c: &Campaign, phones: &[String]) -> Result<(), StoreError> {
-        for chunk in phones.chunks(1_000) {
-            let mut push = redis::cmd("RPUSH");
-            push.arg(self.campaign_key(&c.id, ":phones")).arg(chunk);
-            let _: i64 = self.query(push).await?;
+        // The campaign's parts first, each with an expiry; then its place among the pending
+        // campaigns (which the dispatchers read: from then on it is created); then the parts
+        // are kept. A failure takes back what was written, so that a 503 leaves nothing; a
+        // creation cut off by the process's death leaves parts that expire.
+        let keys = [
+            self.campaign_key(&c.id, ""),
+            self.campaign_key(&c.id, ":phones"),
+        ];
+        let keys = keys.each_ref().map(|k| k.as_bytes());
+        let written = async {
+            self.stage_campaign(&keys, c, phones).await?;
+            let mut pending = redis::cmd("SADD");
+            pending.arg(self.key(&["campaigns", "pending"])).arg(&c.id);
+            let _: i64 = self.query(pending).await?;
+            self.conn
+                .invoke_script(&KEEP, &keys, &[])
+                .await
+                .map_err(err)?;
+            Ok(())
         }
-        let mut hset = redis::cmd("HSET");
-        hset.arg(self.campaign_key(&c.id, "")).arg(&[
-            ("text", c.text.clone()),
-            ("total", c.total.to_string()),
-            ("status", "pending".into()),
-            ("created_ms", c.created_ms.to_string()),
-            ("cursor", "0".into()),
-        ]);
-        let _: i64 = self.query(hset).await?;
-        let mut pending = redis::cmd("SADD");
-        pending.arg(self.key(&["campaigns", "pending"])).arg(&c.id);
-        let _: i64 = self.query(pending).await?;
-        Ok(())
+        .await;
+        if written.is_err() {
+            self.unstage_campaign(&keys, &c.id).await;
+        }
+        written
     }
 
     async fn campaign_get(&self, id: &str) -> Result<Option<Campaign>, StoreError> {
@@ -1494,6 +1596,92 @@ mod tests {
             .expect("HSET");
         let claimed = store.campaign_claim("f2", "+8613800000035", "x", 1).await;
         assert!(claimed.is_err(), "{claimed:?}");
+    }
+
+    /// A campaign of `n` numbers, and the numbers.
+    fn campaign_of(id: &str, n: u64) -> (Campaign, Vec<String>) {
+        let phones: Vec<String> = (0..n).map(|i| format!("+86138{i:08}")).collect();
+        let campaign = Campaign {
+            id: id.into(),
+            status: "pending".into(),
+            total: n,
+            text: "hi".into(),
+            ..Campaign::default()
+        };
+        (campaign, phones)
+    }
+
+    /// Redis' `PTTL` of `key`.
+    fn pttl(server: &floodgate_testkit::RedisServer, key: &str) -> i64 {
+        match server.cmd_ok(&["PTTL", key]).expect("PTTL") {
+            floodgate_testkit::Resp::Int(ms) => ms,
+            other => panic!("PTTL {key}: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_created_campaign_is_kept_whole_in_redis() {
+        let (server, store) = redis_store("kept").await;
+        // More numbers than one staging call takes.
+        let (campaign, phones) = campaign_of("k1", 2_500);
+        store
+            .campaign_create(&campaign, &phones)
+            .await
+            .expect("create");
+        assert_eq!(store.campaigns_pending().await.expect("pending"), ["k1"]);
+        let got = store
+            .campaign_get("k1")
+            .await
+            .expect("get")
+            .expect("created");
+        assert_eq!((got.total, got.text.as_str()), (2_500, "hi"), "{got:?}");
+        let listed = store.campaign_phones("k1", 0, 3_000).await.expect("phones");
+        assert_eq!(listed, phones, "every number, in order");
+        // Kept until it completes: the staging expiry is gone from both parts.
+        assert_eq!(pttl(&server, "kept:campaign:{k1}"), -1);
+        assert_eq!(pttl(&server, "kept:campaign:{k1}:phones"), -1);
+    }
+
+    #[tokio::test]
+    async fn a_creation_cut_off_leaves_parts_that_expire() {
+        // The process dies once the parts are written, before the campaign is pending.
+        let (server, store) = redis_store("staged").await;
+        let (campaign, phones) = campaign_of("s1", 1_500);
+        let keys = ["staged:campaign:{s1}", "staged:campaign:{s1}:phones"];
+        store
+            .stage_campaign(&keys.map(str::as_bytes), &campaign, &phones)
+            .await
+            .expect("stage");
+        for key in keys {
+            let ttl = pttl(&server, key);
+            assert!(
+                ttl > 0 && ttl <= STAGED_CAMPAIGN_TTL.as_millis() as i64,
+                "{key}: {ttl}"
+            );
+        }
+        assert!(store.campaigns_pending().await.expect("pending").is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_failed_campaign_creation_leaves_nothing_in_redis() {
+        // A user who may not add to a set: the campaign's parts are written, and its place
+        // among the pending ones is refused.
+        let server = floodgate_testkit::RedisServer::start().expect("start redis-server");
+        server
+            .cmd_ok(&[
+                "ACL", "SETUSER", "gw", "on", ">secret", "~*", "&*", "+@all", "-sadd",
+            ])
+            .expect("ACL SETUSER");
+        let url = format!("redis://gw:secret@{}", server.addr());
+        let store = RedisShared::connect(&url, "failed").await.expect("connect");
+        let (campaign, phones) = campaign_of("f1", 2_500);
+        let created = store.campaign_create(&campaign, &phones).await;
+        assert!(created.is_err(), "{created:?}");
+        match server.cmd_ok(&["KEYS", "failed:campaign*"]).expect("KEYS") {
+            floodgate_testkit::Resp::Array(Some(keys)) => assert!(keys.is_empty(), "{keys:?}"),
+            other => panic!("KEYS: {other:?}"),
+        }
+        assert!(store.campaigns_pending().await.expect("pending").is_empty());
     }
 
     #[tokio::test]

@@ -447,3 +447,73 @@ async fn a_retry_after_a_provider_refusal_is_sent_on_the_same_replica() {
     assert_eq!(taken.load(Ordering::SeqCst), 1);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_hanging_up_mid_creation_does_not_cut_the_campaign_off() {
+    use std::io::Write;
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = temp_dir("hang-up-campaign");
+    let url = redis.url();
+    let gw = Gateway::start(&dir, "a", &[("REDIS_URL", &url)]);
+    let phones = campaign_phones(100_000, 13_500_000_000);
+    let body = json!({"text": "sale", "phones": phones}).to_string();
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", gw.port)).expect("connect");
+    write!(
+        stream,
+        "POST /v1/campaigns HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send the campaign");
+    // Hang up as soon as the creation has begun writing the numbers.
+    let started = Instant::now();
+    while keys(&redis, "sms:campaign:*").is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the creation never began"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(stream);
+    // The campaign is created whole: pending, with every number.
+    let mut last = String::new();
+    while started.elapsed() < Duration::from_secs(20) {
+        let pending = redis
+            .cmd_ok(&["SMEMBERS", "sms:campaigns:pending"])
+            .expect("SMEMBERS");
+        if let floodgate_testkit::Resp::Array(Some(ids)) = &pending
+            && let [floodgate_testkit::Resp::Bulk(Some(id))] = ids.as_slice()
+        {
+            let id = String::from_utf8_lossy(id);
+            let list = format!("sms:campaign:{{{id}}}:phones");
+            let hash = format!("sms:campaign:{{{id}}}");
+            let len = redis.cmd_ok(&["LLEN", &list]).expect("LLEN");
+            let kept = redis.cmd_ok(&["PTTL", &list]).expect("PTTL");
+            let total = redis.cmd_ok(&["HGET", &hash, "total"]).expect("HGET");
+            last = format!("{len:?} {kept:?} {total:?}");
+            if matches!(len, floodgate_testkit::Resp::Int(100_000))
+                && matches!(kept, floodgate_testkit::Resp::Int(-1))
+            {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!(
+        "no whole campaign: {last}; campaign keys {:?}",
+        keys(&redis, "sms:campaign*")
+    );
+}
+
+/// The keys of `redis` matching `pattern`.
+fn keys(redis: &RedisServer, pattern: &str) -> Vec<String> {
+    match redis.cmd_ok(&["KEYS", pattern]).expect("KEYS") {
+        floodgate_testkit::Resp::Array(Some(keys)) => keys
+            .iter()
+            .map(|k| match k {
+                floodgate_testkit::Resp::Bulk(Some(k)) => String::from_utf8_lossy(k).into_owned(),
+                other => panic!("KEYS: {other:?}"),
+            })
+            .collect(),
+        other => panic!("KEYS: {other:?}"),
+    }
+}
