@@ -35,6 +35,7 @@ Examples:
   floodgate inspect --policy 10/minute alice
   floodgate inspect --algorithm sliding_log --limit 5 --window 1m +8613800000000
   floodgate inspect --pattern                 # every key under --prefix (floodgate:*)
+  floodgate inspect --pattern --name sms-per-phone  # every key of that policy
   floodgate inspect --pattern 'floodgate:gcra:*' --count 1000
 
 Exit status: 0 when the state was shown, 1 when Redis could not be reached or the key's state
@@ -64,7 +65,7 @@ pub(crate) struct InspectArgs {
     policy: PolicyArgs,
 
     /// List the keys matching PATTERN (glob, as SCAN MATCH) instead of one key's state;
-    /// without a value, every key under --prefix.
+    /// without a value, every key under --prefix (with --name, every key of that policy).
     #[arg(
         long,
         value_name = "PATTERN",
@@ -349,18 +350,45 @@ struct ListJson {
     without_ttl: Vec<String>,
 }
 
+/// `text` as a SCAN pattern that matches it alone.
+fn escape_glob(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len() + 2);
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
 /// `floodgate inspect --pattern`.
 fn list(args: &InspectArgs, pattern: &str) -> Result<(), CliError> {
-    let pattern = if pattern.is_empty() {
-        // The prefix as it is: a prefix may hold the pattern's own metacharacters.
-        let mut escaped = String::with_capacity(args.redis.prefix.len() + 2);
-        for c in args.redis.prefix.chars() {
-            if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-                escaped.push('\\');
-            }
-            escaped.push(c);
+    // `--name` narrows the default pattern to that policy's keys
+    // (`<prefix>:<algorithm>:<name>:{<key>}`); a pattern of one's own says it all.
+    let name = match args.policy.name.as_slice() {
+        [] => None,
+        [name] if pattern.is_empty() => Some(name),
+        [_] => {
+            return Err(CliError::usage(
+                "--name narrows the default pattern (every key of that policy under --prefix); \
+                 with a pattern of your own, write the name into it",
+            ));
         }
-        escaped + ":*"
+        _ => {
+            return Err(CliError::usage(
+                "--pattern lists the keys of one --name at most",
+            ));
+        }
+    };
+    let pattern = if pattern.is_empty() {
+        // The prefix and the name as they are: they may hold the pattern's own
+        // metacharacters.
+        let escaped = escape_glob(&args.redis.prefix);
+        match name {
+            Some(name) => escaped + ":*:" + &escape_glob(name) + ":{*",
+            None => escaped + ":*",
+        }
     } else {
         pattern.to_owned()
     };

@@ -325,6 +325,44 @@ fn inspect_pattern_lists_every_key_with_its_ttl() {
     assert_eq!(some["complete"], false);
     // Policy flags make no sense with --pattern.
     run("inspect", &url, &["--pattern", "--policy", "1/s"]).failure(2);
+    // --name narrows the default pattern to one policy's keys (its prefix and name escaped).
+    json(&run(
+        "check",
+        &url,
+        &[
+            "--prefix",
+            "p*t",
+            "--policy",
+            "3/hour",
+            "--name",
+            "per-phone",
+            "u1",
+        ],
+    ));
+    json(&run(
+        "check",
+        &url,
+        &[
+            "--prefix", "p*t", "--policy", "3/hour", "--name", "per-ip", "u1",
+        ],
+    ));
+    let named = json(&run(
+        "inspect",
+        &url,
+        &["--prefix", "p*t", "--pattern", "--name", "per-phone"],
+    ));
+    assert_eq!(named["pattern"], "p\\*t:*:per-phone:{*", "{named}");
+    assert_eq!(int(&named, "listed"), 1, "{named}");
+    assert_eq!(
+        named["keys"][0]["key"], "p*t:gcra:per-phone:{u1}",
+        "{named}"
+    );
+    run(
+        "inspect",
+        &url,
+        &["--pattern", "pat:*", "--name", "per-phone"],
+    )
+    .failure(2);
 }
 
 #[test]
