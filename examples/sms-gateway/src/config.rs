@@ -84,6 +84,11 @@ pub struct Cli {
     /// Redis, the outbox and webhook calls share.
     #[arg(long, env = "MAX_CONNECTIONS")]
     pub max_connections: Option<u64>,
+    /// The most connections served at once from one client address (an IPv6 client's /64),
+    /// at most MAX_CONNECTIONS; one more is answered 503 and closed. Trusted proxies, whose
+    /// connections carry many clients, are exempt.
+    #[arg(long, env = "MAX_CONNECTIONS_PER_IP")]
+    pub max_connections_per_ip: Option<u64>,
     /// Time a client has to send a request's headers, that an idle keep-alive connection stays
     /// open, and that a response may wait for the client to read any of it (e.g. 75s). Behind
     /// a proxy that keeps connections to the gateway, keep it longer than the proxy's idle
@@ -123,6 +128,7 @@ struct FileConfig {
     memory_max_keys: Option<u64>,
     max_pending_campaigns: Option<u64>,
     max_connections: Option<u64>,
+    max_connections_per_ip: Option<u64>,
     header_timeout: Option<String>,
     body_timeout: Option<String>,
     shutdown_grace: Option<String>,
@@ -152,6 +158,9 @@ pub struct Config {
     pub max_pending_campaigns: usize,
     /// The most client connections served at once.
     pub max_connections: usize,
+    /// The most connections served at once from one client address (an IPv6 client's /64),
+    /// trusted proxies excepted.
+    pub max_connections_per_ip: usize,
     /// Time to send a request's headers; an idle keep-alive connection's life; the longest a
     /// response waits for the client to read.
     pub header_timeout: Duration,
@@ -183,6 +192,7 @@ impl Default for Config {
             max_pending_campaigns: 100,
             // Under the common soft limit of 1024 open files, with room for the rest.
             max_connections: 512,
+            max_connections_per_ip: 64,
             // Longer than the 60 s a proxy in front commonly keeps an idle connection: else
             // it may send a request on a connection the gateway is closing.
             header_timeout: Duration::from_secs(75),
@@ -255,6 +265,17 @@ impl Config {
         let utc_offset_secs = match cli.utc_offset.or(file.utc_offset) {
             Some(s) => parse_utc_offset(&s).map_err(|e| bad("utc_offset", e))?,
             None => d.utc_offset_secs,
+        };
+        let max_connections = match cli.max_connections.or(file.max_connections) {
+            None => d.max_connections,
+            Some(0) => return Err(bad("max_connections", "must be at least 1")),
+            // Each connection holds a socket: past this, the process' file limit is hit
+            // before the bound.
+            Some(n) if n > 1_000_000 => {
+                return Err(bad("max_connections", "must be at most 1000000"));
+            }
+            Some(n) => usize::try_from(n)
+                .map_err(|_| bad("max_connections", format!("{n} is too large")))?,
         };
         let config = Config {
             listen: cli.listen.or(file.listen).unwrap_or(d.listen),
@@ -331,16 +352,21 @@ impl Config {
                 Some(n) => usize::try_from(n)
                     .map_err(|_| bad("max_pending_campaigns", format!("{n} is too large")))?,
             },
-            max_connections: match cli.max_connections.or(file.max_connections) {
-                None => d.max_connections,
-                Some(0) => return Err(bad("max_connections", "must be at least 1")),
-                // Each connection holds a socket: past this, the process' file limit is hit
-                // before the bound.
-                Some(n) if n > 1_000_000 => {
-                    return Err(bad("max_connections", "must be at most 1000000"));
-                }
-                Some(n) => usize::try_from(n)
-                    .map_err(|_| bad("max_connections", format!("{n} is too large")))?,
+            max_connections,
+            max_connections_per_ip: match cli.max_connections_per_ip.or(file.max_connections_per_ip)
+            {
+                // At most the bound of all connections, which a smaller MAX_CONNECTIONS lowers.
+                None => d.max_connections_per_ip.min(max_connections),
+                Some(0) => return Err(bad("max_connections_per_ip", "must be at least 1")),
+                Some(n) => match usize::try_from(n) {
+                    Ok(n) if n <= max_connections => n,
+                    _ => {
+                        return Err(bad(
+                            "max_connections_per_ip",
+                            format!("{n} is more than max_connections ({max_connections})"),
+                        ));
+                    }
+                },
             },
             header_timeout: duration(
                 "header_timeout",
@@ -437,6 +463,23 @@ mod tests {
             (config.max_connections, config.body_timeout),
             (10, Duration::from_secs(5))
         );
+        // The per-address bound: 64 by default, never above the bound of all connections.
+        assert_eq!(config.max_connections_per_ip, 10);
+        let config = Config::load(cli(&[])).expect("defaults");
+        assert_eq!(
+            (config.max_connections, config.max_connections_per_ip),
+            (512, 64)
+        );
+        let err = Config::load(cli(&["--max-connections-per-ip", "0"])).expect_err("bad");
+        assert_eq!(err.name, "max_connections_per_ip");
+        let err = Config::load(cli(&[
+            "--max-connections",
+            "10",
+            "--max-connections-per-ip",
+            "11",
+        ]))
+        .expect_err("bad");
+        assert_eq!(err.name, "max_connections_per_ip");
     }
 
     #[test]

@@ -3,6 +3,10 @@
 //!
 //! - At most [`ServeLimits::max_connections`] connections at once: the next client waits in
 //!   the listen queue until one closes, instead of costing a socket and a task each.
+//! - At most [`ServeLimits::max_per_address`] of them from one client address (an IPv6
+//!   client's /64: it holds many addresses), so that one client cannot take them all: one more
+//!   is answered `503 too_many_connections` and closed. Trusted proxies, whose connections
+//!   carry many clients, are exempt.
 //! - A client has [`ServeLimits::header_timeout`] to send a request's headers, an idle
 //!   keep-alive connection is closed after as long, and so is a connection whose client has
 //!   read nothing of a response for as long (it pipelined requests and stopped reading): a
@@ -17,11 +21,12 @@
 //!   closed, and their handlers with them, but messages being sent go on in tasks of their
 //!   own (see `App::sends`), which shutdown waits for next.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -32,7 +37,8 @@ use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use ipnet::IpNet;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
@@ -42,10 +48,14 @@ use tower::ServiceExt;
 use crate::config::Config;
 
 /// How the server bounds its clients.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct ServeLimits {
     /// The most connections served at once.
     pub max_connections: usize,
+    /// The most connections served at once from one client address (an IPv6 client's /64).
+    pub max_per_address: usize,
+    /// Peers exempt from [`ServeLimits::max_per_address`]: the trusted proxies.
+    pub exempt: Arc<[IpNet]>,
     /// Time to send a request's headers; the life of an idle keep-alive connection; the
     /// longest a response waits for the client to read any of it.
     pub header_timeout: Duration,
@@ -59,6 +69,8 @@ impl ServeLimits {
     pub fn from_config(c: &Config) -> ServeLimits {
         ServeLimits {
             max_connections: c.max_connections,
+            max_per_address: c.max_connections_per_ip,
+            exempt: c.trusted_proxies.iter().copied().collect(),
             header_timeout: c.header_timeout,
             body_timeout: c.body_timeout,
             shutdown_grace: c.shutdown_grace,
@@ -76,6 +88,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let addresses = Arc::new(Addresses::default());
+    let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
     let (stop, stopped) = watch::channel(false);
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
@@ -115,12 +129,25 @@ pub async fn serve(
         };
         // Finished connections' results, dropped as they come.
         while connections.try_join_next().is_some() {}
+        let ip = peer.ip().to_canonical();
+        let address = if limits.exempt.iter().any(|net| net.contains(&ip)) {
+            None
+        } else {
+            match addresses.enter(ip, limits.max_per_address) {
+                Some(slot) => Some(slot),
+                None => {
+                    drop(permit);
+                    refuse(stream, peer, limits.max_per_address, &refusing);
+                    continue;
+                }
+            }
+        };
         connections.spawn(connection(
             stream,
             peer,
             router.clone(),
-            limits,
-            permit,
+            (limits.header_timeout, limits.body_timeout),
+            (address, permit),
             stopped.clone(),
         ));
     }
@@ -141,26 +168,123 @@ pub async fn serve(
     }
 }
 
+/// Connections being refused at once (each waits up to [`REFUSAL_LINGER`] for its client to
+/// read the answer); past this, a refused connection is closed without one.
+const MAX_REFUSING: usize = 64;
+/// How long a refused connection waits for its client to read the answer and close.
+const REFUSAL_LINGER: Duration = Duration::from_millis(500);
+
+/// Answers a connection beyond its address's bound with `503 too_many_connections`, and closes
+/// it: in a task of its own that lets the client read the answer (closing a socket with a
+/// request unread would reset it, and the answer with it), within bounds.
+fn refuse(stream: TcpStream, peer: SocketAddr, most: usize, refusing: &Arc<Semaphore>) {
+    tracing::debug!(%peer, most, "refusing a connection: too many from its address");
+    let Ok(permit) = Arc::clone(refusing).try_acquire_owned() else {
+        return;
+    };
+    let body = serde_json::json!({"error": {
+        "code": "too_many_connections",
+        "message": format!("this address has {most} connections open, the most it may have; \
+                            reuse them, or try again when one closes"),
+    }})
+    .to_string();
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tokio::spawn(async move {
+        let _permit = permit;
+        let mut stream = stream;
+        let _ = tokio::time::timeout(REFUSAL_LINGER, async {
+            stream.write_all(answer.as_bytes()).await?;
+            stream.shutdown().await?;
+            // What the client sent, read and dropped until it closes.
+            let mut sink = [0u8; 1024];
+            while stream.read(&mut sink).await? > 0 {}
+            Ok::<_, io::Error>(())
+        })
+        .await;
+    });
+}
+
+/// Connections open per client address.
+#[derive(Default)]
+struct Addresses {
+    open: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl Addresses {
+    /// One more connection from `ip` (canonical), if its address has fewer than `most` open;
+    /// counted until the slot drops.
+    fn enter(self: &Arc<Self>, ip: IpAddr, most: usize) -> Option<AddressSlot> {
+        let address = address_of(ip);
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = open.entry(address).or_insert(0);
+        if *count >= most {
+            return None;
+        }
+        *count += 1;
+        Some(AddressSlot {
+            addresses: Arc::clone(self),
+            address,
+        })
+    }
+}
+
+/// The address a client's connections are counted under: an IPv6 client's /64, which one
+/// client holds whole (SLAAC, privacy addresses), or the IPv4 address.
+fn address_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
+    }
+}
+
+/// A connection counted against its address.
+struct AddressSlot {
+    addresses: Arc<Addresses>,
+    address: IpAddr,
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut open = self
+            .addresses
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(count) = open.get_mut(&self.address) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.address);
+            }
+        }
+    }
+}
+
 /// Serves one connection until it closes, or until shutdown closes it when idle.
+/// `_slots`: what the connection counts against, released when it closes: its address first,
+/// so that the client the permit lets in finds its address's count without it.
 async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     router: Router,
-    limits: ServeLimits,
-    _permit: OwnedSemaphorePermit,
+    (header_timeout, body_timeout): (Duration, Duration),
+    _slots: (Option<AddressSlot>, OwnedSemaphorePermit),
     mut stopped: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
     let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
-        let mut request = request.map(|body| Body::new(Deadline::new(body, limits.body_timeout)));
+        let mut request = request.map(|body| Body::new(Deadline::new(body, body_timeout)));
         request.extensions_mut().insert(ConnectInfo(peer));
         router.clone().oneshot(request)
     });
-    let io = TokioIo::new(WriteStall::new(stream, limits.header_timeout));
+    let io = TokioIo::new(WriteStall::new(stream, header_timeout));
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout);
+        .header_read_timeout(header_timeout);
     let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
     let served = tokio::select! {

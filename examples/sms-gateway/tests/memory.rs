@@ -666,6 +666,47 @@ fn connections_beyond_the_bound_wait_their_turn() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Past the bound of connections from one address, the next one is answered 503 and closed;
+/// once one closes, the address is served again. Trusted proxies are exempt.
+#[test]
+fn connections_beyond_the_bound_of_an_address_are_refused() {
+    use std::io::Write;
+    let dir = temp_dir("max-per-ip");
+    let gw = Gateway::start(&dir, "max-per-ip", &[("MAX_CONNECTIONS_PER_IP", "2")]);
+    let first = served_connection(&gw);
+    let second = served_connection(&gw);
+    // The third has sent its request when it is refused: it still reads the answer.
+    let mut third = connect(&gw, Duration::from_secs(5));
+    third
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .expect("write");
+    let (got, _) = read_until_closed(&mut third);
+    assert!(got.starts_with("HTTP/1.1 503"), "{got:?}");
+    assert!(got.contains("retry-after: 1"), "{got:?}");
+    assert!(got.contains("\"too_many_connections\""), "{got:?}");
+    // One closes: the address has room again (its close reaches the server first).
+    drop(first);
+    drop(served_connection(&gw));
+    drop(second);
+
+    // Behind a trusted proxy, every client comes from its address: not bounded.
+    let proxied = Gateway::start(
+        &dir,
+        "max-per-ip-proxied",
+        &[
+            ("MAX_CONNECTIONS_PER_IP", "1"),
+            ("TRUSTED_PROXIES", "127.0.0.1/32"),
+        ],
+    );
+    let mut kept: Vec<_> = (0..3)
+        .map(|_| connect(&proxied, Duration::from_secs(5)))
+        .collect();
+    for stream in &mut kept {
+        assert_eq!(healthz_on(stream), "HTTP/1.1 200 OK");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// SIGTERM lets a request in progress finish within the grace period, then closes it: a
 /// client that never sends its body cannot keep the process from stopping. An idle kept-alive
 /// connection is closed at once.
@@ -720,4 +761,23 @@ fn shutdown_closes_requests_that_outlast_the_grace_period() {
     assert!(!got.starts_with("HTTP/1.1 2"), "{got:?}");
     assert_eq!(gw.outbox_lines().len(), 1);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A kept-alive connection to `gw` that has been answered. A connection whose client has just
+/// seen it closed (the start's readiness probe, one the test dropped) may still count against
+/// the address for a moment: refused, the next one is tried, for a second at most.
+fn served_connection(gw: &Gateway) -> std::net::TcpStream {
+    let started = Instant::now();
+    loop {
+        let mut stream = connect(gw, Duration::from_secs(5));
+        let status = healthz_on(&mut stream);
+        if status == "HTTP/1.1 200 OK" {
+            return stream;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "no connection served: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
