@@ -26,10 +26,16 @@ fn pair(dir: &std::path::Path, redis: &RedisServer, env: &[(&str, &str)]) -> (Ga
 async fn two_replicas_200_requests_for_one_phone_accept_exactly_one() {
     let redis = RedisServer::start().expect("redis-server");
     let dir = temp_dir("one-phone");
+    // 200 requests at once from one address: as many connections, past the default bound of
+    // an address's connections.
     let (a, b) = pair(
         &dir,
         &redis,
-        &[("IP_PER_MINUTE", "100000"), ("GLOBAL_PER_SECOND", "100")],
+        &[
+            ("IP_PER_MINUTE", "100000"),
+            ("GLOBAL_PER_SECOND", "100"),
+            ("MAX_CONNECTIONS_PER_IP", "512"),
+        ],
     );
     let http = Http::new();
     let urls = Arc::new([a.url("/v1/sms"), b.url("/v1/sms")]);
