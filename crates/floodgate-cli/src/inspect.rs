@@ -65,7 +65,9 @@ pub(crate) struct InspectArgs {
     policy: PolicyArgs,
 
     /// List the keys matching PATTERN (glob, as SCAN MATCH) instead of one key's state;
-    /// without a value, every key under --prefix (with --name, every key of that policy).
+    /// without a value, every key under --prefix (with --name, every key of that policy:
+    /// `<prefix>:*:<name>:{*`, which a longer prefix under this one, or a Bloom filter of the
+    /// same name, matches too).
     #[arg(
         long,
         value_name = "PATTERN",

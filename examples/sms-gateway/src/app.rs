@@ -25,7 +25,7 @@ use crate::error::ApiError;
 use crate::phone::{Phone, validate_text};
 use crate::provider::{OutboundSms, SmsProvider};
 use crate::server::BodyTimeout;
-use crate::shared::{Campaign, Idempotency, Shared, now_ms};
+use crate::shared::{Campaign, CreateError, Idempotency, STAGED, Shared, now_ms};
 
 /// The most bytes of a `POST /v1/sms` body.
 pub const MAX_SMS_BODY: usize = 16 * 1024;
@@ -656,15 +656,29 @@ async fn create_campaign<S: Shared>(
             created
         })
     };
+    let unknown = |id: &str| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "campaign_unknown",
+            format!(
+                "the campaign store did not confirm campaign {id}, which may have been \
+                 created: GET /v1/campaigns/{id} says whether it was"
+            ),
+        )
+    };
     match creating.await {
-        Ok(created) => created.map_err(|e| ApiError::unavailable("the campaign store", e))?,
+        Ok(Ok(())) => {}
+        Ok(Err(CreateError::NotCreated(e))) => {
+            return Err(ApiError::unavailable("the campaign store", e));
+        }
+        Ok(Err(CreateError::Unknown(e))) => {
+            tracing::warn!(campaign = %campaign.id, error = %e, "a campaign's creation was not confirmed");
+            metrics::counter!("sms_errors_total", "what" => "campaign_unknown").increment(1);
+            return Err(unknown(&campaign.id));
+        }
         Err(e) => {
             tracing::error!(error = %e, "the task creating a campaign failed");
-            return Err(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "the campaign may or may not have been created",
-            ));
+            return Err(unknown(&campaign.id));
         }
     }
     Ok((
@@ -692,8 +706,9 @@ async fn get_campaign<S: Shared>(
         .await
         .map_err(|e| ApiError::unavailable("the campaign store", e))?
     {
-        Some(c) => Ok(Json(c).into_response()),
-        None => Err(ApiError::new(
+        // A campaign whose creation has not completed is not one yet.
+        Some(c) if c.status != STAGED => Ok(Json(c).into_response()),
+        _ => Err(ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found",
             format!("no campaign {id}"),

@@ -85,7 +85,8 @@ pub struct Cli {
     #[arg(long, env = "MAX_CONNECTIONS")]
     pub max_connections: Option<u64>,
     /// The most connections served at once from one client address (an IPv6 client's /64),
-    /// at most MAX_CONNECTIONS; one more is answered 503 and closed. Trusted proxies, whose
+    /// at most MAX_CONNECTIONS; one more is answered 503 and closed (it holds a socket for
+    /// 500 ms at most, and 64 of them at most, beyond MAX_CONNECTIONS). Trusted proxies, whose
     /// connections carry many clients, are exempt.
     #[arg(long, env = "MAX_CONNECTIONS_PER_IP")]
     pub max_connections_per_ip: Option<u64>,

@@ -17,7 +17,7 @@ use tokio::sync::watch;
 
 use crate::app::{App, GLOBAL_KEY, message_id};
 use crate::provider::OutboundSms;
-use crate::shared::{Campaign, Claim, Completion, Outcome, Progress, Shared, now_ms};
+use crate::shared::{Campaign, Claim, Completion, Outcome, Progress, STAGED, Shared, now_ms};
 
 /// How often a replica looks for campaigns that need a dispatcher.
 const POLL: Duration = Duration::from_millis(500);
@@ -87,6 +87,9 @@ async fn dispatch<S: Shared>(
 {
     let fence = guard.fence();
     let campaign = match app.shared.campaign_get(id).await {
+        // Its creation has not completed (and may never): not a campaign yet. Left for the
+        // next pass; gone once its staging expiry passes, and then dropped below.
+        Ok(Some(c)) if c.status == STAGED => return,
         Ok(Some(c)) if c.status != "completed" => c,
         Ok(_) => {
             // Completed or gone, yet listed as pending (the completion's last step failed):

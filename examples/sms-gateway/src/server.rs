@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
@@ -34,10 +34,10 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use bytes::Bytes;
+use floodgate::tower::key::{Key, TrustedProxies};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use ipnet::IpNet;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
@@ -46,6 +46,7 @@ use tokio::time::{Instant, Sleep};
 use tower::ServiceExt;
 
 use crate::config::Config;
+use crate::error::ApiError;
 
 /// How the server bounds its clients.
 #[derive(Clone, Debug)]
@@ -55,7 +56,7 @@ pub struct ServeLimits {
     /// The most connections served at once from one client address (an IPv6 client's /64).
     pub max_per_address: usize,
     /// Peers exempt from [`ServeLimits::max_per_address`]: the trusted proxies.
-    pub exempt: Arc<[IpNet]>,
+    pub exempt: Arc<TrustedProxies>,
     /// Time to send a request's headers; the life of an idle keep-alive connection; the
     /// longest a response waits for the client to read any of it.
     pub header_timeout: Duration,
@@ -70,7 +71,7 @@ impl ServeLimits {
         ServeLimits {
             max_connections: c.max_connections,
             max_per_address: c.max_connections_per_ip,
-            exempt: c.trusted_proxies.iter().copied().collect(),
+            exempt: Arc::new(TrustedProxies::new(c.trusted_proxies.iter().copied())),
             header_timeout: c.header_timeout,
             body_timeout: c.body_timeout,
             shutdown_grace: c.shutdown_grace,
@@ -129,11 +130,12 @@ pub async fn serve(
         };
         // Finished connections' results, dropped as they come.
         while connections.try_join_next().is_some() {}
-        let ip = peer.ip().to_canonical();
-        let address = if limits.exempt.iter().any(|net| net.contains(&ip)) {
+        let address = if limits.exempt.contains(peer.ip()) {
             None
         } else {
-            match addresses.enter(ip, limits.max_per_address) {
+            // Counted as the rate limits key a client: an IPv6 client by its /64 (it holds
+            // the whole of it), an address that stands for an IPv4 host by that host.
+            match addresses.enter(Key::from_ip(peer.ip(), 64), limits.max_per_address) {
                 Some(slot) => Some(slot),
                 None => {
                     drop(permit);
@@ -182,11 +184,15 @@ fn refuse(stream: TcpStream, peer: SocketAddr, most: usize, refusing: &Arc<Semap
     let Ok(permit) = Arc::clone(refusing).try_acquire_owned() else {
         return;
     };
-    let body = serde_json::json!({"error": {
-        "code": "too_many_connections",
-        "message": format!("this address has {most} connections open, the most it may have; \
-                            reuse them, or try again when one closes"),
-    }})
+    let body = ApiError::new(
+        http::StatusCode::SERVICE_UNAVAILABLE,
+        "too_many_connections",
+        format!(
+            "this address has {most} connections open, the most it may have; reuse them, or \
+             try again when one closes"
+        ),
+    )
+    .body()
     .to_string();
     let answer = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
@@ -211,20 +217,19 @@ fn refuse(stream: TcpStream, peer: SocketAddr, most: usize, refusing: &Arc<Semap
 /// Connections open per client address.
 #[derive(Default)]
 struct Addresses {
-    open: Mutex<HashMap<IpAddr, usize>>,
+    open: Mutex<HashMap<Key, usize>>,
 }
 
 impl Addresses {
-    /// One more connection from `ip` (canonical), if its address has fewer than `most` open;
-    /// counted until the slot drops.
-    fn enter(self: &Arc<Self>, ip: IpAddr, most: usize) -> Option<AddressSlot> {
-        let address = address_of(ip);
+    /// One more connection from `address`, if it has fewer than `most` open; counted until the
+    /// slot drops.
+    fn enter(self: &Arc<Self>, address: Key, most: usize) -> Option<AddressSlot> {
         let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        let count = open.entry(address).or_insert(0);
-        if *count >= most {
+        let count = open.get(&address).copied().unwrap_or(0);
+        if count >= most {
             return None;
         }
-        *count += 1;
+        open.insert(address.clone(), count + 1);
         Some(AddressSlot {
             addresses: Arc::clone(self),
             address,
@@ -232,19 +237,10 @@ impl Addresses {
     }
 }
 
-/// The address a client's connections are counted under: an IPv6 client's /64, which one
-/// client holds whole (SLAAC, privacy addresses), or the IPv4 address.
-fn address_of(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V4(_) => ip,
-        IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
-    }
-}
-
 /// A connection counted against its address.
 struct AddressSlot {
     addresses: Arc<Addresses>,
-    address: IpAddr,
+    address: Key,
 }
 
 impl Drop for AddressSlot {

@@ -147,44 +147,66 @@ return 0
 
 /// Writes part of a campaign being created (KEYS: its hash, its `:phones` list; ARGV: how long
 /// the parts live in ms, the number `n` of hash arguments that follow, `n` field-value
-/// arguments of the hash, then numbers to append to the list), each part written and given
-/// that expiry at once: a creation cut off (the process killed) leaves nothing for good.
+/// arguments of the hash, then numbers to append to the list), and gives both parts that
+/// expiry: a creation cut off (the process killed) leaves nothing for good. The hash's status
+/// is [`STAGED`] until [`KEEP`]: no dispatcher takes the campaign up, and it is not shown.
 static STAGE: LazyLock<redis::Script> = LazyLock::new(|| {
     redis::Script::new(
         r"
 local n = tonumber(ARGV[2])
 if n > 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV, 3, 2 + n))
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
 end
 if #ARGV > 2 + n then
   redis.call('RPUSH', KEYS[2], unpack(ARGV, 3 + n))
-  redis.call('PEXPIRE', KEYS[2], ARGV[1])
 end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return 1
 ",
     )
 });
-/// Keeps a created campaign (KEYS: its hash, its `:phones` list) until it completes: both
-/// parts lose the expiry [`STAGE`] gave them, together.
+/// Completes a campaign's creation (KEYS: its hash, its `:phones` list): a [`STAGED`] campaign
+/// becomes pending, and both parts lose their expiry, together. 1 when kept; 0 when the
+/// campaign is not staged (gone: its parts expired or were taken back).
 static KEEP: LazyLock<redis::Script> = LazyLock::new(|| {
-    redis::Script::new(
+    redis::Script::new(&format!(
         r"
+if redis.call('HGET', KEYS[1], 'status') ~= '{STAGED}' then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'status', 'pending')
 redis.call('PERSIST', KEYS[1])
 redis.call('PERSIST', KEYS[2])
 return 1
-",
-    )
+"
+    ))
 });
-/// How long the parts of a campaign being created live until its creation completes: what a
-/// creation cut off by the process's death leaves is gone after this.
-const STAGED_CAMPAIGN_TTL: Duration = Duration::from_secs(24 * 3600);
+/// The status of a campaign whose creation has not completed: dispatchers leave it, and it is
+/// not shown.
+pub const STAGED: &str = "staged";
+/// How long the parts of a campaign being created live until its creation completes (a
+/// creation takes seconds at most): what a failed creation could not take back, or one cut
+/// off by the process's death left, is gone after this.
+const STAGED_CAMPAIGN_TTL: Duration = Duration::from_secs(600);
 /// Numbers appended to a campaign's list per call while it is created: Redis serves other
 /// clients between calls.
 const STAGE_CHUNK: usize = 1_000;
 
 /// The most idempotency keys kept in memory (the oldest expire first).
 const MAX_MEMORY_IDEMPOTENCY_KEYS: usize = 200_000;
+
+/// A campaign's creation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// Nothing was created (what was written is taken back, or expires unseen).
+    #[error("{0}")]
+    NotCreated(StoreError),
+    /// The store did not confirm the creation's last step, which may have happened: the
+    /// campaign may exist.
+    #[error("{0}")]
+    Unknown(StoreError),
+}
 
 /// A store operation failed (Redis down, or a corrupted value).
 #[derive(Debug, thiserror::Error)]
@@ -337,11 +359,12 @@ pub trait Shared: Send + Sync + 'static {
     /// Whether a phone opted out: the Bloom filter first, then the exact set.
     fn is_opted_out(&self, phone: &str) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
+    /// Creates a pending campaign; a failure says whether it may exist.
     fn campaign_create(
         &self,
         campaign: &Campaign,
         phones: &[String],
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    ) -> impl Future<Output = Result<(), CreateError>> + Send;
     fn campaign_get(
         &self,
         id: &str,
@@ -608,7 +631,7 @@ impl Shared for MemoryShared {
         &self,
         campaign: &Campaign,
         phones: &[String],
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), CreateError> {
         locked(&self.campaigns).insert(
             campaign.id.clone(),
             MemoryCampaign {
@@ -1034,7 +1057,7 @@ impl RedisShared {
             "total",
             &total,
             "status",
-            "pending",
+            STAGED,
             "created_ms",
             &created,
             "cursor",
@@ -1058,20 +1081,20 @@ impl RedisShared {
     }
 
     /// Takes back what a failed creation of campaign `id` wrote (`keys`: its hash, its list):
-    /// its place among the pending ones first, so that no dispatcher takes it up. What cannot
-    /// be taken back (Redis failing again) expires with the parts' staging expiry; a campaign
-    /// that was pending already then stays pending, and is sent.
+    /// its parts first (a campaign without them can no longer be kept), then its place among
+    /// the pending ones. What cannot be taken back (Redis failing again) expires with the
+    /// parts' staging expiry, and a dispatcher drops a pending campaign whose parts are gone.
     async fn unstage_campaign(&self, keys: &[&[u8]; 2], id: &str) {
-        let mut pending = redis::cmd("SREM");
-        pending.arg(self.key(&["campaigns", "pending"])).arg(id);
         let mut parts = redis::cmd("DEL");
         parts.arg(keys[0]).arg(keys[1]);
-        if let Err(e) = self.query::<i64>(pending).await {
-            tracing::warn!(campaign = %id, error = %e, "cannot take back a campaign whose creation failed");
-            return;
-        }
         if let Err(e) = self.query::<i64>(parts).await {
             tracing::warn!(campaign = %id, error = %e, "cannot delete a campaign whose creation failed; its parts expire");
+            return;
+        }
+        let mut pending = redis::cmd("SREM");
+        pending.arg(self.key(&["campaigns", "pending"])).arg(id);
+        if let Err(e) = self.query::<i64>(pending).await {
+            tracing::warn!(campaign = %id, error = %e, "cannot take a failed campaign off the pending list; a dispatcher will");
         }
     }
 
@@ -1199,32 +1222,42 @@ impl Shared for RedisShared {
         Ok(self.query::<i64>(member).await? == 1)
     }
 
-    async fn campaign_create(&self, c: &Campaign, phones: &[String]) -> Result<(), StoreError> {
-        // The campaign's parts first, each with an expiry; then its place among the pending
-        // campaigns (which the dispatchers read: from then on it is created); then the parts
-        // are kept. A failure takes back what was written, so that a 503 leaves nothing; a
-        // creation cut off by the process's death leaves parts that expire.
+    async fn campaign_create(&self, c: &Campaign, phones: &[String]) -> Result<(), CreateError> {
+        // The campaign's parts first, staged (with an expiry, and a status no dispatcher takes
+        // up); then its place among the pending campaigns; then it is kept, which makes it a
+        // pending campaign: the creation's one step that counts. A failure before it takes
+        // back what was written; what cannot be taken back expires unseen.
         let keys = [
             self.campaign_key(&c.id, ""),
             self.campaign_key(&c.id, ":phones"),
         ];
         let keys = keys.each_ref().map(|k| k.as_bytes());
-        let written = async {
+        let staged = async {
             self.stage_campaign(&keys, c, phones).await?;
             let mut pending = redis::cmd("SADD");
             pending.arg(self.key(&["campaigns", "pending"])).arg(&c.id);
-            let _: i64 = self.query(pending).await?;
-            self.conn
-                .invoke_script(&KEEP, &keys, &[])
-                .await
-                .map_err(err)?;
-            Ok(())
+            self.query::<i64>(pending).await
         }
         .await;
-        if written.is_err() {
-            self.unstage_campaign(&keys, &c.id).await;
+        let kept = match staged {
+            Ok(_) => self.conn.invoke_script(&KEEP, &keys, &[]).await,
+            Err(e) => {
+                self.unstage_campaign(&keys, &c.id).await;
+                return Err(CreateError::NotCreated(e));
+            }
+        };
+        match kept {
+            Ok(redis::Value::Int(1)) => Ok(()),
+            Ok(other) => {
+                self.unstage_campaign(&keys, &c.id).await;
+                Err(CreateError::NotCreated(StoreError(format!(
+                    "campaign {}: its parts were gone before it was kept ({other:?})",
+                    c.id
+                ))))
+            }
+            // It may have been kept: nothing is taken back.
+            Err(e) => Err(CreateError::Unknown(err(e))),
         }
-        written
     }
 
     async fn campaign_get(&self, id: &str) -> Result<Option<Campaign>, StoreError> {
@@ -1634,7 +1667,11 @@ mod tests {
             .await
             .expect("get")
             .expect("created");
-        assert_eq!((got.total, got.text.as_str()), (2_500, "hi"), "{got:?}");
+        assert_eq!(
+            (got.status.as_str(), got.total, got.text.as_str()),
+            ("pending", 2_500, "hi"),
+            "{got:?}"
+        );
         let listed = store.campaign_phones("k1", 0, 3_000).await.expect("phones");
         assert_eq!(listed, phones, "every number, in order");
         // Kept until it completes: the staging expiry is gone from both parts.
@@ -1659,6 +1696,13 @@ mod tests {
                 "{key}: {ttl}"
             );
         }
+        // Not a campaign yet: no dispatcher takes it up.
+        let got = store
+            .campaign_get("s1")
+            .await
+            .expect("get")
+            .expect("staged");
+        assert_eq!(got.status, STAGED);
         assert!(store.campaigns_pending().await.expect("pending").is_empty());
     }
 
@@ -1676,7 +1720,10 @@ mod tests {
         let store = RedisShared::connect(&url, "failed").await.expect("connect");
         let (campaign, phones) = campaign_of("f1", 2_500);
         let created = store.campaign_create(&campaign, &phones).await;
-        assert!(created.is_err(), "{created:?}");
+        assert!(
+            matches!(created, Err(CreateError::NotCreated(_))),
+            "{created:?}"
+        );
         match server.cmd_ok(&["KEYS", "failed:campaign*"]).expect("KEYS") {
             floodgate_testkit::Resp::Array(Some(keys)) => assert!(keys.is_empty(), "{keys:?}"),
             other => panic!("KEYS: {other:?}"),

@@ -523,3 +523,59 @@ fn keys(redis: &RedisServer, pattern: &str) -> Vec<String> {
         other => panic!("KEYS: {other:?}"),
     }
 }
+
+/// A campaign whose creation has not completed (its parts written, its place among the
+/// pending ones taken, not yet kept: the creating replica died, or its last step failed) is
+/// neither dispatched nor shown; once kept, it is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_campaign_not_yet_kept_is_neither_sent_nor_shown() {
+    let redis = RedisServer::start().expect("redis-server");
+    let dir = temp_dir("staged-campaign");
+    let url = redis.url();
+    let gw = Gateway::start(&dir, "a", &[("REDIS_URL", &url)]);
+    let (hash, list) = ("sms:campaign:{staged1}", "sms:campaign:{staged1}:phones");
+    redis
+        .cmd_ok(&[
+            "HSET",
+            hash,
+            "text",
+            "hi",
+            "total",
+            "2",
+            "status",
+            "staged",
+            "created_ms",
+            "1",
+            "cursor",
+            "0",
+        ])
+        .expect("HSET");
+    redis
+        .cmd_ok(&["RPUSH", list, "+8613500000001", "+8613500000002"])
+        .expect("RPUSH");
+    redis
+        .cmd_ok(&["SADD", "sms:campaigns:pending", "staged1"])
+        .expect("SADD");
+    let http = Http::new();
+    let shown = http.get(&gw.url("/v1/campaigns/staged1")).await;
+    assert_eq!(shown.status, 404, "{}", shown.body);
+    // The dispatcher looks at the pending campaigns twice a second: it has passed it by.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(
+        outbox_by_phone(&[&gw], "staged1").is_empty(),
+        "a staged campaign was sent"
+    );
+    assert_eq!(
+        redis.cmd_ok(&["HGET", hash, "status"]).expect("HGET"),
+        floodgate_testkit::Resp::Bulk(Some(b"staged".to_vec())),
+        "a staged campaign was taken up"
+    );
+    // Kept, it is a campaign like any other.
+    redis
+        .cmd_ok(&["HSET", hash, "status", "pending"])
+        .expect("HSET");
+    let progress = wait_campaign(&http, &[&gw], "staged1", Duration::from_secs(30)).await;
+    assert_eq!(progress["sent"], 2, "{progress}");
+    assert_eq!(outbox_by_phone(&[&gw], "staged1").len(), 2);
+    let _ = std::fs::remove_dir_all(dir);
+}
