@@ -333,19 +333,20 @@ pub(crate) async fn refund<S: Shared>(app: &App<S>, checks: &[Check<'_>], verdic
     }
 }
 
-/// [`refund`] of every check but the first, the client's (see [`accept_sms`]): everything is
-/// given back, then the client's unit is spent again. Giving back all but the client's would
-/// leave a deny cache holding the denial it recorded for the whole check (the phone's last
-/// unit spent): the client's retry would be told to wait the phone's 30 minutes.
-async fn refund_all_but_the_client<S: Shared>(
+/// [`refund`] of every check but `kept` (see [`accept_sms`] and the dispatcher): everything is
+/// given back, then `kept` are spent again. Giving back all but those would leave a deny
+/// cache holding the denial it recorded for the whole check (the phone's last unit spent): the
+/// client's retry would be told to wait the phone's 30 minutes.
+pub(crate) async fn refund_all_but<S: Shared>(
     app: &App<S>,
     checks: &[Check<'_>],
     verdict: &Verdict,
+    kept: &[Check<'_>],
 ) {
     refund(app, checks, verdict).await;
-    // Denied (another request took the client's last unit meanwhile), it is spent all the same.
-    if let Err(e) = check(app, checks.get(..1).unwrap_or_default()).await {
-        tracing::warn!(error = %e.body(), "could not spend the client's unit of a message not sent");
+    // Denied (another request took the last unit meanwhile), they are spent all the same.
+    if let Err(e) = check(app, kept).await {
+        tracing::warn!(error = %e.body(), "could not spend again the units of a message not sent");
     }
 }
 
@@ -490,7 +491,7 @@ async fn accept_sms<S: Shared>(
     };
     if opted_out {
         metrics::counter!("sms_rejected_total", "limit" => "opted-out").increment(1);
-        refund_all_but_the_client(app, &checks, &verdict).await;
+        refund_all_but(app, &checks, &verdict, checks.get(..1).unwrap_or_default()).await;
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
             "opted_out",
@@ -522,10 +523,25 @@ async fn accept_sms<S: Shared>(
             response.extensions_mut().insert(UnknownFate(stored));
             return Err(response);
         }
+        if let Some(pause) = e.pause() {
+            // The provider is busy: the message did not go out, and does not count against
+            // the phone's limits; the client's unit and the global one stay spent (the
+            // provider's capacity is what ran out: given back, it would go to the next
+            // message, which the provider would turn away too).
+            refund_all_but(app, &checks, &verdict, checks.get(..2).unwrap_or_default()).await;
+            let secs = pause.as_secs_f64().ceil() as u64;
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "provider_busy",
+                format!("the SMS provider is busy; try again in {secs} s"),
+            )
+            .retry_after(secs)
+            .into_response());
+        }
         // The message did not go out: it does not count against the phone's or the global
         // limit, so the client can try again at once (its own unit is spent: a number the
         // provider refuses cannot be sent to it at any rate).
-        refund_all_but_the_client(app, &checks, &verdict).await;
+        refund_all_but(app, &checks, &verdict, checks.get(..1).unwrap_or_default()).await;
         return Err(ApiError::new(
             StatusCode::BAD_GATEWAY,
             "provider_error",

@@ -150,8 +150,9 @@ async fn dispatch<S: Shared>(
                     Step::Wait(retry) => retry,
                     Step::Unsure => break None,
                 };
-                // The global budget is spent: this number waits for it, as long as the lease
-                // holds and the replica runs (a lost lease does not wake the wait).
+                // The global budget is spent, or the provider is busy: this number waits, as
+                // long as the lease holds and the replica runs (a lost lease does not wake the
+                // wait).
                 if stopping() {
                     break None;
                 }
@@ -223,7 +224,7 @@ async fn dispatch<S: Shared>(
 /// What became of one number, or why it is not decided yet.
 enum Step {
     Done(Outcome),
-    /// The global budget is spent: try again after this.
+    /// The global budget is spent, or the provider is busy: try again after this.
     Wait(Duration),
     /// The store failed before the send: whether the number opted out, or its limits, are not
     /// known.
@@ -293,6 +294,13 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
         Err(e) => {
             metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
             tracing::warn!(error = %e, "the SMS provider failed");
+            if let Some(pause) = e.pause() {
+                // The provider is busy: the number is not sent, and waits. Its limits do not
+                // count it; the global budget and the campaigns' share stay spent (the
+                // provider's capacity is what ran out).
+                crate::app::refund_all_but(app, &checks, &verdict, &checks[2..]).await;
+                return Step::Wait(pause);
+            }
             // Certainly not sent: the phone's limits do not count it.
             if e.not_sent() {
                 crate::app::refund(app, &checks, &verdict).await;

@@ -41,18 +41,43 @@ pub enum ProviderError {
     /// over): it may have gone out.
     #[error("{0}")]
     Unknown(String),
+    /// The provider is busy (`429`, or `503`): the message did not go out, and the provider
+    /// asks for a pause, of `retry_after` when it said how long.
+    #[error("{message}")]
+    Throttled {
+        message: String,
+        retry_after: Option<Duration>,
+    },
 }
 
 impl ProviderError {
     /// Whether the message certainly did not go out (and may be given back to the limits).
     pub fn not_sent(&self) -> bool {
-        matches!(self, ProviderError::NotSent(_))
+        matches!(
+            self,
+            ProviderError::NotSent(_) | ProviderError::Throttled { .. }
+        )
+    }
+
+    /// How long to pause before the next message when the provider is busy (`None`
+    /// otherwise): what it asked for, from 100 ms to a minute, or a second when it did not say.
+    pub fn pause(&self) -> Option<Duration> {
+        match self {
+            ProviderError::Throttled { retry_after, .. } => Some(
+                retry_after
+                    .unwrap_or(Duration::from_secs(1))
+                    .clamp(Duration::from_millis(100), Duration::from_secs(60)),
+            ),
+            _ => None,
+        }
     }
 
     /// The error's text.
     pub fn message(&self) -> &str {
         match self {
-            ProviderError::NotSent(m) | ProviderError::Unknown(m) => m,
+            ProviderError::NotSent(m)
+            | ProviderError::Unknown(m)
+            | ProviderError::Throttled { message: m, .. } => m,
         }
     }
 }
@@ -199,12 +224,13 @@ impl SmsProvider for WebhookProvider {
             let exchange = async {
                 let resp = self.client.request(req).await?;
                 let status = resp.status();
+                let retry_after = retry_after(resp.headers());
                 let _ = resp.into_body().collect().await;
-                Ok::<_, hyper_util::client::legacy::Error>(status)
+                Ok::<_, hyper_util::client::legacy::Error>((status, retry_after))
             };
             // A webhook never reached (refused, unroutable) or that answered an error did not
             // take the message; a timeout or a connection lost mid-exchange may have.
-            let status = tokio::time::timeout(Duration::from_secs(5), exchange)
+            let (status, retry_after) = tokio::time::timeout(Duration::from_secs(5), exchange)
                 .await
                 .map_err(|_| ProviderError::Unknown("webhook timed out after 5s".into()))?
                 .map_err(|e| {
@@ -215,9 +241,18 @@ impl SmsProvider for WebhookProvider {
                         ProviderError::Unknown(message)
                     }
                 })?;
-            // A 4xx refused the message, and a 503 says it was not handled; other errors (a 500,
-            // a proxy's 502 or 504) may come after the message went out.
-            if status.is_client_error() || status == http::StatusCode::SERVICE_UNAVAILABLE {
+            // A 429 or a 503 says the message was not handled, and asks for a pause; another
+            // 4xx refused it; other errors (a 500, a proxy's 502 or 504) may come after the
+            // message went out.
+            if status == http::StatusCode::TOO_MANY_REQUESTS
+                || status == http::StatusCode::SERVICE_UNAVAILABLE
+            {
+                return Err(ProviderError::Throttled {
+                    message: format!("webhook answered {status}"),
+                    retry_after,
+                });
+            }
+            if status.is_client_error() {
                 return Err(ProviderError::NotSent(format!("webhook answered {status}")));
             }
             if !status.is_success() {
@@ -228,9 +263,40 @@ impl SmsProvider for WebhookProvider {
     }
 }
 
+/// A `Retry-After` in seconds (its HTTP-date form is not read: the default pause applies).
+fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
+    let value = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?;
+    value.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_busy_providers_pause_is_bounded() {
+        let busy = |secs: Option<u64>| ProviderError::Throttled {
+            message: "busy".into(),
+            retry_after: secs.map(Duration::from_secs),
+        };
+        assert_eq!(busy(Some(3)).pause(), Some(Duration::from_secs(3)));
+        assert_eq!(busy(None).pause(), Some(Duration::from_secs(1)));
+        assert_eq!(busy(Some(0)).pause(), Some(Duration::from_millis(100)));
+        assert_eq!(busy(Some(86_400)).pause(), Some(Duration::from_secs(60)));
+        assert!(busy(None).not_sent());
+        assert_eq!(ProviderError::NotSent("no".into()).pause(), None);
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from_static(" 7 "),
+        );
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(7)));
+        headers.insert(
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"),
+        );
+        assert_eq!(retry_after(&headers), None);
+    }
 
     fn sms(id: &str) -> OutboundSms {
         OutboundSms {

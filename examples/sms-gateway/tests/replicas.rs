@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use floodgate_testkit::RedisServer;
 use serde_json::json;
-use support::{Gateway, Http, REFUSE, SLOW_REFUSE, TAKE, sms, temp_dir, wait_campaign, webhook};
+use support::{
+    Gateway, Http, REFUSE, SLOW_REFUSE, TAKE, THROTTLE, sms, temp_dir, wait_campaign, webhook,
+};
 
 fn pair(dir: &std::path::Path, redis: &RedisServer, env: &[(&str, &str)]) -> (Gateway, Gateway) {
     let url = redis.url();
@@ -577,5 +579,49 @@ async fn a_campaign_not_yet_kept_is_neither_sent_nor_shown() {
     let progress = wait_campaign(&http, &[&gw], "staged1", Duration::from_secs(30)).await;
     assert_eq!(progress["sent"], 2, "{progress}");
     assert_eq!(outbox_by_phone(&[&gw], "staged1").len(), 2);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A provider that is busy (429 with `Retry-After`) did not take the message: the client is
+/// told to come back then (503 `provider_busy`), and the phone's units are given back, so that
+/// its retry goes out; a campaign's numbers wait for the provider instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_provider_is_waited_for_not_failed() {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    let redis = RedisServer::start().expect("redis-server");
+    let mode = Arc::new(AtomicU8::new(THROTTLE));
+    let (hook, taken) = webhook(Arc::clone(&mode)).await;
+    let dir = temp_dir("busy-provider");
+    let url = redis.url();
+    let gw = Gateway::start(&dir, "solo", &[("REDIS_URL", &url), ("WEBHOOK_URL", &hook)]);
+    let http = Http::new();
+    let phone = "+8613866666666";
+    let busy = http.post(&gw.url("/v1/sms"), &sms(phone, "hello")).await;
+    assert_eq!(busy.status, 503, "{}", busy.body);
+    assert_eq!(busy.body["error"]["code"], "provider_busy", "{}", busy.body);
+    assert_eq!(
+        busy.headers.get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..]),
+        "{:?}",
+        busy.headers
+    );
+    // A campaign meanwhile: its numbers wait for the provider.
+    let phones = campaign_phones(3, 13_600_000_000);
+    let created = http
+        .post(
+            &gw.url("/v1/campaigns"),
+            &json!({"phones": phones, "text": "sale"}).to_string(),
+        )
+        .await;
+    assert_eq!(created.status, 202, "{}", created.body);
+    let id = created.body["id"].as_str().expect("id").to_owned();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    mode.store(TAKE, Ordering::SeqCst);
+    let retried = http.post(&gw.url("/v1/sms"), &sms(phone, "hello")).await;
+    assert_eq!(retried.status, 202, "{}", retried.body);
+    let progress = wait_campaign(&http, &[&gw], &id, Duration::from_secs(30)).await;
+    assert_eq!(progress["sent"], 3, "{progress}");
+    assert_eq!(progress["failed"], 0, "{progress}");
+    assert_eq!(taken.load(Ordering::SeqCst), 4);
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -256,9 +256,11 @@ pub const REFUSE: u8 = 1;
 pub const STALL: u8 = 2;
 /// Refuses (422) after two seconds: the gateway has counted the message meanwhile.
 pub const SLOW_REFUSE: u8 = 3;
+/// Busy: `429` with `Retry-After: 1`.
+pub const THROTTLE: u8 = 4;
 
-/// A webhook on loopback that takes messages (200), refuses them (422) or never answers,
-/// as `mode` says; returns its address and the count of messages it took.
+/// A webhook on loopback that takes messages (200), refuses them (422), is busy (429) or never
+/// answers, as `mode` says; returns its address and the count of messages it took.
 pub async fn webhook(
     mode: std::sync::Arc<std::sync::atomic::AtomicU8>,
 ) -> (String, std::sync::Arc<std::sync::atomic::AtomicU64>) {
@@ -299,6 +301,7 @@ pub async fn webhook(
                 }
                 let status = match mode.load(Ordering::SeqCst) {
                     REFUSE => "422 Unprocessable Entity",
+                    THROTTLE => "429 Too Many Requests\r\nretry-after: 1",
                     SLOW_REFUSE => {
                         tokio::time::sleep(Duration::from_secs(2)).await;
                         "422 Unprocessable Entity"
