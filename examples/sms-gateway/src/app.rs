@@ -590,6 +590,8 @@ async fn opt_out<S: Shared>(
 
 async fn create_campaign<S: Shared>(
     State(app): State<Arc<App<S>>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
     raw: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     // Campaigns wait for the dispatcher with their numbers stored: their count is bounded, or
@@ -613,6 +615,27 @@ async fn create_campaign<S: Shared>(
             ),
         )
         // When one completes is not known: a minute is a guess a client can keep to.
+        .retry_after(60));
+    }
+    // And a client's own: one client cannot take every pending place.
+    let client = client_key(&app.client_ip, peer, &headers);
+    let client = String::from_utf8_lossy(client.as_bytes()).into_owned();
+    let theirs = app
+        .shared
+        .campaigns_pending_of(&client)
+        .await
+        .map_err(|e| ApiError::unavailable("the campaign store", e))?;
+    let most = app.config.max_pending_campaigns_per_client;
+    if theirs >= most {
+        metrics::counter!("sms_campaigns_refused_total").increment(1);
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_client_campaigns",
+            format!(
+                "{theirs} of your campaigns are pending, the most a client may have is {most}; \
+                 try again when one completes"
+            ),
+        )
         .retry_after(60));
     }
     let bytes = body(raw)?;
@@ -655,6 +678,7 @@ async fn create_campaign<S: Shared>(
         total: phones.len() as u64,
         created_ms: now_ms(),
         text: text.to_owned(),
+        client,
         ..Campaign::default()
     };
     // Written in a task of its own, which shutdown waits for: a client that hangs up (hyper

@@ -79,6 +79,11 @@ pub struct Cli {
     /// each).
     #[arg(long, env = "MAX_PENDING_CAMPAIGNS")]
     pub max_pending_campaigns: Option<u64>,
+    /// The most campaigns pending at once from one client (its address, as the rate limits
+    /// key it), at most MAX_PENDING_CAMPAIGNS: one more is refused (503) until one of its
+    /// campaigns completes, so that one client cannot take every pending place.
+    #[arg(long, env = "MAX_PENDING_CAMPAIGNS_PER_CLIENT")]
+    pub max_pending_campaigns_per_client: Option<u64>,
     /// The most client connections served at once; further ones wait in the listen queue
     /// until one closes. Keep it under the process' open-file limit (`ulimit -n`), which
     /// Redis, the outbox and webhook calls share.
@@ -128,6 +133,7 @@ struct FileConfig {
     redis_prefix: Option<String>,
     memory_max_keys: Option<u64>,
     max_pending_campaigns: Option<u64>,
+    max_pending_campaigns_per_client: Option<u64>,
     max_connections: Option<u64>,
     max_connections_per_ip: Option<u64>,
     header_timeout: Option<String>,
@@ -157,6 +163,8 @@ pub struct Config {
     pub memory_max_keys: usize,
     /// The most campaigns pending at once.
     pub max_pending_campaigns: usize,
+    /// The most campaigns pending at once from one client.
+    pub max_pending_campaigns_per_client: usize,
     /// The most client connections served at once.
     pub max_connections: usize,
     /// The most connections served at once from one client address (an IPv6 client's /64),
@@ -191,6 +199,7 @@ impl Default for Config {
             redis_prefix: "sms".into(),
             memory_max_keys: floodgate::DEFAULT_MAX_KEYS,
             max_pending_campaigns: 100,
+            max_pending_campaigns_per_client: 10,
             // Under the common soft limit of 1024 open files, with room for the rest.
             max_connections: 512,
             max_connections_per_ip: 64,
@@ -278,6 +287,16 @@ impl Config {
             Some(n) => usize::try_from(n)
                 .map_err(|_| bad("max_connections", format!("{n} is too large")))?,
         };
+        let max_pending_campaigns = match cli.max_pending_campaigns.or(file.max_pending_campaigns) {
+            None => d.max_pending_campaigns,
+            Some(0) => return Err(bad("max_pending_campaigns", "must be at least 1")),
+            // Counting the pending campaigns reads them all: a few thousand at most.
+            Some(n) if n > 10_000 => {
+                return Err(bad("max_pending_campaigns", "must be at most 10000"));
+            }
+            Some(n) => usize::try_from(n)
+                .map_err(|_| bad("max_pending_campaigns", format!("{n} is too large")))?,
+        };
         let config = Config {
             listen: cli.listen.or(file.listen).unwrap_or(d.listen),
             redis_url: cli
@@ -343,15 +362,32 @@ impl Config {
                 Some(n) => usize::try_from(n)
                     .map_err(|_| bad("memory_max_keys", format!("{n} is too large")))?,
             },
-            max_pending_campaigns: match cli.max_pending_campaigns.or(file.max_pending_campaigns) {
-                None => d.max_pending_campaigns,
-                Some(0) => return Err(bad("max_pending_campaigns", "must be at least 1")),
-                // Counting the pending campaigns reads them all: a few thousand at most.
-                Some(n) if n > 10_000 => {
-                    return Err(bad("max_pending_campaigns", "must be at most 10000"));
+            max_pending_campaigns,
+            max_pending_campaigns_per_client: match cli
+                .max_pending_campaigns_per_client
+                .or(file.max_pending_campaigns_per_client)
+            {
+                // At most the bound of all pending campaigns, which a smaller one lowers.
+                None => d
+                    .max_pending_campaigns_per_client
+                    .min(max_pending_campaigns),
+                Some(0) => {
+                    return Err(bad(
+                        "max_pending_campaigns_per_client",
+                        "must be at least 1",
+                    ));
                 }
-                Some(n) => usize::try_from(n)
-                    .map_err(|_| bad("max_pending_campaigns", format!("{n} is too large")))?,
+                Some(n) => match usize::try_from(n) {
+                    Ok(n) if n <= max_pending_campaigns => n,
+                    _ => {
+                        return Err(bad(
+                            "max_pending_campaigns_per_client",
+                            format!(
+                                "{n} is more than max_pending_campaigns ({max_pending_campaigns})"
+                            ),
+                        ));
+                    }
+                },
             },
             max_connections,
             max_connections_per_ip: match cli.max_connections_per_ip.or(file.max_connections_per_ip)
@@ -471,6 +507,13 @@ mod tests {
             (config.max_connections, config.max_connections_per_ip),
             (512, 64)
         );
+        // A client's pending campaigns: 10 by default, never above the bound of all of them.
+        assert_eq!(config.max_pending_campaigns_per_client, 10);
+        let config = Config::load(cli(&["--max-pending-campaigns", "4"])).expect("valid");
+        assert_eq!(config.max_pending_campaigns_per_client, 4);
+        let err =
+            Config::load(cli(&["--max-pending-campaigns-per-client", "101"])).expect_err("bad");
+        assert_eq!(err.name, "max_pending_campaigns_per_client");
         let err = Config::load(cli(&["--max-connections-per-ip", "0"])).expect_err("bad");
         assert_eq!(err.name, "max_connections_per_ip");
         let err = Config::load(cli(&[

@@ -318,6 +318,10 @@ pub struct Campaign {
     pub text: String,
     #[serde(skip)]
     pub cursor: u64,
+    /// The client that created it (its address, as the rate limits key it): its pending
+    /// campaigns are bounded.
+    #[serde(skip)]
+    pub client: String,
 }
 
 /// A duration in whole milliseconds, saturated.
@@ -373,6 +377,11 @@ pub trait Shared: Send + Sync + 'static {
     /// How many campaigns are pending: [`Shared::campaigns_pending`]'s length, without listing
     /// them (asked on every campaign creation).
     fn campaigns_pending_count(&self) -> impl Future<Output = Result<usize, StoreError>> + Send;
+    /// How many campaigns of `client` are pending (asked on every campaign creation).
+    fn campaigns_pending_of(
+        &self,
+        client: &str,
+    ) -> impl Future<Output = Result<usize, StoreError>> + Send;
     fn campaign_phones(
         &self,
         id: &str,
@@ -663,6 +672,13 @@ impl Shared for MemoryShared {
 
     async fn campaigns_pending_count(&self) -> Result<usize, StoreError> {
         Ok(self.campaigns_pending().await?.len())
+    }
+
+    async fn campaigns_pending_of(&self, client: &str) -> Result<usize, StoreError> {
+        Ok(locked(&self.campaigns)
+            .values()
+            .filter(|c| c.campaign.client == client && c.campaign.status != "completed")
+            .count())
     }
 
     async fn campaign_phones(
@@ -1041,6 +1057,11 @@ impl RedisShared {
         format!("{}:campaign:{{{id}}}{suffix}", self.prefix)
     }
 
+    /// The set of `client`'s pending campaigns.
+    fn client_campaigns_key(&self, client: &str) -> String {
+        self.key(&["campaigns", "client", client])
+    }
+
     /// Writes campaign `c`'s hash and its numbers (`keys`: the hash, the list) with
     /// [`STAGE`]: in chunks, the hash with the first.
     async fn stage_campaign(
@@ -1051,9 +1072,11 @@ impl RedisShared {
     ) -> Result<(), StoreError> {
         let ttl = STAGED_CAMPAIGN_TTL.as_millis().to_string();
         let (total, created) = (c.total.to_string(), c.created_ms.to_string());
-        let hash: [&str; 10] = [
+        let hash: [&str; 12] = [
             "text",
             &c.text,
+            "client",
+            &c.client,
             "total",
             &total,
             "status",
@@ -1080,11 +1103,13 @@ impl RedisShared {
         Ok(())
     }
 
-    /// Takes back what a failed creation of campaign `id` wrote (`keys`: its hash, its list):
-    /// its parts first (a campaign without them can no longer be kept), then its place among
-    /// the pending ones. What cannot be taken back (Redis failing again) expires with the
-    /// parts' staging expiry, and a dispatcher drops a pending campaign whose parts are gone.
-    async fn unstage_campaign(&self, keys: &[&[u8]; 2], id: &str) {
+    /// Takes back what a failed creation of campaign `c` wrote (`keys`: its hash, its list):
+    /// its parts first (a campaign without them can no longer be kept), then its places among
+    /// the pending ones and its client's. What cannot be taken back (Redis failing again)
+    /// expires with the parts' staging expiry; a dispatcher drops a pending campaign whose
+    /// parts are gone, and the count of a client's campaigns drops one that is gone.
+    async fn unstage_campaign(&self, keys: &[&[u8]; 2], c: &Campaign) {
+        let id = c.id.as_str();
         let mut parts = redis::cmd("DEL");
         parts.arg(keys[0]).arg(keys[1]);
         if let Err(e) = self.query::<i64>(parts).await {
@@ -1095,6 +1120,12 @@ impl RedisShared {
         pending.arg(self.key(&["campaigns", "pending"])).arg(id);
         if let Err(e) = self.query::<i64>(pending).await {
             tracing::warn!(campaign = %id, error = %e, "cannot take a failed campaign off the pending list; a dispatcher will");
+            return;
+        }
+        let mut of_client = redis::cmd("SREM");
+        of_client.arg(self.client_campaigns_key(&c.client)).arg(id);
+        if let Err(e) = self.query::<i64>(of_client).await {
+            tracing::warn!(campaign = %id, error = %e, "cannot take a failed campaign off its client's list");
         }
     }
 
@@ -1236,20 +1267,25 @@ impl Shared for RedisShared {
             self.stage_campaign(&keys, c, phones).await?;
             let mut pending = redis::cmd("SADD");
             pending.arg(self.key(&["campaigns", "pending"])).arg(&c.id);
-            self.query::<i64>(pending).await
+            self.query::<i64>(pending).await?;
+            let mut of_client = redis::cmd("SADD");
+            of_client
+                .arg(self.client_campaigns_key(&c.client))
+                .arg(&c.id);
+            self.query::<i64>(of_client).await
         }
         .await;
         let kept = match staged {
             Ok(_) => self.conn.invoke_script(&KEEP, &keys, &[]).await,
             Err(e) => {
-                self.unstage_campaign(&keys, &c.id).await;
+                self.unstage_campaign(&keys, c).await;
                 return Err(CreateError::NotCreated(e));
             }
         };
         match kept {
             Ok(redis::Value::Int(1)) => Ok(()),
             Ok(other) => {
-                self.unstage_campaign(&keys, &c.id).await;
+                self.unstage_campaign(&keys, c).await;
                 Err(CreateError::NotCreated(StoreError(format!(
                     "campaign {}: its parts were gone before it was kept ({other:?})",
                     c.id
@@ -1287,6 +1323,7 @@ impl Shared for RedisShared {
             completed_ms: fields.get("completed_ms").and_then(|v| v.parse().ok()),
             text: fields.get("text").cloned().unwrap_or_default(),
             cursor: num("cursor"),
+            client: fields.get("client").cloned().unwrap_or_default(),
         };
         if c.status == "completed" {
             c.unknown = c.claimed - (c.sent + c.limited + c.opted_out + c.failed).min(c.claimed);
@@ -1298,6 +1335,30 @@ impl Shared for RedisShared {
         let mut members = redis::cmd("SMEMBERS");
         members.arg(self.key(&["campaigns", "pending"]));
         self.query(members).await
+    }
+
+    async fn campaigns_pending_of(&self, client: &str) -> Result<usize, StoreError> {
+        // The client's set is kept by creation and completion; a completion cut off before
+        // its removal leaves an id there, which would count for good: the ids of campaigns
+        // completed or gone are dropped here (read one by one: a client has a few).
+        let set = self.client_campaigns_key(client);
+        let mut members = redis::cmd("SMEMBERS");
+        members.arg(&set);
+        let ids: Vec<String> = self.query(members).await?;
+        let mut pending = 0;
+        for id in ids {
+            let mut status = redis::cmd("HGET");
+            status.arg(self.campaign_key(&id, "")).arg("status");
+            match self.query::<Option<String>>(status).await?.as_deref() {
+                None | Some("completed") => {
+                    let mut gone = redis::cmd("SREM");
+                    gone.arg(&set).arg(&id);
+                    let _: i64 = self.query(gone).await?;
+                }
+                Some(_) => pending += 1,
+            }
+        }
+        Ok(pending)
     }
 
     async fn campaigns_pending_count(&self) -> Result<usize, StoreError> {
@@ -1427,6 +1488,15 @@ impl Shared for RedisShared {
         let mut done = redis::cmd("SREM");
         done.arg(self.key(&["campaigns", "pending"])).arg(id);
         let _: i64 = self.query(done).await?;
+        // Its client's list too (the hash is kept for the report; gone, the count of the
+        // client's campaigns drops it).
+        let mut client = redis::cmd("HGET");
+        client.arg(&keys[0]).arg("client");
+        if let Some(client) = self.query::<Option<String>>(client).await? {
+            let mut of_client = redis::cmd("SREM");
+            of_client.arg(self.client_campaigns_key(&client)).arg(id);
+            let _: i64 = self.query(of_client).await?;
+        }
         Ok(completion)
     }
 }
@@ -1480,6 +1550,68 @@ mod tests {
         assert!(pending.iter().any(|p| p == id), "{pending:?}");
         let count = store.campaigns_pending_count().await.expect("count");
         assert_eq!((count, pending.len()), (before + 1, before + 1));
+    }
+
+    /// Creates pending campaign `id` of one number for `client`.
+    async fn create_for<S: Shared>(store: &S, id: &str, client: &str) {
+        let campaign = Campaign {
+            id: id.into(),
+            status: "pending".into(),
+            total: 1,
+            text: "hi".into(),
+            client: client.into(),
+            ..Campaign::default()
+        };
+        store
+            .campaign_create(&campaign, &["+8613800000099".to_owned()])
+            .await
+            .expect("create");
+    }
+
+    /// A client's pending campaigns are counted until they complete, and no one else's.
+    async fn a_clients_pending_campaigns_are_counted<S: Shared>(store: &S) {
+        create_for(store, "c1", "203.0.113.1").await;
+        create_for(store, "c2", "203.0.113.1").await;
+        create_for(store, "c3", "2001:db8::/64").await;
+        let of = |client: &'static str| store.campaigns_pending_of(client);
+        assert_eq!(of("203.0.113.1").await.expect("count"), 2);
+        assert_eq!(of("2001:db8::/64").await.expect("count"), 1);
+        assert_eq!(of("198.51.100.1").await.expect("count"), 0);
+        let done = store
+            .campaign_complete("c1", Duration::from_secs(60), 1)
+            .await
+            .expect("complete");
+        assert_eq!(done, Completion::Completed);
+        assert_eq!(of("203.0.113.1").await.expect("count"), 1);
+    }
+
+    #[tokio::test]
+    async fn a_clients_pending_campaigns_are_counted_in_memory() {
+        a_clients_pending_campaigns_are_counted(&MemoryShared::new().expect("store")).await;
+    }
+
+    #[tokio::test]
+    async fn a_clients_pending_campaigns_are_counted_in_redis() {
+        let (server, store) = redis_store("per-client").await;
+        a_clients_pending_campaigns_are_counted(&store).await;
+        // A campaign gone without its completion's last step (its hash expired or deleted):
+        // no longer counted, and dropped from the client's list.
+        server
+            .cmd_ok(&["DEL", "per-client:campaign:{c2}"])
+            .expect("DEL");
+        assert_eq!(
+            store
+                .campaigns_pending_of("203.0.113.1")
+                .await
+                .expect("count"),
+            0
+        );
+        assert_eq!(
+            server
+                .cmd_ok(&["SCARD", "per-client:campaigns:client:203.0.113.1"])
+                .expect("SCARD"),
+            floodgate_testkit::Resp::Int(0)
+        );
     }
 
     /// What a dispatcher that lost its lock (and still runs) may write: nothing that moves a

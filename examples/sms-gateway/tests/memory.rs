@@ -486,6 +486,63 @@ async fn campaigns_beyond_the_pending_bound_are_refused() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// One client cannot take every pending place: past its own bound, its next campaign is
+/// refused, while another client's is accepted.
+#[tokio::test]
+async fn a_clients_pending_campaigns_are_bounded() {
+    let dir = temp_dir("pending-per-client");
+    let gw = Gateway::start(
+        &dir,
+        "pending-per-client",
+        &[
+            ("GLOBAL_PER_SECOND", "20"),
+            ("IP_PER_MINUTE", "1000"),
+            ("MAX_PENDING_CAMPAIGNS", "10"),
+            ("MAX_PENDING_CAMPAIGNS_PER_CLIENT", "2"),
+            // Clients come through a proxy on loopback, which names them.
+            ("TRUSTED_PROXIES", "127.0.0.1/32"),
+        ],
+    );
+    let http = Http::new();
+    // 300 numbers each, sent at 16 a second: they stay pending for the rest of the test.
+    let campaign = |n: u32| {
+        let phones: Vec<String> = (0..300)
+            .map(|i| format!("\"+86139{n:02}{i:06}\""))
+            .collect();
+        format!(r#"{{"text":"sale","phones":[{}]}}"#, phones.join(","))
+    };
+    let create = |client: &'static str, n: u32| {
+        let (http, url, body) = (http.clone(), gw.url("/v1/campaigns"), campaign(n));
+        async move {
+            http.send(
+                "POST",
+                &url,
+                &[
+                    ("content-type", "application/json"),
+                    ("x-forwarded-for", client),
+                ],
+                &body,
+            )
+            .await
+        }
+    };
+    for n in 0..2 {
+        let created = create("203.0.113.1", n).await;
+        assert_eq!(created.status, 202, "campaign {n}: {}", created.body);
+    }
+    let refused = create("203.0.113.1", 2).await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(
+        refused.body["error"]["code"], "too_many_client_campaigns",
+        "{}",
+        refused.body
+    );
+    assert_eq!(refused.headers["retry-after"], "60");
+    let other = create("203.0.113.2", 3).await;
+    assert_eq!(other.status, 202, "{}", other.body);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Connects to `gw` with a read timeout.
 fn connect(gw: &Gateway, read_timeout: Duration) -> std::net::TcpStream {
     let stream = std::net::TcpStream::connect(("127.0.0.1", gw.port)).expect("connect");
