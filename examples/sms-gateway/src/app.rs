@@ -324,12 +324,37 @@ async fn check<S: Shared>(app: &App<S>, checks: &[Check<'_>]) -> Result<Verdict,
     result.map_err(|e| ApiError::unavailable("the rate limiter", e))
 }
 
-/// Gives back what `verdict` took, for a message that did not go out. A failure is logged and
-/// counted: the units come back on their own when the limits' windows pass.
-pub(crate) async fn refund<S: Shared>(app: &App<S>, checks: &[Check<'_>], verdict: &Verdict) {
-    if let Err(e) = app.shared.limiter().refund(checks, verdict).await {
-        metrics::counter!("sms_errors_total", "what" => "refund").increment(1);
-        tracing::warn!(error = %e, "could not give back the limits of a message that failed");
+/// Counts and logs a provider's error: every message held back during a pause at debug level
+/// only (a busy provider would otherwise log each of them).
+pub(crate) fn note_provider_error(e: &crate::provider::ProviderError) {
+    let what = if e.pause().is_some() {
+        "provider_busy"
+    } else {
+        "provider"
+    };
+    metrics::counter!("sms_errors_total", "what" => what).increment(1);
+    if e.reached_provider() {
+        tracing::warn!(error = %e, "the SMS provider failed");
+    } else {
+        tracing::debug!(error = %e, "a message waits for the SMS provider's pause");
+    }
+}
+
+/// Gives back what `verdict` took, for a message that did not go out; whether it could. A
+/// failure is logged and counted: the units come back on their own when the limits' windows
+/// pass.
+pub(crate) async fn refund<S: Shared>(
+    app: &App<S>,
+    checks: &[Check<'_>],
+    verdict: &Verdict,
+) -> bool {
+    match app.shared.limiter().refund(checks, verdict).await {
+        Ok(()) => true,
+        Err(e) => {
+            metrics::counter!("sms_errors_total", "what" => "refund").increment(1);
+            tracing::warn!(error = %e, "could not give back the limits of a message that failed");
+            false
+        }
     }
 }
 
@@ -343,10 +368,16 @@ pub(crate) async fn refund_all_but<S: Shared>(
     verdict: &Verdict,
     kept: &[Check<'_>],
 ) {
-    refund(app, checks, verdict).await;
-    // Denied (another request took the last unit meanwhile), they are spent all the same.
-    if let Err(e) = check(app, kept).await {
-        tracing::warn!(error = %e.body(), "could not spend again the units of a message not sent");
+    // Not given back, nothing is spent again (it would count twice).
+    if !refund(app, checks, verdict).await {
+        return;
+    }
+    // Each on its own: one denied (another request took its last unit meanwhile) does not
+    // keep the others from being spent.
+    for kept in kept {
+        if let Err(e) = check(app, std::slice::from_ref(kept)).await {
+            tracing::warn!(error = %e.body(), "could not spend again a unit of a message not sent");
+        }
     }
 }
 
@@ -508,8 +539,7 @@ async fn accept_sms<S: Shared>(
         sent_at_ms: now_ms(),
     };
     if let Err(e) = app.provider.send(&sms).await {
-        metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
-        tracing::warn!(error = %e, "the SMS provider failed");
+        note_provider_error(&e);
         if !e.not_sent() {
             // It may have gone out: it counts, or a retry could message the phone twice; and a
             // retry with the same Idempotency-Key gets this answer again.
@@ -525,10 +555,17 @@ async fn accept_sms<S: Shared>(
         }
         if let Some(pause) = e.pause() {
             // The provider is busy: the message did not go out, and does not count against
-            // the phone's limits; the client's unit and the global one stay spent (the
-            // provider's capacity is what ran out: given back, it would go to the next
-            // message, which the provider would turn away too).
-            refund_all_but(app, &checks, &verdict, checks.get(..2).unwrap_or_default()).await;
+            // the phone's limits; the client's unit stays spent, and the global one too when
+            // the provider was asked (its capacity is what ran out: given back, it would go to
+            // the next message, which the provider would turn away too).
+            let kept = if e.reached_provider() { 2 } else { 1 };
+            refund_all_but(
+                app,
+                &checks,
+                &verdict,
+                checks.get(..kept).unwrap_or_default(),
+            )
+            .await;
             let secs = pause.as_secs_f64().ceil() as u64;
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,

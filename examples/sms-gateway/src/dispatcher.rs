@@ -144,15 +144,22 @@ async fn dispatch<S: Shared>(
                 }
             }
             // `None`: the number is not decided, and this dispatcher stops.
+            let mut busy_for = Duration::ZERO;
             let decided = loop {
                 let retry = match send_one(app, &campaign, phone).await {
                     Step::Done(outcome) => break Some(outcome),
                     Step::Wait(retry) => retry,
+                    // A provider busy for long: the number goes back (as when the store
+                    // fails), and the campaign's lock with it, for the next pass.
+                    Step::Busy(_) if busy_for >= MAX_BUSY_WAIT => break None,
+                    Step::Busy(retry) => {
+                        busy_for += retry;
+                        retry
+                    }
                     Step::Unsure => break None,
                 };
                 // The global budget is spent, or the provider is busy: this number waits, as
-                // long as the lease holds and the replica runs (a lost lease does not wake the
-                // wait).
+                // long as the lease holds and the replica runs.
                 if stopping() {
                     break None;
                 }
@@ -160,6 +167,7 @@ async fn dispatch<S: Shared>(
                 tokio::select! {
                     _ = tokio::time::sleep(retry) => {}
                     _ = stop.changed() => {}
+                    _ = guard.lost() => {}
                 }
                 if stopping() {
                     break None;
@@ -221,11 +229,17 @@ async fn dispatch<S: Shared>(
     }
 }
 
+/// The longest a number waits for a busy provider before it goes back, with the campaign's
+/// lock, for the next pass.
+const MAX_BUSY_WAIT: Duration = Duration::from_secs(600);
+
 /// What became of one number, or why it is not decided yet.
 enum Step {
     Done(Outcome),
-    /// The global budget is spent, or the provider is busy: try again after this.
+    /// The global budget is spent: try again after this.
     Wait(Duration),
+    /// The provider is busy: try again after this (for [`MAX_BUSY_WAIT`] in all at most).
+    Busy(Duration),
     /// The store failed before the send: whether the number opted out, or its limits, are not
     /// known.
     Unsure,
@@ -292,14 +306,18 @@ async fn send_one<S: Shared>(app: &App<S>, campaign: &Campaign, phone: &str) -> 
             Step::Done(Outcome::Sent)
         }
         Err(e) => {
-            metrics::counter!("sms_errors_total", "what" => "provider").increment(1);
-            tracing::warn!(error = %e, "the SMS provider failed");
+            crate::app::note_provider_error(&e);
             if let Some(pause) = e.pause() {
                 // The provider is busy: the number is not sent, and waits. Its limits do not
-                // count it; the global budget and the campaigns' share stay spent (the
-                // provider's capacity is what ran out).
-                crate::app::refund_all_but(app, &checks, &verdict, &checks[2..]).await;
-                return Step::Wait(pause);
+                // count it; the global budget and the campaigns' share stay spent when the
+                // provider was asked (its capacity is what ran out).
+                let kept: &[Check<'_>] = if e.reached_provider() {
+                    &checks[2..]
+                } else {
+                    &[]
+                };
+                crate::app::refund_all_but(app, &checks, &verdict, kept).await;
+                return Step::Busy(pause);
             }
             // Certainly not sent: the phone's limits do not count it.
             if e.not_sent() {

@@ -7,7 +7,7 @@ use floodgate::tower::key::{ClientIp, TrustedProxies};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use sms_gateway::app::{App, Limits, router};
 use sms_gateway::config::{Cli, Config};
-use sms_gateway::provider::{FileProvider, SmsProvider, WebhookProvider};
+use sms_gateway::provider::{FileProvider, PauseWhenBusy, SmsProvider, WebhookProvider};
 use sms_gateway::server::{ServeLimits, serve as serve_http};
 use sms_gateway::shared::{MemoryShared, RedisShared, Shared};
 use tokio::sync::{Notify, watch};
@@ -44,6 +44,8 @@ async fn start(config: Config) -> Result<(), String> {
         Some(url) => WebhookProvider::new(url).map_err(|e| e.to_string())?,
         None => FileProvider::new(&config.outbox_path),
     };
+    // A busy provider's pause holds every message back, not only the one it turned away.
+    let provider: Arc<dyn SmsProvider> = PauseWhenBusy::new(provider);
     match config.redis_url.clone() {
         None => {
             let shared =

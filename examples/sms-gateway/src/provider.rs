@@ -4,8 +4,8 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -48,6 +48,10 @@ pub enum ProviderError {
         message: String,
         retry_after: Option<Duration>,
     },
+    /// Not handed to the provider: it asked for a pause ([`ProviderError::Throttled`]) that
+    /// has this long to run ([`PauseWhenBusy`]).
+    #[error("the provider asked for a pause; {} ms to go", .0.as_millis())]
+    Paused(Duration),
 }
 
 impl ProviderError {
@@ -55,12 +59,13 @@ impl ProviderError {
     pub fn not_sent(&self) -> bool {
         matches!(
             self,
-            ProviderError::NotSent(_) | ProviderError::Throttled { .. }
+            ProviderError::NotSent(_) | ProviderError::Throttled { .. } | ProviderError::Paused(_)
         )
     }
 
     /// How long to pause before the next message when the provider is busy (`None`
-    /// otherwise): what it asked for, from 100 ms to a minute, or a second when it did not say.
+    /// otherwise): what it asked for, from 100 ms to a minute, or a second when it did not say;
+    /// for a message held back, what is left of the pause.
     pub fn pause(&self) -> Option<Duration> {
         match self {
             ProviderError::Throttled { retry_after, .. } => Some(
@@ -68,8 +73,15 @@ impl ProviderError {
                     .unwrap_or(Duration::from_secs(1))
                     .clamp(Duration::from_millis(100), Duration::from_secs(60)),
             ),
+            ProviderError::Paused(left) => Some(*left),
             _ => None,
         }
+    }
+
+    /// Whether the provider was asked, and used capacity to answer: every error but a message
+    /// held back for a pause.
+    pub fn reached_provider(&self) -> bool {
+        !matches!(self, ProviderError::Paused(_))
     }
 
     /// The error's text.
@@ -78,6 +90,7 @@ impl ProviderError {
             ProviderError::NotSent(m)
             | ProviderError::Unknown(m)
             | ProviderError::Throttled { message: m, .. } => m,
+            ProviderError::Paused(_) => "the provider asked for a pause",
         }
     }
 }
@@ -89,6 +102,62 @@ pub trait SmsProvider: Send + Sync + 'static {
         &'a self,
         sms: &'a OutboundSms,
     ) -> Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>>;
+}
+
+/// A provider that honours its busy answers: after a [`ProviderError::Throttled`], messages
+/// are held back ([`ProviderError::Paused`], without calling it) until the pause it asked for
+/// has passed, rather than sent to a provider that turns them away. In this process: each
+/// replica keeps the pauses it was asked for.
+pub struct PauseWhenBusy {
+    inner: Arc<dyn SmsProvider>,
+    epoch: Instant,
+    /// Milliseconds since `epoch` until which messages are held back.
+    until_ms: AtomicU64,
+}
+
+impl PauseWhenBusy {
+    pub fn new(inner: Arc<dyn SmsProvider>) -> Arc<Self> {
+        Arc::new(PauseWhenBusy {
+            inner,
+            epoch: Instant::now(),
+            until_ms: AtomicU64::new(0),
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+impl std::fmt::Debug for PauseWhenBusy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PauseWhenBusy")
+            .field("until_ms", &self.until_ms)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SmsProvider for PauseWhenBusy {
+    fn send<'a>(
+        &'a self,
+        sms: &'a OutboundSms,
+    ) -> Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>> {
+        Box::pin(async move {
+            let now = self.now_ms();
+            let until = self.until_ms.load(Ordering::Relaxed);
+            if now < until {
+                return Err(ProviderError::Paused(Duration::from_millis(until - now)));
+            }
+            let sent = self.inner.send(sms).await;
+            if let Some(pause) = sent.as_ref().err().and_then(ProviderError::pause) {
+                let until = self
+                    .now_ms()
+                    .saturating_add(u64::try_from(pause.as_millis()).unwrap_or(u64::MAX));
+                self.until_ms.fetch_max(until, Ordering::Relaxed);
+            }
+            sent
+        })
+    }
 }
 
 /// Appends every message as one JSON line to a file, and logs it.
@@ -263,15 +332,75 @@ impl SmsProvider for WebhookProvider {
     }
 }
 
-/// A `Retry-After` in seconds (its HTTP-date form is not read: the default pause applies).
+/// A `Retry-After`: seconds, or an HTTP date (a date past is no pause).
 fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
-    let value = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?;
-    value.trim().parse::<u64>().ok().map(Duration::from_secs)
+    let value = headers
+        .get(http::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(
+        at.duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A provider busy once (a pause of 0 s asked: 100 ms), then taking messages; counts
+    /// its calls.
+    #[derive(Debug, Default)]
+    struct BusyOnce(AtomicU64);
+
+    impl SmsProvider for BusyOnce {
+        fn send<'a>(
+            &'a self,
+            _: &'a OutboundSms,
+        ) -> Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>> {
+            Box::pin(async move {
+                if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+                    return Err(ProviderError::Throttled {
+                        message: "busy".into(),
+                        retry_after: Some(Duration::ZERO),
+                    });
+                }
+                Ok(())
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_busy_providers_pause_holds_every_message_back() {
+        let inner = Arc::new(BusyOnce::default());
+        let provider = PauseWhenBusy::new(Arc::clone(&inner) as Arc<dyn SmsProvider>);
+        let first = provider.send(&sms("a")).await;
+        assert!(
+            matches!(first, Err(ProviderError::Throttled { .. })),
+            "{first:?}"
+        );
+        // Held back, the provider not asked: what is left of the pause.
+        let held = provider.send(&sms("b")).await;
+        match &held {
+            Err(e @ ProviderError::Paused(left)) => {
+                assert!(*left <= Duration::from_millis(100), "{left:?}");
+                assert!(e.not_sent() && !e.reached_provider());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(inner.0.load(Ordering::SeqCst), 1);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        provider
+            .send(&sms("c"))
+            .await
+            .expect("sent after the pause");
+        assert_eq!(inner.0.load(Ordering::SeqCst), 2);
+    }
 
     #[test]
     fn a_busy_providers_pause_is_bounded() {
@@ -291,9 +420,25 @@ mod tests {
             http::HeaderValue::from_static(" 7 "),
         );
         assert_eq!(retry_after(&headers), Some(Duration::from_secs(7)));
+        // A date: the time until it, none when it has passed; anything else is no answer.
+        let soon = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(30));
+        headers.insert(
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from_str(&soon).expect("header"),
+        );
+        let pause = retry_after(&headers).expect("a date");
+        assert!(
+            pause > Duration::from_secs(27) && pause <= Duration::from_secs(30),
+            "{pause:?}"
+        );
         headers.insert(
             http::header::RETRY_AFTER,
             http::HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"),
+        );
+        assert_eq!(retry_after(&headers), Some(Duration::ZERO));
+        headers.insert(
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from_static("soon"),
         );
         assert_eq!(retry_after(&headers), None);
     }

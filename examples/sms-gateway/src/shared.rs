@@ -182,6 +182,24 @@ return 1
 "
     ))
 });
+/// Settles a creation whose [`KEEP`] went unanswered (KEYS: its hash, its `:phones` list):
+/// kept, 1; still [`STAGED`], its parts are deleted (a late `KEEP` then finds nothing to
+/// keep), 0; gone, 0.
+static SETTLE: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(&format!(
+        r"
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == '{STAGED}' then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  return 0
+end
+if status then
+  return 1
+end
+return 0
+"
+    ))
+});
 /// The status of a campaign whose creation has not completed: dispatchers leave it, and it is
 /// not shown.
 pub const STAGED: &str = "staged";
@@ -1291,8 +1309,16 @@ impl Shared for RedisShared {
                     c.id
                 ))))
             }
-            // It may have been kept: nothing is taken back.
-            Err(e) => Err(CreateError::Unknown(err(e))),
+            // Unanswered, it may have been kept, or may still be: settled either way, once
+            // more; unanswered again, the campaign may exist.
+            Err(e) => match self.conn.invoke_script(&SETTLE, &keys, &[]).await {
+                Ok(redis::Value::Int(1)) => Ok(()),
+                Ok(_) => {
+                    self.unstage_campaign(&keys, c).await;
+                    Err(CreateError::NotCreated(err(e)))
+                }
+                Err(_) => Err(CreateError::Unknown(err(e))),
+            },
         }
     }
 
@@ -1836,6 +1862,53 @@ mod tests {
             .expect("staged");
         assert_eq!(got.status, STAGED);
         assert!(store.campaigns_pending().await.expect("pending").is_empty());
+    }
+
+    /// A creation whose `KEEP` went unanswered is settled: kept, it stands; still staged, it
+    /// is deleted, and a `KEEP` arriving late keeps nothing.
+    #[tokio::test]
+    async fn an_unanswered_keep_is_settled() {
+        let (server, store) = redis_store("settle").await;
+        let settle = |keys: [&'static str; 2]| {
+            let conn = store.conn.clone();
+            async move {
+                conn.invoke_script(&SETTLE, &keys.map(str::as_bytes), &[])
+                    .await
+                    .expect("SETTLE")
+            }
+        };
+        let keep = |keys: [&'static str; 2]| {
+            let conn = store.conn.clone();
+            async move {
+                conn.invoke_script(&KEEP, &keys.map(str::as_bytes), &[])
+                    .await
+                    .expect("KEEP")
+            }
+        };
+        let (campaign, phones) = campaign_of("u1", 3);
+        let staged = ["settle:campaign:{u1}", "settle:campaign:{u1}:phones"];
+        store
+            .stage_campaign(&staged.map(str::as_bytes), &campaign, &phones)
+            .await
+            .expect("stage");
+        assert_eq!(settle(staged).await, redis::Value::Int(0));
+        assert_eq!(keep(staged).await, redis::Value::Int(0), "a late KEEP");
+        for key in staged {
+            assert_eq!(
+                server.cmd_ok(&["EXISTS", key]).expect("EXISTS"),
+                floodgate_testkit::Resp::Int(0),
+                "{key}"
+            );
+        }
+        let (campaign, phones) = campaign_of("u2", 3);
+        let kept = ["settle:campaign:{u2}", "settle:campaign:{u2}:phones"];
+        store
+            .stage_campaign(&kept.map(str::as_bytes), &campaign, &phones)
+            .await
+            .expect("stage");
+        assert_eq!(keep(kept).await, redis::Value::Int(1));
+        assert_eq!(settle(kept).await, redis::Value::Int(1));
+        assert_eq!(pttl(&server, kept[1]), -1, "kept whole");
     }
 
     #[tokio::test]

@@ -561,8 +561,20 @@ async fn a_campaign_not_yet_kept_is_neither_sent_nor_shown() {
     let http = Http::new();
     let shown = http.get(&gw.url("/v1/campaigns/staged1")).await;
     assert_eq!(shown.status, 404, "{}", shown.body);
-    // The dispatcher looks at the pending campaigns twice a second: it has passed it by.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // The dispatcher has taken the campaign's lock (its fence is counted), looked, and left
+    // it; and again, half a second later.
+    let looked = Instant::now();
+    while !keys(&redis, "sms:lock:{campaign:staged1}*")
+        .iter()
+        .any(|k| k.ends_with(":fence"))
+    {
+        assert!(
+            looked.elapsed() < Duration::from_secs(10),
+            "no dispatcher looked at the campaign"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(
         outbox_by_phone(&[&gw], "staged1").is_empty(),
         "a staged campaign was sent"
@@ -605,7 +617,7 @@ async fn a_busy_provider_is_waited_for_not_failed() {
         "{:?}",
         busy.headers
     );
-    // A campaign meanwhile: its numbers wait for the provider.
+    // A campaign meanwhile: its numbers wait for the provider (held back during its pause).
     let phones = campaign_phones(3, 13_600_000_000);
     let created = http
         .post(
@@ -615,8 +627,18 @@ async fn a_busy_provider_is_waited_for_not_failed() {
         .await;
     assert_eq!(created.status, 202, "{}", created.body);
     let id = created.body["id"].as_str().expect("id").to_owned();
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // A campaign message met the busy provider too (the API's was the first).
+    let waited = Instant::now();
+    while busy_count(&http, &gw).await < 2 {
+        assert!(
+            waited.elapsed() < Duration::from_secs(10),
+            "no campaign message met the busy provider"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     mode.store(TAKE, Ordering::SeqCst);
+    // The pause it asked for passes before the next message goes to it.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
     let retried = http.post(&gw.url("/v1/sms"), &sms(phone, "hello")).await;
     assert_eq!(retried.status, 202, "{}", retried.body);
     let progress = wait_campaign(&http, &[&gw], &id, Duration::from_secs(30)).await;
@@ -624,4 +646,14 @@ async fn a_busy_provider_is_waited_for_not_failed() {
     assert_eq!(progress["failed"], 0, "{progress}");
     assert_eq!(taken.load(Ordering::SeqCst), 4);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// How many messages met a busy provider on `gw` (`sms_errors_total{what="provider_busy"}`).
+async fn busy_count(http: &Http, gw: &Gateway) -> u64 {
+    let metrics = http.get(&gw.url("/metrics")).await;
+    let text = metrics.body.as_str().unwrap_or_default().to_owned();
+    text.lines()
+        .filter(|l| l.starts_with("sms_errors_total") && l.contains("what=\"provider_busy\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
