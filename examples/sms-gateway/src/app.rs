@@ -625,6 +625,19 @@ async fn opt_out<S: Shared>(
         .into_response())
 }
 
+/// A campaign refused because too many are pending (`code` says whose): counted, and a 503
+/// with a `Retry-After` of a minute (when one completes is not known: a minute is a guess a
+/// client can keep to).
+fn campaigns_refused(code: &'static str, why: String) -> ApiError {
+    metrics::counter!("sms_campaigns_refused_total", "reason" => code).increment(1);
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        code,
+        format!("{why}; try again when one completes"),
+    )
+    .retry_after(60)
+}
+
 async fn create_campaign<S: Shared>(
     State(app): State<Arc<App<S>>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -634,7 +647,8 @@ async fn create_campaign<S: Shared>(
     // Campaigns wait for the dispatcher with their numbers stored: their count is bounded, or
     // clients could fill the store (a hundred thousand numbers a campaign). Checked first (a
     // refused campaign costs no parsing; the layer gives back the units it took, as for every
-    // 503), across replicas: creations racing past it overshoot by their number at most.
+    // 503), across replicas: creations racing past it (from the count to their creation's
+    // end) overshoot by their number at most.
     let pending = app
         .shared
         .campaigns_pending_count()
@@ -642,38 +656,25 @@ async fn create_campaign<S: Shared>(
         .map_err(|e| ApiError::unavailable("the campaign store", e))?;
     let most = app.config.max_pending_campaigns;
     if pending >= most {
-        metrics::counter!("sms_campaigns_refused_total").increment(1);
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
+        return Err(campaigns_refused(
             "too_many_campaigns",
-            format!(
-                "{pending} campaigns are pending, the most this gateway holds is {most}; \
-                 try again when one completes"
-            ),
-        )
-        // When one completes is not known: a minute is a guess a client can keep to.
-        .retry_after(60));
+            format!("{pending} campaigns are pending, the most this gateway holds is {most}"),
+        ));
     }
-    // And a client's own: one client cannot take every pending place.
+    // And a client's own, likewise: one client cannot take every pending place.
     let client = client_key(&app.client_ip, peer, &headers);
     let client = String::from_utf8_lossy(client.as_bytes()).into_owned();
+    let most = app.config.max_pending_campaigns_per_client;
     let theirs = app
         .shared
-        .campaigns_pending_of(&client)
+        .campaigns_pending_of(&client, most)
         .await
         .map_err(|e| ApiError::unavailable("the campaign store", e))?;
-    let most = app.config.max_pending_campaigns_per_client;
     if theirs >= most {
-        metrics::counter!("sms_campaigns_refused_total").increment(1);
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
+        return Err(campaigns_refused(
             "too_many_client_campaigns",
-            format!(
-                "{theirs} of your campaigns are pending, the most a client may have is {most}; \
-                 try again when one completes"
-            ),
-        )
-        .retry_after(60));
+            format!("{theirs} of your campaigns are pending, the most a client may have is {most}"),
+        ));
     }
     let bytes = body(raw)?;
     let map = json_object(&bytes)?;

@@ -222,6 +222,27 @@ pub struct ConfigError {
     pub reason: String,
 }
 
+/// A per-client share of a bound (`whole`: its name and value): `value` from 1 to the whole,
+/// or `default` lowered to the whole.
+fn share_of(
+    name: &'static str,
+    value: Option<u64>,
+    default: usize,
+    (whole_name, whole): (&str, usize),
+) -> Result<usize, ConfigError> {
+    match value {
+        None => Ok(default.min(whole)),
+        Some(0) => Err(bad(name, "must be at least 1")),
+        Some(n) => match usize::try_from(n) {
+            Ok(n) if n <= whole => Ok(n),
+            _ => Err(bad(
+                name,
+                format!("{n} is more than {whole_name} ({whole})"),
+            )),
+        },
+    }
+}
+
 fn bad(name: &'static str, reason: impl std::fmt::Display) -> ConfigError {
     ConfigError {
         name,
@@ -363,48 +384,20 @@ impl Config {
                     .map_err(|_| bad("memory_max_keys", format!("{n} is too large")))?,
             },
             max_pending_campaigns,
-            max_pending_campaigns_per_client: match cli
-                .max_pending_campaigns_per_client
-                .or(file.max_pending_campaigns_per_client)
-            {
-                // At most the bound of all pending campaigns, which a smaller one lowers.
-                None => d
-                    .max_pending_campaigns_per_client
-                    .min(max_pending_campaigns),
-                Some(0) => {
-                    return Err(bad(
-                        "max_pending_campaigns_per_client",
-                        "must be at least 1",
-                    ));
-                }
-                Some(n) => match usize::try_from(n) {
-                    Ok(n) if n <= max_pending_campaigns => n,
-                    _ => {
-                        return Err(bad(
-                            "max_pending_campaigns_per_client",
-                            format!(
-                                "{n} is more than max_pending_campaigns ({max_pending_campaigns})"
-                            ),
-                        ));
-                    }
-                },
-            },
+            max_pending_campaigns_per_client: share_of(
+                "max_pending_campaigns_per_client",
+                cli.max_pending_campaigns_per_client
+                    .or(file.max_pending_campaigns_per_client),
+                d.max_pending_campaigns_per_client,
+                ("max_pending_campaigns", max_pending_campaigns),
+            )?,
             max_connections,
-            max_connections_per_ip: match cli.max_connections_per_ip.or(file.max_connections_per_ip)
-            {
-                // At most the bound of all connections, which a smaller MAX_CONNECTIONS lowers.
-                None => d.max_connections_per_ip.min(max_connections),
-                Some(0) => return Err(bad("max_connections_per_ip", "must be at least 1")),
-                Some(n) => match usize::try_from(n) {
-                    Ok(n) if n <= max_connections => n,
-                    _ => {
-                        return Err(bad(
-                            "max_connections_per_ip",
-                            format!("{n} is more than max_connections ({max_connections})"),
-                        ));
-                    }
-                },
-            },
+            max_connections_per_ip: share_of(
+                "max_connections_per_ip",
+                cli.max_connections_per_ip.or(file.max_connections_per_ip),
+                d.max_connections_per_ip,
+                ("max_connections", max_connections),
+            )?,
             header_timeout: duration(
                 "header_timeout",
                 cli.header_timeout.or(file.header_timeout),

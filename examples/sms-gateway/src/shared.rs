@@ -395,10 +395,12 @@ pub trait Shared: Send + Sync + 'static {
     /// How many campaigns are pending: [`Shared::campaigns_pending`]'s length, without listing
     /// them (asked on every campaign creation).
     fn campaigns_pending_count(&self) -> impl Future<Output = Result<usize, StoreError>> + Send;
-    /// How many campaigns of `client` are pending (asked on every campaign creation).
+    /// How many campaigns of `client` are pending, exactly when there are `most` or more
+    /// (asked on every campaign creation).
     fn campaigns_pending_of(
         &self,
         client: &str,
+        most: usize,
     ) -> impl Future<Output = Result<usize, StoreError>> + Send;
     fn campaign_phones(
         &self,
@@ -692,7 +694,7 @@ impl Shared for MemoryShared {
         Ok(self.campaigns_pending().await?.len())
     }
 
-    async fn campaigns_pending_of(&self, client: &str) -> Result<usize, StoreError> {
+    async fn campaigns_pending_of(&self, client: &str, _most: usize) -> Result<usize, StoreError> {
         Ok(locked(&self.campaigns)
             .values()
             .filter(|c| c.campaign.client == client && c.campaign.status != "completed")
@@ -1080,6 +1082,13 @@ impl RedisShared {
         self.key(&["campaigns", "client", client])
     }
 
+    /// Takes campaign `id` off the set at `set` (the pending campaigns, or a client's).
+    async fn untrack_campaign(&self, set: &str, id: &str) -> Result<(), StoreError> {
+        let mut remove = redis::cmd("SREM");
+        remove.arg(set).arg(id);
+        self.query::<i64>(remove).await.map(drop)
+    }
+
     /// Writes campaign `c`'s hash and its numbers (`keys`: the hash, the list) with
     /// [`STAGE`]: in chunks, the hash with the first.
     async fn stage_campaign(
@@ -1134,15 +1143,13 @@ impl RedisShared {
             tracing::warn!(campaign = %id, error = %e, "cannot delete a campaign whose creation failed; its parts expire");
             return;
         }
-        let mut pending = redis::cmd("SREM");
-        pending.arg(self.key(&["campaigns", "pending"])).arg(id);
-        if let Err(e) = self.query::<i64>(pending).await {
+        let pending = self.key(&["campaigns", "pending"]);
+        if let Err(e) = self.untrack_campaign(&pending, id).await {
             tracing::warn!(campaign = %id, error = %e, "cannot take a failed campaign off the pending list; a dispatcher will");
             return;
         }
-        let mut of_client = redis::cmd("SREM");
-        of_client.arg(self.client_campaigns_key(&c.client)).arg(id);
-        if let Err(e) = self.query::<i64>(of_client).await {
+        let of_client = self.client_campaigns_key(&c.client);
+        if let Err(e) = self.untrack_campaign(&of_client, id).await {
             tracing::warn!(campaign = %id, error = %e, "cannot take a failed campaign off its client's list");
         }
     }
@@ -1363,11 +1370,18 @@ impl Shared for RedisShared {
         self.query(members).await
     }
 
-    async fn campaigns_pending_of(&self, client: &str) -> Result<usize, StoreError> {
+    async fn campaigns_pending_of(&self, client: &str, most: usize) -> Result<usize, StoreError> {
         // The client's set is kept by creation and completion; a completion cut off before
-        // its removal leaves an id there, which would count for good: the ids of campaigns
-        // completed or gone are dropped here (read one by one: a client has a few).
+        // its removal leaves an id there, which would count for good. Under the bound, the
+        // set's size is the answer (it can only overstate); at the bound, the ids of
+        // campaigns completed or gone are dropped (read one by one: `most` of them or so).
         let set = self.client_campaigns_key(client);
+        let mut count = redis::cmd("SCARD");
+        count.arg(&set);
+        let count: usize = self.query(count).await?;
+        if count < most {
+            return Ok(count);
+        }
         let mut members = redis::cmd("SMEMBERS");
         members.arg(&set);
         let ids: Vec<String> = self.query(members).await?;
@@ -1376,11 +1390,7 @@ impl Shared for RedisShared {
             let mut status = redis::cmd("HGET");
             status.arg(self.campaign_key(&id, "")).arg("status");
             match self.query::<Option<String>>(status).await?.as_deref() {
-                None | Some("completed") => {
-                    let mut gone = redis::cmd("SREM");
-                    gone.arg(&set).arg(&id);
-                    let _: i64 = self.query(gone).await?;
-                }
+                None | Some("completed") => self.untrack_campaign(&set, &id).await?,
                 Some(_) => pending += 1,
             }
         }
@@ -1511,17 +1521,22 @@ impl Shared for RedisShared {
             _ => Completion::AlreadyDone,
         };
         // Also when it was done already: a completion whose SREM failed is retried here.
-        let mut done = redis::cmd("SREM");
-        done.arg(self.key(&["campaigns", "pending"])).arg(id);
-        let _: i64 = self.query(done).await?;
-        // Its client's list too (the hash is kept for the report; gone, the count of the
-        // client's campaigns drops it).
+        self.untrack_campaign(&self.key(&["campaigns", "pending"]), id)
+            .await?;
+        // Its client's list too (the hash is kept for the report). Not the completion's
+        // concern when it fails: the count of the client's campaigns drops it.
         let mut client = redis::cmd("HGET");
         client.arg(&keys[0]).arg("client");
-        if let Some(client) = self.query::<Option<String>>(client).await? {
-            let mut of_client = redis::cmd("SREM");
-            of_client.arg(self.client_campaigns_key(&client)).arg(id);
-            let _: i64 = self.query(of_client).await?;
+        let untracked = match self.query::<Option<String>>(client).await {
+            Ok(Some(client)) => {
+                self.untrack_campaign(&self.client_campaigns_key(&client), id)
+                    .await
+            }
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = untracked {
+            tracing::warn!(campaign = %id, error = %e, "cannot take a completed campaign off its client's list");
         }
         Ok(completion)
     }
@@ -1599,7 +1614,8 @@ mod tests {
         create_for(store, "c1", "203.0.113.1").await;
         create_for(store, "c2", "203.0.113.1").await;
         create_for(store, "c3", "2001:db8::/64").await;
-        let of = |client: &'static str| store.campaigns_pending_of(client);
+        // Exact from one campaign on.
+        let of = |client: &'static str| store.campaigns_pending_of(client, 1);
         assert_eq!(of("203.0.113.1").await.expect("count"), 2);
         assert_eq!(of("2001:db8::/64").await.expect("count"), 1);
         assert_eq!(of("198.51.100.1").await.expect("count"), 0);
@@ -1621,17 +1637,14 @@ mod tests {
         let (server, store) = redis_store("per-client").await;
         a_clients_pending_campaigns_are_counted(&store).await;
         // A campaign gone without its completion's last step (its hash expired or deleted):
-        // no longer counted, and dropped from the client's list.
+        // counted while the client is under its bound (the set's size can only overstate),
+        // dropped from its list at the bound.
         server
             .cmd_ok(&["DEL", "per-client:campaign:{c2}"])
             .expect("DEL");
-        assert_eq!(
-            store
-                .campaigns_pending_of("203.0.113.1")
-                .await
-                .expect("count"),
-            0
-        );
+        let of = |most| store.campaigns_pending_of("203.0.113.1", most);
+        assert_eq!(of(5).await.expect("count"), 1);
+        assert_eq!(of(1).await.expect("count"), 0);
         assert_eq!(
             server
                 .cmd_ok(&["SCARD", "per-client:campaigns:client:203.0.113.1"])
