@@ -451,12 +451,7 @@ async fn campaigns_beyond_the_pending_bound_are_refused() {
     );
     let http = Http::new();
     // 300 numbers each, sent at 16 a second: both stay pending for the rest of the test.
-    let campaign = |n: u32| {
-        let phones: Vec<String> = (0..300)
-            .map(|i| format!("\"+86139{n:02}{i:06}\""))
-            .collect();
-        format!(r#"{{"text":"sale","phones":[{}]}}"#, phones.join(","))
-    };
+    let campaign = long_campaign;
     let mut ids = Vec::new();
     for n in 0..2 {
         let created = http.post(&gw.url("/v1/campaigns"), &campaign(n)).await;
@@ -486,6 +481,14 @@ async fn campaigns_beyond_the_pending_bound_are_refused() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A campaign's body: 300 numbers of its own (`n` tells campaigns apart).
+fn long_campaign(n: u32) -> String {
+    let phones: Vec<String> = (0..300)
+        .map(|i| format!("\"+86139{n:02}{i:06}\""))
+        .collect();
+    format!(r#"{{"text":"sale","phones":[{}]}}"#, phones.join(","))
+}
+
 /// One client cannot take every pending place: past its own bound, its next campaign is
 /// refused, while another client's is accepted.
 #[tokio::test]
@@ -505,12 +508,7 @@ async fn a_clients_pending_campaigns_are_bounded() {
     );
     let http = Http::new();
     // 300 numbers each, sent at 16 a second: they stay pending for the rest of the test.
-    let campaign = |n: u32| {
-        let phones: Vec<String> = (0..300)
-            .map(|i| format!("\"+86139{n:02}{i:06}\""))
-            .collect();
-        format!(r#"{{"text":"sale","phones":[{}]}}"#, phones.join(","))
-    };
+    let campaign = long_campaign;
     let create = |client: &'static str, n: u32| {
         let (http, url, body) = (http.clone(), gw.url("/v1/campaigns"), campaign(n));
         async move {
