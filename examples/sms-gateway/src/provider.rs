@@ -95,13 +95,13 @@ impl ProviderError {
     }
 }
 
+/// What [`SmsProvider::send`] returns: the send, to await.
+pub type Sending<'a> = Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>>;
+
 /// Sends messages. Implementations must be safe to call from many tasks at once.
 pub trait SmsProvider: Send + Sync + 'static {
     /// Sends one message.
-    fn send<'a>(
-        &'a self,
-        sms: &'a OutboundSms,
-    ) -> Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>>;
+    fn send<'a>(&'a self, sms: &'a OutboundSms) -> Sending<'a>;
 }
 
 /// A provider that honours its busy answers: after a [`ProviderError::Throttled`], messages
@@ -138,10 +138,7 @@ impl std::fmt::Debug for PauseWhenBusy {
 }
 
 impl SmsProvider for PauseWhenBusy {
-    fn send<'a>(
-        &'a self,
-        sms: &'a OutboundSms,
-    ) -> Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>> {
+    fn send<'a>(&'a self, sms: &'a OutboundSms) -> Sending<'a> {
         Box::pin(async move {
             let now = self.now_ms();
             let until = self.until_ms.load(Ordering::Relaxed);
@@ -184,10 +181,7 @@ impl FileProvider {
 }
 
 impl SmsProvider for FileProvider {
-    fn send<'a>(
-        &'a self,
-        sms: &'a OutboundSms,
-    ) -> Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>> {
+    fn send<'a>(&'a self, sms: &'a OutboundSms) -> Sending<'a> {
         Box::pin(async move {
             let mut line =
                 serde_json::to_vec(sms).map_err(|e| ProviderError::NotSent(e.to_string()))?;
@@ -277,10 +271,7 @@ impl WebhookProvider {
 }
 
 impl SmsProvider for WebhookProvider {
-    fn send<'a>(
-        &'a self,
-        sms: &'a OutboundSms,
-    ) -> Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>> {
+    fn send<'a>(&'a self, sms: &'a OutboundSms) -> Sending<'a> {
         Box::pin(async move {
             let body =
                 serde_json::to_vec(sms).map_err(|e| ProviderError::NotSent(e.to_string()))?;
@@ -359,10 +350,7 @@ mod tests {
     struct BusyOnce(AtomicU64);
 
     impl SmsProvider for BusyOnce {
-        fn send<'a>(
-            &'a self,
-            _: &'a OutboundSms,
-        ) -> Pin<Box<dyn Future<Output = Result<(), ProviderError>> + Send + 'a>> {
+        fn send<'a>(&'a self, _: &'a OutboundSms) -> Sending<'a> {
             Box::pin(async move {
                 if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
                     return Err(ProviderError::Throttled {

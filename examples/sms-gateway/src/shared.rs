@@ -1595,16 +1595,10 @@ mod tests {
 
     /// Creates pending campaign `id` of one number for `client`.
     async fn create_for<S: Shared>(store: &S, id: &str, client: &str) {
-        let campaign = Campaign {
-            id: id.into(),
-            status: "pending".into(),
-            total: 1,
-            text: "hi".into(),
-            client: client.into(),
-            ..Campaign::default()
-        };
+        let (mut campaign, phones) = campaign_of(id, 1);
+        campaign.client = client.into();
         store
-            .campaign_create(&campaign, &["+8613800000099".to_owned()])
+            .campaign_create(&campaign, &phones)
             .await
             .expect("create");
     }
