@@ -85,8 +85,10 @@ pub struct Cli {
     #[arg(long, env = "MAX_PENDING_CAMPAIGNS_PER_CLIENT")]
     pub max_pending_campaigns_per_client: Option<u64>,
     /// The most client connections served at once; further ones wait in the listen queue
-    /// until one closes. Keep it under the process' open-file limit (`ulimit -n`), which
-    /// Redis, the outbox and webhook calls share.
+    /// until one closes. Each holds an open file, as does each webhook call in flight, and 128
+    /// more are kept for the rest: at start, the open-file limit (`ulimit -n`) is raised to
+    /// fit them, as far as its hard limit allows; past that, the default is lowered to fit, and
+    /// a bound given here is refused.
     #[arg(long, env = "MAX_CONNECTIONS")]
     pub max_connections: Option<u64>,
     /// The most connections served at once from one client address (an IPv6 client's /64),
@@ -167,6 +169,9 @@ pub struct Config {
     pub max_pending_campaigns_per_client: usize,
     /// The most client connections served at once.
     pub max_connections: usize,
+    /// Whether `max_connections` was given (not the default): a bound given is never lowered
+    /// to fit the open-file limit ([`crate::open_files::fit`]).
+    pub max_connections_set: bool,
     /// The most connections served at once from one client address (an IPv6 client's /64),
     /// trusted proxies excepted.
     pub max_connections_per_ip: usize,
@@ -202,6 +207,7 @@ impl Default for Config {
             max_pending_campaigns_per_client: 10,
             // Under the common soft limit of 1024 open files, with room for the rest.
             max_connections: 512,
+            max_connections_set: false,
             max_connections_per_ip: 64,
             // Longer than the 60 s a proxy in front commonly keeps an idle connection: else
             // it may send a request on a connection the gateway is closing.
@@ -392,6 +398,7 @@ impl Config {
                 ("max_pending_campaigns", max_pending_campaigns),
             )?,
             max_connections,
+            max_connections_set: cli.max_connections.or(file.max_connections).is_some(),
             max_connections_per_ip: share_of(
                 "max_connections_per_ip",
                 cli.max_connections_per_ip.or(file.max_connections_per_ip),

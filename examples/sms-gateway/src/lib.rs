@@ -7,6 +7,7 @@ pub mod app;
 pub mod config;
 pub mod dispatcher;
 pub mod error;
+pub mod open_files;
 pub mod phone;
 pub mod provider;
 pub mod server;

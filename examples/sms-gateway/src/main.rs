@@ -20,13 +20,17 @@ async fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    let config = match Config::load(Cli::parse()) {
+    let mut config = match Config::load(Cli::parse()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("sms-gateway: {e}");
             return ExitCode::from(2);
         }
     };
+    if let Err(e) = sms_gateway::open_files::fit(&mut config) {
+        eprintln!("sms-gateway: {e}");
+        return ExitCode::FAILURE;
+    }
     match start(config).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -4,7 +4,10 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{Gateway, Http, REFUSE, STALL, TAKE, sms, temp_dir, wait_campaign, webhook};
+use support::{
+    Gateway, Http, REFUSE, STALL, TAKE, open_file_limit, sms, start_refused, temp_dir,
+    wait_campaign, webhook,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_replica_in_memory_limits_validates_and_opts_out() {
@@ -690,7 +693,6 @@ fn socket2_free_recv_buffer(gw: &Gateway) -> std::net::TcpStream {
 /// Past the connection bound, the next client waits until a connection closes.
 #[test]
 fn connections_beyond_the_bound_wait_their_turn() {
-    use std::io::Write;
     let dir = temp_dir("max-connections");
     let gw = Gateway::start(&dir, "max-connections", &[("MAX_CONNECTIONS", "2")]);
     // Two kept-alive connections, each answered: both are being served.
@@ -698,26 +700,69 @@ fn connections_beyond_the_bound_wait_their_turn() {
     assert_eq!(healthz_on(&mut first), "HTTP/1.1 200 OK");
     let mut second = connect(&gw, Duration::from_secs(5));
     assert_eq!(healthz_on(&mut second), "HTTP/1.1 200 OK");
-    let mut third = connect(&gw, Duration::from_millis(700));
-    third
+    let mut third = waiting_connection(&gw);
+    drop(first);
+    let (got, _) = read_until_closed(&mut third);
+    assert!(got.starts_with("HTTP/1.1 200"), "{got:?}");
+    drop(second);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A connection to `gw` whose request is not answered within 700 ms, as one past the
+/// connection bound: its read timeout is then 5 s, for the answer it gets once a connection
+/// closes.
+fn waiting_connection(gw: &Gateway) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut stream = connect(gw, Duration::from_millis(700));
+    stream
         .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         .expect("write");
     let mut buf = [0u8; 64];
-    let waited = std::io::Read::read(&mut third, &mut buf);
+    let waited = std::io::Read::read(&mut stream, &mut buf);
     assert!(
         waited.as_ref().is_err_and(|e| matches!(
             e.kind(),
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
         )),
-        "the third connection was served at once: {waited:?}"
+        "a connection past the bound was served at once: {waited:?}"
     );
-    drop(first);
-    third
+    stream
         .set_read_timeout(Some(Duration::from_secs(5)))
         .expect("read timeout");
-    let (got, _) = read_until_closed(&mut third);
+    stream
+}
+
+/// The connection bound fits the open-file limit: the soft limit is raised as far as the
+/// bound needs; a default bound the hard limit cannot hold is lowered to fit; an explicit one
+/// is refused, with the bound that would fit.
+#[test]
+fn the_connection_bound_fits_the_open_file_limit() {
+    let dir = temp_dir("open-files");
+    // 1,000 connections and 128 files for the rest: raised from 256 to 1,128.
+    let gw = Gateway::start_with(
+        &dir,
+        "files-raised",
+        &[("MAX_CONNECTIONS", "1000")],
+        Some((256, 4096)),
+    );
+    assert_eq!(open_file_limit(&gw), (1128, 4096));
+    drop(gw);
+
+    let (status, stderr) = start_refused(&dir, &[("MAX_CONNECTIONS", "1000")], (256, 512));
+    assert!(!status.success(), "{status}");
+    assert!(
+        stderr.contains("MAX_CONNECTIONS=1000 needs up to 1128 open files")
+            && stderr.contains("set MAX_CONNECTIONS to at most 384"),
+        "{stderr}"
+    );
+
+    // The default 512 under a hard limit of 150: 22 connections at once, the next one waits.
+    let gw = Gateway::start_with(&dir, "files-lowered", &[], Some((150, 150)));
+    let mut served: Vec<_> = (0..22).map(|_| served_connection(&gw)).collect();
+    let mut waiting = waiting_connection(&gw);
+    served.pop();
+    let (got, _) = read_until_closed(&mut waiting);
     assert!(got.starts_with("HTTP/1.1 200"), "{got:?}");
-    drop(second);
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -49,22 +49,24 @@ impl Gateway {
     /// finding it free and the gateway binding it (by another test's process) makes the
     /// gateway exit: it is started again on another port, up to five times.
     pub fn start(dir: &Path, instance: &str, env: &[(&str, &str)]) -> Gateway {
+        Gateway::start_with(dir, instance, env, None)
+    }
+
+    /// [`Gateway::start`] with an open-file limit: `(soft, hard)`.
+    pub fn start_with(
+        dir: &Path,
+        instance: &str,
+        env: &[(&str, &str)],
+        open_files: Option<(u64, u64)>,
+    ) -> Gateway {
         let outbox = dir.join(format!("outbox-{instance}.jsonl"));
         let mut last = String::new();
         for _ in 0..5 {
             let port = free_port();
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_sms-gateway"));
-            cmd.env_clear()
-                .env("PATH", std::env::var("PATH").unwrap_or_default())
-                .env("RUST_LOG", "warn")
-                .env("LISTEN", format!("127.0.0.1:{port}"))
-                .env("OUTBOX_PATH", &outbox)
-                .env("INSTANCE_ID", instance)
+            let mut cmd = command(&outbox, instance, env, open_files);
+            cmd.env("LISTEN", format!("127.0.0.1:{port}"))
                 .stdout(Stdio::null())
                 .stderr(Stdio::inherit());
-            for (k, v) in env {
-                cmd.env(k, v);
-            }
             let child = cmd.spawn().expect("start sms-gateway");
             let mut gw = Gateway {
                 child: Some(child),
@@ -157,6 +159,91 @@ impl Drop for Gateway {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The gateway's command with `env`, its outbox `outbox`, under an open-file limit
+/// `(soft, hard)` when given (set by the shell that then runs it).
+fn command(
+    outbox: &Path,
+    instance: &str,
+    env: &[(&str, &str)],
+    open_files: Option<(u64, u64)>,
+) -> Command {
+    let bin = env!("CARGO_BIN_EXE_sms-gateway");
+    let mut cmd = match open_files {
+        None => Command::new(bin),
+        Some((soft, hard)) => {
+            let mut sh = Command::new("sh");
+            sh.args([
+                "-c",
+                r#"ulimit -S -n "$2" && ulimit -H -n "$1" && exec "$0""#,
+                bin,
+                &hard.to_string(),
+                &soft.to_string(),
+            ]);
+            sh
+        }
+    };
+    cmd.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("RUST_LOG", "warn")
+        .env("OUTBOX_PATH", outbox)
+        .env("INSTANCE_ID", instance);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// Runs the gateway with `env` under an open-file limit `(soft, hard)`, expecting it to refuse
+/// to start: its exit status and what it wrote to stderr. A panic if it is still running after
+/// 15 s.
+pub fn start_refused(
+    dir: &Path,
+    env: &[(&str, &str)],
+    open_files: (u64, u64),
+) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    let outbox = dir.join("outbox-refused.jsonl");
+    let mut cmd = command(&outbox, "refused", env, Some(open_files));
+    cmd.env("LISTEN", format!("127.0.0.1:{}", free_port()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("start sms-gateway");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the gateway started with {env:?} under {open_files:?} open files");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    if let Some(mut err) = child.stderr.take() {
+        let _ = err.read_to_string(&mut stderr);
+    }
+    (status, stderr)
+}
+
+/// The open-file limit of `gw`'s process: `(soft, hard)`, from /proc.
+pub fn open_file_limit(gw: &Gateway) -> (u64, u64) {
+    let pid = gw.child.as_ref().expect("running").id();
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("/proc limits");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("an open-file limit");
+    let mut numbers = line
+        .split_whitespace()
+        .filter_map(|w| w.parse::<u64>().ok());
+    (
+        numbers.next().expect("a soft limit"),
+        numbers.next().expect("a hard limit"),
+    )
 }
 
 /// A minimal HTTP client.
