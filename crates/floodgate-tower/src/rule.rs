@@ -137,11 +137,11 @@ impl Rule {
     /// Applies to paths under `prefix` (segment-wise: `/api` matches `/api` and `/api/x`,
     /// not `/apix`). With several prefixes and routes, any one matching is enough.
     ///
-    /// A path matches as it is sent or in its canonical form: percent-escapes decoded (but
-    /// `%2F`, which stays a character of its segment), empty and `.` segments dropped, `..`
-    /// segments taking the one before them away. Some handlers decode paths before they act on
-    /// them (axum's path parameters, `ServeDir`, a proxy in front that normalises), so
-    /// `/v1/%73ms/send` and `/v1/./sms//send` count under `/v1/sms` too, whether or not the
+    /// A path matches as it is sent or in its canonical form: percent-escapes decoded (`%2F` to
+    /// `/`, as a file server reads it), empty and `.` segments dropped, `..` segments taking the
+    /// one before them away. Some handlers decode paths before they act on them (axum's path
+    /// parameters, `ServeDir`, a proxy in front that normalises), so `/v1/%73ms/send`,
+    /// `/v1/./sms//send` and `/v1%2Fsms%2Fsend` count under `/v1/sms` too, whether or not the
     /// router sends them to the same handler. A prefix given with escapes (`/%7Euser`) matches
     /// either spelling of the path (`/~user`) as well.
     #[must_use]
@@ -368,7 +368,9 @@ mod tests {
         assert!(!reads.applies_to(&RequestView::from_request(&req)));
         // Spellings of a path under the prefix, and of paths that are not.
         for (path, under) in [
-            ("/api%2fx", false),
+            ("/api%2fx", true),
+            ("/login%2Fx", true),
+            ("/login%2F.%2Fx", true),
             ("/%61pi/x", true),
             ("/%61pi", true),
             ("/api/../login", true),
@@ -381,7 +383,8 @@ mod tests {
             ("/x/../loginx", false),
             ("/%2e%2e/login", true),
             ("/log%69nx", false),
-            ("/logi%6e%2Fx", false),
+            ("/logi%6e%2Fx", true),
+            ("/login%252Fx", false),
             ("/.", false),
             ("/login%", false),
         ] {

@@ -501,6 +501,62 @@ async fn head_requests_and_other_spellings_of_a_path_count_under_its_rule() {
     );
 }
 
+/// A file server (`ServeDir`) decodes the whole path, `%2F` too, and serves
+/// `/downloads%2Fbig.iso` as `/downloads/big.iso`, which the router sends to its fallback: the
+/// request counts under the `/downloads` rule all the same.
+#[tokio::test]
+async fn an_escaped_slash_counts_under_the_prefix_it_spells() {
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(Rule::new(policy(1, 60, "downloads")).path_prefix("/downloads"))
+        .build()
+        .expect("layer");
+    // As a file server reads the path: every escape decoded, empty and `.` segments dropped.
+    let files = |uri: http::Uri| async move {
+        let decoded = percent_decoded(uri.path());
+        let file: Vec<&str> = decoded
+            .split('/')
+            .filter(|s| !s.is_empty() && *s != ".")
+            .collect();
+        file.join("/")
+    };
+    let client = HttpClient::new(serve(Router::new().fallback(files).layer(layer)).await);
+    let first = client.get("/downloads/big.iso").await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.body, "downloads/big.iso");
+    for spelled in ["/downloads%2Fbig.iso", "/downloads%2F.%2F%2Fbig.iso"] {
+        assert_eq!(
+            client.get(spelled).await.status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{spelled}"
+        );
+    }
+}
+
+/// `path` with every percent-escape decoded.
+fn percent_decoded(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        let escaped = bytes
+            .get(i + 1..i + 3)
+            .filter(|_| b == b'%')
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(c) => {
+                out.push(c);
+                i += 3;
+            }
+            None => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 #[tokio::test]
 async fn a_grpc_content_type_on_a_get_is_answered_as_http() {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())

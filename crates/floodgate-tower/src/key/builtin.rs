@@ -264,10 +264,13 @@ pub type MetadataKey = HeaderKey;
 /// [`RouteKey`] (feature `axum`), which keys on the route pattern.
 ///
 /// The path is keyed in canonical form: its percent-escapes decoded, as a router decodes path
-/// parameters, and its empty and dot segments resolved, as a file server does (a trailing `/`
-/// is kept). `/files/report`, `/files/%72eport`, `/files/%72%65port` and `/files/./report`,
-/// one `name` to a `/files/{name}` route and one file to `ServeDir`, are one key, so a client
-/// cannot escape its limit by spelling one path many ways.
+/// parameters and a file server decodes the whole path (`%2F` too: `ServeDir` serves
+/// `/files%2Freport` as `/files/report`), and its empty and dot segments resolved, as a file
+/// server does (a trailing `/` is kept). `/files/report`, `/files/%72eport`,
+/// `/files/%72%65port`, `/files/./report` and `/files%2F.%2Freport`, one file to `ServeDir`,
+/// are one key, so a client cannot escape its limit by spelling one path many ways. A router
+/// keeps `/a%2Fb` (one segment) apart from `/a/b`; the key does not, which can only make the
+/// limit stricter.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PathKey;
 
@@ -277,10 +280,10 @@ impl KeyExtractor for PathKey {
     }
 }
 
-/// `path` with its percent-escapes decoded, except those of `/` and `%`, which stay escaped
-/// (in capitals) so that segments stay apart and the result stays one-to-one; a `%` that
+/// `path` with its percent-escapes decoded, `%2F` to `/` as a file server decodes it, except
+/// that of `%`, which stays escaped (as `%25`) so that an escaped escape stays one; a `%` that
 /// starts no escape becomes `%25`, as the router reads it. Every spelling of one decoded path
-/// gives the same bytes (which need not be UTF-8), and different decoded paths different ones.
+/// gives the same bytes (which need not be UTF-8).
 fn normalized_path(path: &str) -> Cow<'_, [u8]> {
     fn hex(b: u8) -> Option<u8> {
         (b as char).to_digit(16).and_then(|d| u8::try_from(d).ok())
@@ -303,7 +306,6 @@ fn normalized_path(path: &str) -> Cow<'_, [u8]> {
         ) {
             (Some(high), Some(low)) => {
                 match high << 4 | low {
-                    b'/' => out.extend_from_slice(b"%2F"),
                     b'%' => out.extend_from_slice(b"%25"),
                     c => out.push(c),
                 }
@@ -319,8 +321,8 @@ fn normalized_path(path: &str) -> Cow<'_, [u8]> {
 }
 
 /// `path` as routers and file servers act on it: percent-escapes decoded as
-/// [`normalized_path`] does (`%2F` and `%25` stay escaped, so segments stay apart), then empty
-/// and `.` segments dropped and each `..` segment taking the one before it away. Borrowed when
+/// [`normalized_path`] does (`%2F` to `/`, `%25` kept), then empty and `.` segments dropped and
+/// each `..` segment taking the one before it away. Borrowed when
 /// `path` is canonical already; a path that does not start with `/` (`*`) is left as it is.
 pub(crate) fn canonical_path(path: &str) -> Cow<'_, [u8]> {
     let decoded = normalized_path(path);
@@ -526,8 +528,11 @@ mod tests {
             ("//", "/"),
             ("///", "/"),
             ("/%61/%2e/b", "/a/b"),
-            ("/a%2Fb/c", "/a%2Fb/c"),
-            ("/a%2f..%2fb", "/a%2F..%2Fb"),
+            ("/a%2Fb/c", "/a/b/c"),
+            ("/a%2f..%2fb", "/b"),
+            ("/files%2F.%2Freport", "/files/report"),
+            ("/files%2F%2Freport", "/files/report"),
+            ("/a%252Fb", "/a%252Fb"),
         ] {
             assert_eq!(canonical_path(path), canonical.as_bytes(), "{path}");
         }
@@ -714,10 +719,10 @@ mod tests {
         // A trailing slash is another resource.
         assert_eq!(path_key("/files/report/"), b"/files/report/");
         assert_eq!(path_key("/files/./report/"), b"/files/report/");
-        // Escaped slashes and percent signs stay escaped, in one case: segments stay apart.
-        assert_eq!(path_key("/a%2fb"), b"/a%2Fb");
-        assert_eq!(path_key("/a%2Fb"), b"/a%2Fb");
-        assert_ne!(path_key("/a%2Fb"), path_key("/a/b"));
+        // An escaped slash is a slash, as a file server reads it; escaped percent signs stay
+        // escaped, in one case.
+        assert_eq!(path_key("/a%2fb"), b"/a/b");
+        assert_eq!(path_key("/a%2F.%2F%2Fb"), path_key("/a/b"));
         assert_eq!(path_key("/a%2541"), b"/a%2541");
         assert_ne!(path_key("/a%2541"), path_key("/a%41"));
         assert_eq!(path_key("/a%41"), b"/aA");
