@@ -355,7 +355,7 @@ impl Silences {
         silence.last = now;
         // The first call that timed out was sent a call timeout before it timed out: nothing
         // has been answered since.
-        let silent_for = now.duration_since(silence.since) + timeout;
+        let silent_for = now.duration_since(silence.since).saturating_add(timeout);
         let timeouts = silence.timeouts;
         // Replacements long ago belong to another silence: the wait starts short again.
         if state
@@ -369,7 +369,7 @@ impl Silences {
             .saturating_mul(1 << replacements.min(8))
             .min(REPLACE_SILENT_AT_MOST);
         if timeouts < SILENT_TIMEOUTS
-            || silent_for < SILENT_FOR.max(timeout * 2)
+            || silent_for < SILENT_FOR.max(timeout.saturating_mul(2))
             || state
                 .replaced
                 .is_some_and(|at| now.duration_since(at) < wait)
@@ -1802,6 +1802,20 @@ mod tests {
         s.answered(Some(1));
         assert!(!s.any.load(Ordering::Relaxed));
         assert_eq!(s.state().replacements, 0);
+    }
+
+    /// A call timeout of for ever (`Duration::MAX`) still counts a silence: the timeouts are
+    /// then the operating system's (a connection's `TCP_USER_TIMEOUT`, a reconnection's).
+    #[test]
+    fn a_timeout_of_for_ever_counts_silences_without_overflowing() {
+        let s = Silences::default();
+        for _ in 0..SILENT_TIMEOUTS {
+            let _ = s.timed_out(Some(3), Duration::MAX);
+        }
+        assert_eq!(
+            s.state().silent.get(&Some(3)).map(|x| x.timeouts),
+            Some(SILENT_TIMEOUTS)
+        );
     }
 
     /// A slot that timed out once and then saw no call does not keep the answers of every
