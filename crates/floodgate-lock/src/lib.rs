@@ -78,6 +78,14 @@
 //!   as no node loses its counter. For locks whose double grant would be a disaster, use the
 //!   fencing token at the resource, or etcd/ZooKeeper.
 //!
+//! A guard tells its lease's end by the monotonic clock (`tokio::time::Instant`), which runs
+//! through a process paused (SIGSTOP, a long GC-like stall) but, on Linux and macOS, stops
+//! while the whole machine is suspended (a laptop asleep, a VM suspended), while Redis, on
+//! another machine, goes on expiring keys. A holder that wakes from a suspension longer than
+//! its lease still counts the lease as held: it learns otherwise at its next renewal (the
+//! watchdog's, within a third of the TTL), which finds the lock gone. Where holders can be
+//! suspended, check the fencing token at the resource.
+//!
 //! A Redis that holds locks needs `maxmemory-policy noeviction`: lock keys always have a TTL,
 //! so any `volatile-*` policy (`volatile-ttl` first of all) and every `allkeys-*` one may evict
 //! a held lock to make room, and hand it to a second client while the first learns of it only

@@ -431,6 +431,64 @@ impl Redlock {
         cooling
     }
 
+    /// Runs `op` about a lock we hold on every node not cooling off, then, when their answers
+    /// leave open whether a quorum holds it for us (`ours`: as [`Redlock::settle`] decides),
+    /// on the nodes cooling off too. The quorum holding the lock may be any of the nodes: a
+    /// node that failed a moment ago (one slow answer, perhaps about another lock) may be one
+    /// of it, while a node that answers never had the lock (down when it was taken, or
+    /// restarted empty); passed over, it would make a renewal `NoQuorum` for its whole
+    /// cool-off, and a release's retry "lost". Each node's result, and whether it was left out
+    /// (cooling off and not needed: it counts as failed).
+    async fn on_all_held<'a, T, F, Fut>(
+        &'a self,
+        op: F,
+        ours: impl Fn(&T) -> bool,
+    ) -> (Vec<Result<T, Error>>, Vec<bool>)
+    where
+        F: Fn(RedisLocks) -> Fut,
+        Fut: Future<Output = Result<T, Error>> + 'a,
+    {
+        let skipped = self.skipped(true);
+        let ask = |asked: Vec<bool>| {
+            let op = &op;
+            join_all(
+                self.nodes
+                    .iter()
+                    .zip(asked)
+                    .map(|(node, asked)| async move {
+                        match asked {
+                            true => Some(self.on_node(node, op).await),
+                            false => None,
+                        }
+                    }),
+            )
+        };
+        let mut results = ask(skipped.iter().map(Option::is_none).collect()).await;
+        let said_ours = results
+            .iter()
+            .filter(|r| matches!(r, Some(Ok(answer)) if ours(answer)))
+            .count();
+        let not_answered = results.iter().filter(|r| !matches!(r, Some(Ok(_)))).count();
+        let open = said_ours < self.quorum && said_ours + not_answered >= self.quorum;
+        if open && skipped.iter().any(Option::is_some) {
+            let late = ask(skipped.iter().map(Option::is_some).collect()).await;
+            for (result, late) in results.iter_mut().zip(late) {
+                if late.is_some() {
+                    *result = late;
+                }
+            }
+        }
+        let left_out = results.iter().map(Option::is_none).collect();
+        let results = results
+            .into_iter()
+            .zip(self.nodes.iter().zip(skipped))
+            .map(|(result, (node, skipped))| {
+                result.unwrap_or_else(|| Err(node.down(skipped.unwrap_or_default())))
+            })
+            .collect();
+        (results, left_out)
+    }
+
     /// `op` on one node, bounded by the node timeout; the outcome is recorded for its cool-off.
     async fn on_node<'a, T, F, Fut>(&'a self, node: &'a Node, op: &F) -> Result<T, Error>
     where
@@ -445,51 +503,51 @@ impl Redlock {
     /// Unlocks `name` on every node. A node cooling off after a failure may have granted the
     /// lock all the same (it answered too late), and would keep it for nobody for its whole
     /// ttl. When the answer is `reported` (a release), it is asked with the others as in
-    /// [`Redlock::on_all`] if they are too few for a quorum: else a release with a majority
-    /// cooling off would be reported `NoQuorum` while it released the lock. Otherwise (and
-    /// always for a failed attempt's clean-up, whose answer nobody reads) it is sent the
-    /// unlock in the background, bounded by the node timeout, and counts as failed, so that
-    /// nobody waits on a dead node.
+    /// [`Redlock::on_all_held`] when their answers leave the release open. Otherwise (and
+    /// always for a failed attempt's clean-up, whose answer nobody reads) it is sent the unlock
+    /// in the background, bounded by the node timeout, and counts as failed, so that nobody
+    /// waits on a dead node.
     async fn unlock_all(
         &self,
         name: &[u8],
         token: &[u8],
         reported: bool,
     ) -> Vec<Result<bool, Error>> {
-        let runtime = tokio::runtime::Handle::try_current().ok();
         let unlock = |locks: RedisLocks| async move { locks.unlock(name, token).await };
-        let skipped = self.skipped(reported);
-        join_all(
-            self.nodes
-                .iter()
-                .zip(skipped)
-                .enumerate()
-                .map(|(i, (node, skipped))| {
-                    let (runtime, unlock) = (runtime.clone(), &unlock);
-                    async move {
-                        let Some(left) = skipped else {
-                            return self.on_node(node, unlock).await;
-                        };
-                        if let Some(runtime) = runtime {
-                            let (nodes, after) = (Arc::clone(&self.nodes), self.node_timeout);
-                            let (name, token) = (name.to_vec(), token.to_vec());
-                            runtime.spawn(async move {
-                                let unlock = |locks: RedisLocks| async move {
-                                    locks.unlock(&name, &token).await
-                                };
-                                if let Err(e) = nodes[i].timed(after, unlock).await {
-                                    tracing::debug!(
-                                        error = %e,
-                                        "unlocking a Redlock node that is cooling off failed"
-                                    );
-                                }
-                            });
-                        }
-                        Err(node.down(left))
+        let (results, left_out) = if reported {
+            self.on_all_held(unlock, |released| *released).await
+        } else {
+            let skipped = self.skipped(false);
+            let left_out: Vec<bool> = skipped.iter().map(Option::is_some).collect();
+            let results = join_all(self.nodes.iter().zip(skipped).map(|(node, skipped)| {
+                let unlock = &unlock;
+                async move {
+                    match skipped {
+                        Some(left) => Err(node.down(left)),
+                        None => self.on_node(node, unlock).await,
                     }
-                }),
-        )
-        .await
+                }
+            }))
+            .await;
+            (results, left_out)
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            for (i, _) in left_out.iter().enumerate().filter(|(_, out)| **out) {
+                let (nodes, after) = (Arc::clone(&self.nodes), self.node_timeout);
+                let (name, token) = (name.to_vec(), token.to_vec());
+                runtime.spawn(async move {
+                    let unlock =
+                        |locks: RedisLocks| async move { locks.unlock(&name, &token).await };
+                    if let Err(e) = nodes[i].timed(after, unlock).await {
+                        tracing::debug!(
+                            error = %e,
+                            "unlocking a Redlock node that is cooling off failed"
+                        );
+                    }
+                });
+            }
+        }
+        results
     }
 
     /// Splits results into the answers, each with its node's index, and the errors.
@@ -662,8 +720,11 @@ impl LockStore for Redlock {
 
     async fn extend(&self, name: &[u8], token: &[u8], ttl: Duration) -> Result<bool, Error> {
         let started = Instant::now();
-        let results = self
-            .on_all(|locks| async move { locks.extend(name, token, ttl).await })
+        let (results, _) = self
+            .on_all_held(
+                |locks| async move { locks.extend(name, token, ttl).await },
+                |extended| *extended,
+            )
             .await;
         let extended = self
             .settle(results, |r| *r)?
@@ -674,8 +735,11 @@ impl LockStore for Redlock {
     }
 
     async fn remaining(&self, name: &[u8], token: &[u8]) -> Result<Option<Duration>, Error> {
-        let results = self
-            .on_all(|locks| async move { locks.remaining(name, token).await })
+        let (results, _) = self
+            .on_all_held(
+                |locks| async move { locks.remaining(name, token).await },
+                Option::is_some,
+            )
             .await;
         let mut left: Vec<Duration> = self
             .settle(results, Option::is_some)?

@@ -395,6 +395,46 @@ fn a_release_with_a_majority_cooling_off_asks_them_all() {
     });
 }
 
+/// Our lock is held on nodes 0 and 1 (a quorum of 3); node 2 answers, but never had it.
+/// Node 0 answers one call about another lock too late, and cools off: the nodes not cooling
+/// off are still a quorum, but only one of them holds our lock. A renewal and a release inside
+/// node 0's cool-off ask it all the same: extended, then released, on the quorum that holds
+/// it. Passed over, node 0 made the renewal `NoQuorum`, and the release's retry "lost".
+#[test]
+fn a_node_cooling_off_that_holds_our_lock_is_asked() {
+    let servers = servers(3);
+    run(Duration::from_secs(60), async {
+        let redlock = redlock(&servers).await;
+        warm_up(&redlock).await;
+        let lock = Lock::new(redlock.clone(), "held", TTL).expect("valid");
+        let guard = lock.try_acquire().await.expect("ok").expect("free");
+        let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
+        let key = node.lock_key(b"held");
+        servers.servers()[2].cmd(&[&b"DEL"[..], &key]).expect("DEL");
+        servers.servers()[0].pause().expect("pause");
+        let other = redlock.try_lock(b"other", b"theirs", TTL).await;
+        servers.servers()[0].resume().expect("resume");
+        assert!(
+            matches!(other, Ok(floodgate_lock::LockAttempt::Acquired { .. })),
+            "nodes 1 and 2 granted it: {other:?}"
+        );
+        // At once, well inside node 0's cool-off.
+        let started = Instant::now();
+        guard.extend().await.expect("extended on nodes 0 and 1");
+        guard.release().await.expect("released on nodes 0 and 1");
+        assert!(started.elapsed() < Duration::from_secs(1));
+        for server in servers.iter() {
+            let exists = server.cmd(&[&b"EXISTS"[..], &key]).expect("EXISTS");
+            assert_eq!(
+                exists,
+                floodgate_testkit::Resp::Int(0),
+                "still locked on {}",
+                server.url()
+            );
+        }
+    });
+}
+
 #[test]
 fn half_the_nodes_saying_not_ours_is_lost_even_when_the_others_fail() {
     let servers = servers(4);
