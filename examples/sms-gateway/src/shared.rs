@@ -1374,7 +1374,8 @@ impl Shared for RedisShared {
         // The client's set is kept by creation and completion; a completion cut off before
         // its removal leaves an id there, which would count for good. Under the bound, the
         // set's size is the answer (it can only overstate); at the bound, the ids of
-        // campaigns completed or gone are dropped (read one by one: `most` of them or so).
+        // campaigns completed or gone are dropped (their statuses read at once: one round
+        // trip for `most` of them or so, pipelined on the connection).
         let set = self.client_campaigns_key(client);
         let mut count = redis::cmd("SCARD");
         count.arg(&set);
@@ -1385,12 +1386,16 @@ impl Shared for RedisShared {
         let mut members = redis::cmd("SMEMBERS");
         members.arg(&set);
         let ids: Vec<String> = self.query(members).await?;
-        let mut pending = 0;
-        for id in ids {
+        let statuses = futures_util::future::try_join_all(ids.iter().map(|id| {
             let mut status = redis::cmd("HGET");
-            status.arg(self.campaign_key(&id, "")).arg("status");
-            match self.query::<Option<String>>(status).await?.as_deref() {
-                None | Some("completed") => self.untrack_campaign(&set, &id).await?,
+            status.arg(self.campaign_key(id, "")).arg("status");
+            self.query::<Option<String>>(status)
+        }))
+        .await?;
+        let mut pending = 0;
+        for (id, status) in ids.iter().zip(statuses) {
+            match status.as_deref() {
+                None | Some("completed") => self.untrack_campaign(&set, id).await?,
                 Some(_) => pending += 1,
             }
         }
