@@ -468,9 +468,14 @@ impl Redlock {
             .iter()
             .filter(|r| matches!(r, Some(Ok(answer)) if ours(answer)))
             .count();
-        let not_answered = results.iter().filter(|r| !matches!(r, Some(Ok(_)))).count();
-        let open = said_ours < self.quorum && said_ours + not_answered >= self.quorum;
-        if open && skipped.iter().any(Option::is_some) {
+        let failed = results.iter().filter(|r| matches!(r, Some(Err(_)))).count();
+        let cooling = results.iter().filter(|r| r.is_none()).count();
+        // Open (as `settle` would find it), and the nodes cooling off can close it: all of them
+        // saying "ours" would make a quorum, or all of them saying "not ours" would leave none
+        // possible. Else asking them would only wait on them.
+        let open = said_ours < self.quorum && said_ours + failed + cooling >= self.quorum;
+        let closable = said_ours + cooling >= self.quorum || said_ours + failed < self.quorum;
+        if cooling > 0 && open && closable {
             let late = ask(skipped.iter().map(Option::is_some).collect()).await;
             for (result, late) in results.iter_mut().zip(late) {
                 if late.is_some() {

@@ -73,6 +73,8 @@ const LEAVE_DEMOTED_EVERY: Duration = Duration::from_secs(1);
 /// Calls timed out with no answer between them after which the multiplexed connection may be
 /// taken for dead and made again (see `RedisConn::after_timeout`)...
 const SILENT_TIMEOUTS: u32 = 2;
+/// The most a call timeout counts toward a silence ([`Silences::timed_out`]).
+const LONGEST_CALL_SILENCE: Duration = Duration::from_secs(60);
 /// ...once it has been silent for this long at least (and two call timeouts).
 const SILENT_FOR: Duration = Duration::from_secs(1);
 /// How often, at most, a silent connection is made again: at first...
@@ -354,7 +356,10 @@ impl Silences {
         silence.timeouts = silence.timeouts.saturating_add(1);
         silence.last = now;
         // The first call that timed out was sent a call timeout before it timed out: nothing
-        // has been answered since.
+        // has been answered since. A call timeout of a minute or more (for ever) is not what
+        // timed it out, but the operating system (a connection's user timeout, a reconnection's
+        // connect timeout): counted as a minute.
+        let timeout = timeout.min(LONGEST_CALL_SILENCE);
         let silent_for = now.duration_since(silence.since).saturating_add(timeout);
         let timeouts = silence.timeouts;
         // Replacements long ago belong to another silence: the wait starts short again.
@@ -1804,17 +1809,20 @@ mod tests {
         assert_eq!(s.state().replacements, 0);
     }
 
-    /// A call timeout of for ever (`Duration::MAX`) still counts a silence: the timeouts are
-    /// then the operating system's (a connection's `TCP_USER_TIMEOUT`, a reconnection's).
+    /// A call timeout of for ever (`Duration::MAX`) still counts a silence, without overflowing:
+    /// the timeouts are then the operating system's (a connection's `TCP_USER_TIMEOUT`, a
+    /// reconnection's).
     #[test]
     fn a_timeout_of_for_ever_counts_silences_without_overflowing() {
         let s = Silences::default();
-        for _ in 0..SILENT_TIMEOUTS {
-            let _ = s.timed_out(Some(3), Duration::MAX);
+        // Each counted as a minute's: not remade before two minutes of silence, however many
+        // timeouts come meanwhile.
+        for _ in 0..=SILENT_TIMEOUTS {
+            assert!(s.timed_out(Some(3), Duration::MAX).is_none());
         }
         assert_eq!(
             s.state().silent.get(&Some(3)).map(|x| x.timeouts),
-            Some(SILENT_TIMEOUTS)
+            Some(SILENT_TIMEOUTS + 1)
         );
     }
 

@@ -88,7 +88,8 @@ pub struct Cli {
     /// until one closes. Each holds an open file, as does each webhook call in flight, and 128
     /// more are kept for the rest: at start, the open-file limit (`ulimit -n`) is raised to
     /// fit them, as far as its hard limit allows; past that, the default is lowered to fit, and
-    /// a bound given here is refused.
+    /// a bound given here that cannot fit is refused (as any bound is when not even one
+    /// connection fits).
     #[arg(long, env = "MAX_CONNECTIONS")]
     pub max_connections: Option<u64>,
     /// The most connections served at once from one client address (an IPv6 client's /64),

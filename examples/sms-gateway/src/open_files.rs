@@ -44,10 +44,7 @@ pub struct Plan {
 /// and say how many connections fit (webhook calls do not count against them: how many are
 /// in flight depends on the provider, which is seldom that slow).
 pub fn plan(connections: usize, calls: u64, soft: Option<u64>, hard: Option<u64>) -> Plan {
-    let need = u64::try_from(connections)
-        .unwrap_or(u64::MAX)
-        .saturating_add(calls)
-        .saturating_add(OTHER_FILES);
+    let need = files_for(connections, calls);
     let (raise_to, limit) = match soft {
         Some(soft) if soft < need => {
             let to = hard.map_or(need, |hard| hard.min(need));
@@ -60,6 +57,14 @@ pub fn plan(connections: usize, calls: u64, soft: Option<u64>, hard: Option<u64>
         limit,
         fits: limit.map_or(usize::MAX, fitting),
     }
+}
+
+/// Open files for `connections`, `calls` webhook calls and the rest ([`OTHER_FILES`]).
+fn files_for(connections: usize, calls: u64) -> u64 {
+    u64::try_from(connections)
+        .unwrap_or(u64::MAX)
+        .saturating_add(calls)
+        .saturating_add(OTHER_FILES)
 }
 
 /// The most connections under a limit of `files`.
@@ -96,16 +101,11 @@ pub fn fit(config: &mut Config) -> Result<(), String> {
         .maximum
         .map_or_else(|| "unlimited".to_owned(), |h| h.to_string());
     if plan.fits >= wanted {
-        let need = u64::try_from(wanted)
-            .unwrap_or(u64::MAX)
-            .saturating_add(calls);
-        if plan
-            .limit
-            .is_some_and(|l| l < need.saturating_add(OTHER_FILES))
-        {
+        let need = files_for(wanted, calls);
+        if plan.limit.is_some_and(|l| l < need) {
             tracing::warn!(
                 "MAX_CONNECTIONS={wanted} and up to {calls} webhook calls in flight (the \
-                 global limit's burst and 5 s of its rate) may need {need} open files and \
+                 global limit's burst and 5 s of its rate) may need {need} open files with \
                  {OTHER_FILES} for the rest, but this process may open {shown} (ulimit -n; \
                  hard limit {hard}): a slow provider may run it out of files"
             );
@@ -116,10 +116,9 @@ pub fn fit(config: &mut Config) -> Result<(), String> {
         "MAX_CONNECTIONS={wanted} needs up to {} open files (one per connection, and \
          {OTHER_FILES} for the rest), but this process may open {shown} (ulimit -n; hard limit \
          {hard})",
-        u64::try_from(wanted)
-            .unwrap_or(u64::MAX)
-            .saturating_add(OTHER_FILES),
+        files_for(wanted, 0),
     );
+    // Not even one connection: whatever the bound, raising the limit is the only way.
     if plan.fits == 0 {
         return Err(format!("{why}: raise the limit"));
     }
@@ -129,12 +128,14 @@ pub fn fit(config: &mut Config) -> Result<(), String> {
             plan.fits
         ));
     }
+    let per_ip = config.max_connections_per_ip.min(plan.fits);
     tracing::warn!(
-        "{why}: serving at most {} connections at once; raise the limit for more",
+        "{why}: serving at most {} connections at once (MAX_CONNECTIONS_PER_IP {per_ip}); \
+         raise the limit for more",
         plan.fits
     );
     config.max_connections = plan.fits;
-    config.max_connections_per_ip = config.max_connections_per_ip.min(plan.fits);
+    config.max_connections_per_ip = per_ip;
     Ok(())
 }
 
