@@ -417,6 +417,30 @@ mod tests {
     }
 
     #[test]
+    fn a_rate_s_period_rounds_up_to_whole_microseconds() {
+        let emission = |p: Policy| match p.kind() {
+            Kind::Gcra(g) => g.emission_us(),
+            other => panic!("not GCRA: {other:?}"),
+        };
+        // 1.999 us per request is 2 us, not 1 (twice the rate asked for).
+        let p = Policy::rate(1.0, Duration::from_nanos(1_999)).expect("valid");
+        assert_eq!(emission(p), 2);
+        let p = Policy::rate(3.0, Duration::from_millis(700)).expect("valid");
+        assert_eq!(emission(p), 233_334);
+        let p = Policy::rate(0.5, Duration::from_secs(1)).expect("valid");
+        assert_eq!(emission(p), 2_000_000);
+        // Under a microsecond per request: refused, but not as a period of zero.
+        assert!(matches!(
+            Policy::rate(1.0, Duration::from_nanos(500)),
+            Err(e) if !matches!(e, PolicyError::Zero { .. })
+        ));
+        assert!(matches!(
+            Policy::rate(1.0, Duration::ZERO),
+            Err(PolicyError::Zero { field: "period" })
+        ));
+    }
+
+    #[test]
     fn durations_and_offsets() {
         assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
         assert_eq!(parse_duration("50us"), Ok(Duration::from_micros(50)));

@@ -17,7 +17,6 @@ use crate::algorithm::sliding_window::{self, SlidingWindow};
 use crate::algorithm::token_bucket::{self, TokenBucket};
 use crate::algorithm::{Algorithm, Ctx, MAX_SPAN_US, Outcome, Undo};
 use crate::calendar::{Calendar, CalendarUnit};
-use crate::clock::duration_micros;
 use crate::error::PolicyError;
 
 /// The longest policy name.
@@ -517,13 +516,13 @@ impl Policy {
                 value: rate,
             });
         }
-        let period_us = duration_micros(period);
-        if period_us == 0 {
+        if period.is_zero() {
             return Err(PolicyError::Zero { field: "period" });
         }
         // Rounded up, as `per`: never more than `rate` per `period` after the burst (below one
-        // microsecond it is refused).
-        let exact = period_us as f64 / rate;
+        // microsecond it is refused). From the period's nanoseconds, not its whole
+        // microseconds, which would round a 1.999 us period down to 1 (twice the rate).
+        let exact = period.as_nanos() as f64 / 1_000.0 / rate;
         let emission = if exact < 1.0 { 0.0 } else { exact.ceil() };
         if emission > MAX_SPAN_US as f64 {
             return Err(PolicyError::TooLarge {

@@ -96,10 +96,13 @@ impl Algorithm for SlidingLog {
         let until_gone = |at: u64| (at + self.window).saturating_sub(now);
         // Checked: a cost near u64::MAX must not wrap around to "fits".
         if used.checked_add(ctx.cost).is_some_and(|t| t <= self.limit) {
+            // Full again when the newest entry leaves: this check's, or one ahead of the clock
+            // (stepped back) that leaves later.
+            let ahead = newest.map_or(0, until_gone);
             let reset = if ctx.cost > 0 {
-                self.window
+                self.window.max(ahead)
             } else {
-                newest.map_or(0, until_gone)
+                ahead
             };
             return Outcome::new(true, self.limit, self.limit - used - ctx.cost, None, reset);
         }
@@ -223,6 +226,23 @@ mod tests {
         // Two units need the 2-unit entry gone: T0+15s.
         let d = log.check(&mut st, &Ctx::new(T0 + 11 * S, 2)).decision;
         assert_eq!(d.retry_after, Some(Duration::from_secs(4)));
+    }
+
+    /// After the clock stepped back, an entry ahead of it leaves the window after this check's
+    /// own: the log is full again only then.
+    #[test]
+    fn an_entry_ahead_of_the_clock_holds_the_reset() {
+        let log = SlidingLog::new(5, Duration::from_secs(10)).expect("valid");
+        let mut st = log.fresh();
+        assert!(
+            log.check(&mut st, &Ctx::new(T0 + 5 * S, 1))
+                .decision
+                .allowed
+        );
+        let d = log.check(&mut st, &Ctx::new(T0, 1)).decision;
+        assert!(d.allowed);
+        assert_eq!(d.reset_after, Duration::from_secs(15));
+        assert_eq!(log.expires_at(&st), T0 + 15 * S);
     }
 
     #[test]

@@ -27,11 +27,11 @@ ALG.log = {
       newest = math.max(newest or e.at, e.at)
     end
     if used + cost <= limit then
-      local reset = 0
+      -- Full again when the newest entry leaves: this check's, or one ahead of the clock
+      -- (stepped back) that leaves later.
+      local reset = newest and math.max(0, newest + window - now) or 0
       if cost > 0 then
-        reset = window
-      elseif newest then
-        reset = math.max(0, newest + window - now)
+        reset = math.max(reset, window)
       end
       return outcome(true, limit, limit - used - cost, nil, reset)
     end
