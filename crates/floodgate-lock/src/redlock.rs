@@ -403,20 +403,29 @@ impl Redlock {
         F: Fn(RedisLocks) -> Fut,
         Fut: Future<Output = Result<T, Error>> + 'a,
     {
-        join_all(
-            self.nodes
-                .iter()
-                .zip(self.skipped(true))
-                .map(|(node, skipped)| {
-                    let op = &op;
-                    async move {
-                        if let Some(left) = skipped {
-                            return Err(node.down(left));
-                        }
-                        self.on_node(node, op).await
-                    }
-                }),
-        )
+        self.on_each(op, self.skipped(true)).await
+    }
+
+    /// Runs `op` at once on every node not `skipped` (for how long), each bounded by the node
+    /// timeout; a skipped node's result is [`Error::NodeDown`].
+    async fn on_each<'a, T, F, Fut>(
+        &'a self,
+        op: F,
+        skipped: Vec<Option<Duration>>,
+    ) -> Vec<Result<T, Error>>
+    where
+        F: Fn(RedisLocks) -> Fut,
+        Fut: Future<Output = Result<T, Error>> + 'a,
+    {
+        join_all(self.nodes.iter().zip(skipped).map(|(node, skipped)| {
+            let op = &op;
+            async move {
+                match skipped {
+                    Some(left) => Err(node.down(left)),
+                    None => self.on_node(node, op).await,
+                }
+            }
+        }))
         .await
     }
 
@@ -523,18 +532,8 @@ impl Redlock {
             self.on_all_held(unlock, |released| *released).await
         } else {
             let skipped = self.skipped(false);
-            let left_out: Vec<bool> = skipped.iter().map(Option::is_some).collect();
-            let results = join_all(self.nodes.iter().zip(skipped).map(|(node, skipped)| {
-                let unlock = &unlock;
-                async move {
-                    match skipped {
-                        Some(left) => Err(node.down(left)),
-                        None => self.on_node(node, unlock).await,
-                    }
-                }
-            }))
-            .await;
-            (results, left_out)
+            let left_out = skipped.iter().map(Option::is_some).collect();
+            (self.on_each(unlock, skipped).await, left_out)
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             for (i, _) in left_out.iter().enumerate().filter(|(_, out)| **out) {
