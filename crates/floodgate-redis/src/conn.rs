@@ -73,10 +73,10 @@ const LEAVE_DEMOTED_EVERY: Duration = Duration::from_secs(1);
 /// Calls timed out with no answer between them after which the multiplexed connection may be
 /// taken for dead and made again (see `RedisConn::after_timeout`)...
 const SILENT_TIMEOUTS: u32 = 2;
-/// The most a call timeout counts toward a silence ([`Silences::timed_out`]).
-const LONGEST_CALL_SILENCE: Duration = Duration::from_secs(60);
 /// ...once it has been silent for this long at least (and two call timeouts).
 const SILENT_FOR: Duration = Duration::from_secs(1);
+/// The most a call timeout counts toward a silence ([`Silences::timed_out`]).
+const LONGEST_CALL_SILENCE: Duration = Duration::from_secs(60);
 /// How often, at most, a silent connection is made again: at first...
 const REPLACE_SILENT_EVERY: Duration = Duration::from_secs(1);
 /// ...then doubling while the silences go on, up to this.

@@ -322,8 +322,8 @@ fn normalized_path(path: &str) -> Cow<'_, [u8]> {
 
 /// `path` as routers and file servers act on it: percent-escapes decoded as
 /// [`normalized_path`] does (`%2F` to `/`, `%25` kept), then empty and `.` segments dropped and
-/// each `..` segment taking the one before it away. Borrowed when
-/// `path` is canonical already; a path that does not start with `/` (`*`) is left as it is.
+/// each `..` segment taking the one before it away. Borrowed when `path` is canonical already;
+/// a path that does not start with `/` (`*`) is left as it is.
 pub(crate) fn canonical_path(path: &str) -> Cow<'_, [u8]> {
     let decoded = normalized_path(path);
     let raw: &[u8] = &decoded;
