@@ -47,6 +47,19 @@ async fn held_by_other(servers: &RedisServers, name: &[u8]) -> Vec<u8> {
     key
 }
 
+/// Asserts that no server holds the lock key `key`.
+fn assert_unlocked_everywhere(servers: &RedisServers, key: &[u8]) {
+    for server in servers.iter() {
+        let exists = server.cmd(&[&b"EXISTS"[..], key]).expect("EXISTS");
+        assert_eq!(
+            exists,
+            floodgate_testkit::Resp::Int(0),
+            "still locked on {}",
+            server.url()
+        );
+    }
+}
+
 #[test]
 fn keeps_working_with_two_of_five_nodes_down() {
     let servers = servers(5);
@@ -383,15 +396,7 @@ fn a_release_with_a_majority_cooling_off_asks_them_all() {
         guard.release().await.expect("released on every node");
         let node = redis_locks_with(&servers.servers()[0].url(), Duration::from_secs(1)).await;
         let key = node.lock_key(b"cooling");
-        for server in servers.iter() {
-            let exists = server.cmd(&[&b"EXISTS"[..], &key]).expect("EXISTS");
-            assert_eq!(
-                exists,
-                floodgate_testkit::Resp::Int(0),
-                "still locked on {}",
-                server.url()
-            );
-        }
+        assert_unlocked_everywhere(&servers, &key);
     });
 }
 
@@ -423,15 +428,7 @@ fn a_node_cooling_off_that_holds_our_lock_is_asked() {
         guard.extend().await.expect("extended on nodes 0 and 1");
         guard.release().await.expect("released on nodes 0 and 1");
         assert!(started.elapsed() < Duration::from_secs(1));
-        for server in servers.iter() {
-            let exists = server.cmd(&[&b"EXISTS"[..], &key]).expect("EXISTS");
-            assert_eq!(
-                exists,
-                floodgate_testkit::Resp::Int(0),
-                "still locked on {}",
-                server.url()
-            );
-        }
+        assert_unlocked_everywhere(&servers, &key);
     });
 }
 
