@@ -472,11 +472,44 @@ async fn measure(
     (tally, elapsed, interrupted)
 }
 
-/// Waits `d`, or until Ctrl-C; true if interrupted.
+/// Ctrl-C, for the whole run: once `ctrl_c` has been listened to, SIGINT no longer ends the
+/// process, and a press while nothing listens (building keys, cleaning up) would be lost.
+struct Interrupt {
+    pressed: std::sync::atomic::AtomicBool,
+    notify: tokio::sync::Notify,
+}
+
+static INTERRUPT: Interrupt = Interrupt {
+    pressed: std::sync::atomic::AtomicBool::new(false),
+    notify: tokio::sync::Notify::const_new(),
+};
+
+/// Listens for Ctrl-C from now on: the first press stops the run at its next wait (what was
+/// measured is printed); a second one ends the process at once (exit 130).
+fn listen_for_ctrl_c() {
+    tokio::spawn(async {
+        while tokio::signal::ctrl_c().await.is_ok() {
+            if INTERRUPT.pressed.swap(true, Ordering::SeqCst) {
+                eprintln!("interrupted again: stopping now");
+                std::process::exit(130);
+            }
+            eprintln!("interrupted: stopping (Ctrl-C again to stop at once)");
+            INTERRUPT.notify.notify_waiters();
+        }
+    });
+}
+
+/// Waits `d`, or until Ctrl-C (pressed now or before); true if interrupted.
 async fn wait(d: Duration) -> bool {
+    let pressed = INTERRUPT.notify.notified();
+    tokio::pin!(pressed);
+    pressed.as_mut().enable();
+    if INTERRUPT.pressed.load(Ordering::SeqCst) {
+        return true;
+    }
     tokio::select! {
         () = tokio::time::sleep(d) => false,
-        r = tokio::signal::ctrl_c() => r.is_ok(),
+        () = pressed => true,
     }
 }
 
@@ -487,6 +520,7 @@ fn progress(args: &BenchArgs, what: &str) {
 }
 
 async fn bench(args: &BenchArgs, set: PolicySet) -> Result<Report, CliError> {
+    listen_for_ctrl_c();
     let batch = if args.no_batching {
         BatchConfig::disabled()
     } else {
@@ -533,7 +567,16 @@ async fn bench(args: &BenchArgs, set: PolicySet) -> Result<Report, CliError> {
 
     let mut baselines = Vec::new();
     if !args.no_baselines && !interrupted && floodgate.ops > 0 {
-        interrupted = run_baselines(args, &shared, cluster, &mut baselines).await?;
+        // floodgate's row is measured already: a baseline that cannot start (a cluster whose
+        // slots cannot be read) is a row that says so, not the end of the report.
+        match run_baselines(args, &shared, cluster, &mut baselines).await {
+            Ok(stop) => interrupted = stop,
+            Err(e) => baselines.push(Row::skipped(
+                "baselines",
+                "baselines",
+                format!("could not start: {e}"),
+            )),
+        }
     }
     let mut ratios = serde_json::Map::new();
     for row in &mut baselines {

@@ -434,9 +434,17 @@ fn table(lanes: &[Lane], window_name: &str) -> String {
     out
 }
 
-/// Where to draw the fixed window's boundaries, microseconds from the start.
+/// The most window boundaries drawn: past this, they would be lines closer than the picture's
+/// pixels (and a year of 1-second windows, millions of them, would take gigabytes).
+const MAX_BOUNDARIES: u64 = 1_000;
+
+/// Where to draw the fixed window's boundaries, microseconds from the start; none when there
+/// would be more than [`MAX_BOUNDARIES`].
 fn boundaries(lanes: &[Lane], aligned: bool, window: u64, duration: u64) -> Vec<u64> {
     if aligned {
+        if duration / window.max(1) > MAX_BOUNDARIES {
+            return Vec::new();
+        }
         return (1..)
             .map(|k| window.saturating_mul(k))
             .take_while(|t| *t < duration)
@@ -453,6 +461,9 @@ fn boundaries(lanes: &[Lane], aligned: bool, window: u64, duration: u64) -> Vec<
         .collect();
     lines.sort_unstable();
     lines.dedup();
+    if lines.len() as u64 > MAX_BOUNDARIES {
+        lines.clear();
+    }
     lines
 }
 
@@ -583,6 +594,19 @@ fn draw(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn window_boundaries_are_drawn_only_while_they_are_few() {
+        let s = 1_000_000;
+        assert_eq!(
+            boundaries(&[], true, 10 * s, 35 * s),
+            [10 * s, 20 * s, 30 * s]
+        );
+        // A year of 1-second windows: none, not 31 million.
+        assert!(boundaries(&[], true, s, 365 * 86_400 * s).is_empty());
+        assert!(boundaries(&[], true, s, u64::MAX).is_empty());
+        assert_eq!(boundaries(&[], true, s, MAX_BOUNDARIES * s).len(), 999);
+    }
 
     const S: u64 = 1_000_000;
 
