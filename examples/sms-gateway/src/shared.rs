@@ -733,7 +733,9 @@ impl Shared for MemoryShared {
         if !c.admit(fence) {
             return Ok(Claim::Superseded);
         }
-        if c.done.contains_key(phone) {
+        // A completed campaign's outcomes are dropped (see `campaign_complete`): none of its
+        // numbers is claimed again.
+        if c.campaign.status == "completed" || c.done.contains_key(phone) {
             return Ok(Claim::Taken);
         }
         c.done.insert(phone.to_owned(), None);
@@ -767,7 +769,9 @@ impl Shared for MemoryShared {
     ) -> Result<(), StoreError> {
         let mut campaigns = locked(&self.campaigns);
         if let Some(c) = live_campaign(&mut campaigns, id) {
-            c.done.insert(phone.to_owned(), Some(outcome));
+            if c.campaign.status != "completed" {
+                c.done.insert(phone.to_owned(), Some(outcome));
+            }
             *counter(&mut c.campaign, outcome) += 1;
         }
         Ok(())
@@ -810,6 +814,10 @@ impl Shared for MemoryShared {
             Err(Shut::Superseded) => return Ok(Completion::Superseded),
         };
         c.phones = Vec::new();
+        // Each number's outcome was kept so that no number is claimed twice; claims on a
+        // completed campaign are refused outright, so its report's counters are all it keeps
+        // (100,000 outcomes a campaign, kept for its retention, would grow without bound).
+        c.done = HashMap::new();
         c.expires_ms = Some(now_ms().saturating_add(duration_ms(keep_for)));
         let k = &mut c.campaign;
         k.status = "completed".into();
@@ -2138,6 +2146,37 @@ mod tests {
             .await
             .expect("keys");
         assert!(keys.is_empty(), "{keys:?}");
+    }
+
+    /// A completed campaign keeps its report for its retention, not each number's outcome
+    /// (100,000 of them a campaign, in the process' memory); none of its numbers is claimed
+    /// again, whoever asks.
+    #[tokio::test]
+    async fn a_completed_campaign_keeps_its_report_not_its_outcomes_in_memory() {
+        let store = MemoryShared::new().expect("store");
+        let (campaign, phones) = campaign_of("m1", 3);
+        store
+            .campaign_create(&campaign, &phones)
+            .await
+            .expect("create");
+        for phone in &phones {
+            let claim = store.campaign_claim("m1", phone, "a", 1).await;
+            assert_eq!(claim.expect("claim"), Claim::Claimed);
+            store
+                .campaign_record("m1", phone, Outcome::Sent)
+                .await
+                .expect("record");
+        }
+        let done = store
+            .campaign_complete("m1", Duration::from_secs(60), 1)
+            .await
+            .expect("complete");
+        assert_eq!(done, Completion::Completed);
+        assert!(locked(&store.campaigns)["m1"].done.is_empty());
+        let again = store.campaign_claim("m1", &phones[0], "b", 2).await;
+        assert_eq!(again.expect("claim"), Claim::Taken);
+        let report = store.campaign_get("m1").await.expect("get").expect("kept");
+        assert_eq!((report.sent, report.claimed, report.unknown), (3, 3, 0));
     }
 
     #[tokio::test]
