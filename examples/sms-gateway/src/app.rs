@@ -625,17 +625,12 @@ async fn opt_out<S: Shared>(
         .into_response())
 }
 
-/// A campaign refused because too many are pending (`code` says whose): counted, and a 503
-/// with a `Retry-After` of a minute (when one completes is not known: a minute is a guess a
-/// client can keep to).
-fn campaigns_refused(code: &'static str, why: String) -> ApiError {
+/// A campaign refused because too many are pending (`code` says whose, `status` how it is
+/// answered): counted, with a `Retry-After` of a minute (when one completes is not known: a
+/// minute is a guess a client can keep to).
+fn campaigns_refused(status: StatusCode, code: &'static str, why: String) -> ApiError {
     metrics::counter!("sms_campaigns_refused_total", "reason" => code).increment(1);
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        code,
-        format!("{why}; try again when one completes"),
-    )
-    .retry_after(60)
+    ApiError::new(status, code, format!("{why}; try again when one completes")).retry_after(60)
 }
 
 async fn create_campaign<S: Shared>(
@@ -646,8 +641,8 @@ async fn create_campaign<S: Shared>(
 ) -> Result<Response, ApiError> {
     // Campaigns wait for the dispatcher with their numbers stored: their count is bounded, or
     // clients could fill the store (a hundred thousand numbers a campaign). Checked first (a
-    // refused campaign costs no parsing; the layer gives back the units it took, as for every
-    // 503), across replicas: creations racing past it (from the count to their creation's
+    // refused campaign costs no parsing; the layer gives back the units it took for a 503),
+    // across replicas: creations racing past it (from the count to their creation's
     // end) overshoot by their number at most.
     let pending = app
         .shared
@@ -656,7 +651,9 @@ async fn create_campaign<S: Shared>(
         .map_err(|e| ApiError::unavailable("the campaign store", e))?;
     let most = app.config.max_pending_campaigns;
     if pending >= most {
+        // Everyone's: a 503, whose units the layer gives back.
         return Err(campaigns_refused(
+            StatusCode::SERVICE_UNAVAILABLE,
             "too_many_campaigns",
             format!("{pending} campaigns are pending, the most this gateway holds is {most}"),
         ));
@@ -671,7 +668,10 @@ async fn create_campaign<S: Shared>(
         .await
         .map_err(|e| ApiError::unavailable("the campaign store", e))?;
     if theirs >= most {
+        // The client's own: a 429, whose units stay spent, so that its retries count against
+        // its per-address limit (each one reads its campaigns' statuses).
         return Err(campaigns_refused(
+            StatusCode::TOO_MANY_REQUESTS,
             "too_many_client_campaigns",
             format!("{theirs} of your campaigns are pending, the most a client may have is {most}"),
         ));

@@ -532,16 +532,38 @@ async fn a_clients_pending_campaigns_are_bounded() {
         assert_eq!(created.status, 202, "campaign {n}: {}", created.body);
     }
     let refused = create("203.0.113.1", 2).await;
-    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert_eq!(refused.status, 429, "{}", refused.body);
     assert_eq!(
         refused.body["error"]["code"], "too_many_client_campaigns",
         "{}",
         refused.body
     );
     assert_eq!(refused.headers["retry-after"], "60");
+    // Not given back: each retry at the bound spends one of the client's requests.
+    let again = create("203.0.113.1", 2).await;
+    assert_eq!(again.status, 429, "{}", again.body);
+    assert_eq!(
+        client_ip_remaining(&again.headers),
+        client_ip_remaining(&refused.headers) - 1
+    );
     let other = create("203.0.113.2", 3).await;
     assert_eq!(other.status, 202, "{}", other.body);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// What the `client-ip` policy has left, from a response's `RateLimit` header
+/// (`"client-ip";r=N;t=S, ...`).
+fn client_ip_remaining(headers: &http::HeaderMap) -> u64 {
+    let value = headers
+        .get("ratelimit")
+        .and_then(|v| v.to_str().ok())
+        .expect("a RateLimit header");
+    value
+        .split(',')
+        .find(|item| item.trim_start().starts_with("\"client-ip\""))
+        .and_then(|item| item.split(';').find_map(|p| p.trim().strip_prefix("r=")))
+        .and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("no client-ip remaining in {value:?}"))
 }
 
 /// Connects to `gw` with a read timeout.
