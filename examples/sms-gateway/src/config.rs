@@ -250,6 +250,21 @@ fn share_of(
     }
 }
 
+/// A count from 1 to `most`: `value` when given, else `default`.
+fn count(
+    name: &'static str,
+    value: Option<u64>,
+    default: usize,
+    most: u64,
+) -> Result<usize, ConfigError> {
+    match value {
+        None => Ok(default),
+        Some(0) => Err(bad(name, "must be at least 1")),
+        Some(n) if n > most => Err(bad(name, format!("must be at most {most}"))),
+        Some(n) => usize::try_from(n).map_err(|_| bad(name, format!("{n} is too large"))),
+    }
+}
+
 fn bad(name: &'static str, reason: impl std::fmt::Display) -> ConfigError {
     ConfigError {
         name,
@@ -304,27 +319,22 @@ impl Config {
             Some(s) => parse_utc_offset(&s).map_err(|e| bad("utc_offset", e))?,
             None => d.utc_offset_secs,
         };
-        let max_connections = match cli.max_connections.or(file.max_connections) {
-            None => d.max_connections,
-            Some(0) => return Err(bad("max_connections", "must be at least 1")),
-            // Each connection holds a socket: past this, the process' file limit is hit
-            // before the bound.
-            Some(n) if n > 1_000_000 => {
-                return Err(bad("max_connections", "must be at most 1000000"));
-            }
-            Some(n) => usize::try_from(n)
-                .map_err(|_| bad("max_connections", format!("{n} is too large")))?,
-        };
-        let max_pending_campaigns = match cli.max_pending_campaigns.or(file.max_pending_campaigns) {
-            None => d.max_pending_campaigns,
-            Some(0) => return Err(bad("max_pending_campaigns", "must be at least 1")),
-            // Counting the pending campaigns reads them all: a few thousand at most.
-            Some(n) if n > 10_000 => {
-                return Err(bad("max_pending_campaigns", "must be at most 10000"));
-            }
-            Some(n) => usize::try_from(n)
-                .map_err(|_| bad("max_pending_campaigns", format!("{n} is too large")))?,
-        };
+        let given_connections = cli.max_connections.or(file.max_connections);
+        // Each connection holds a socket: past a million, the process' file limit is hit
+        // before the bound.
+        let max_connections = count(
+            "max_connections",
+            given_connections,
+            d.max_connections,
+            1_000_000,
+        )?;
+        // Counting the pending campaigns reads them all: a few thousand at most.
+        let max_pending_campaigns = count(
+            "max_pending_campaigns",
+            cli.max_pending_campaigns.or(file.max_pending_campaigns),
+            d.max_pending_campaigns,
+            10_000,
+        )?;
         let config = Config {
             listen: cli.listen.or(file.listen).unwrap_or(d.listen),
             redis_url: cli
@@ -399,7 +409,7 @@ impl Config {
                 ("max_pending_campaigns", max_pending_campaigns),
             )?,
             max_connections,
-            max_connections_set: cli.max_connections.or(file.max_connections).is_some(),
+            max_connections_set: given_connections.is_some(),
             max_connections_per_ip: share_of(
                 "max_connections_per_ip",
                 cli.max_connections_per_ip.or(file.max_connections_per_ip),

@@ -524,7 +524,7 @@ fn open_campaign<'a>(
     fence: u64,
 ) -> Result<&'a mut MemoryCampaign, Shut> {
     let c = live_campaign(campaigns, id).ok_or(Shut::Done)?;
-    if c.campaign.status == "completed" {
+    if c.completed() {
         return Err(Shut::Done);
     }
     if !c.admit(fence) {
@@ -534,6 +534,10 @@ fn open_campaign<'a>(
 }
 
 impl MemoryCampaign {
+    fn completed(&self) -> bool {
+        self.campaign.status == "completed"
+    }
+
     /// Whether the dispatcher with fencing token `fence` may write (see [`FenceCheck`]).
     fn admit(&mut self, fence: u64) -> bool {
         let admitted = self.fence.admit(fence).is_ok();
@@ -685,7 +689,7 @@ impl Shared for MemoryShared {
         campaigns.retain(|_, c| c.expires_ms.is_none_or(|at| at > now));
         Ok(campaigns
             .values()
-            .filter(|c| c.campaign.status != "completed")
+            .filter(|c| !c.completed())
             .map(|c| c.campaign.id.clone())
             .collect())
     }
@@ -697,7 +701,7 @@ impl Shared for MemoryShared {
     async fn campaigns_pending_of(&self, client: &str, _most: usize) -> Result<usize, StoreError> {
         Ok(locked(&self.campaigns)
             .values()
-            .filter(|c| c.campaign.client == client && c.campaign.status != "completed")
+            .filter(|c| c.campaign.client == client && !c.completed())
             .count())
     }
 
@@ -735,7 +739,7 @@ impl Shared for MemoryShared {
         }
         // A completed campaign's outcomes are dropped (see `campaign_complete`): none of its
         // numbers is claimed again.
-        if c.campaign.status == "completed" || c.done.contains_key(phone) {
+        if c.completed() || c.done.contains_key(phone) {
             return Ok(Claim::Taken);
         }
         c.done.insert(phone.to_owned(), None);
@@ -769,7 +773,7 @@ impl Shared for MemoryShared {
     ) -> Result<(), StoreError> {
         let mut campaigns = locked(&self.campaigns);
         if let Some(c) = live_campaign(&mut campaigns, id) {
-            if c.campaign.status != "completed" {
+            if !c.completed() {
                 c.done.insert(phone.to_owned(), Some(outcome));
             }
             *counter(&mut c.campaign, outcome) += 1;
