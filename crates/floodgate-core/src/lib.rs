@@ -36,6 +36,6 @@ pub use lock::{LockAttempt, LockStore, MemoryLocks, Place, WaitQueues};
 pub use policy::{AlgorithmKind, Kind, MAX_NAME_LEN, Policy, State};
 pub use store::{
     CacheStats, Check, CheckOptions, ConcurrencyLease, DEFAULT_MAX_KEYS, DenyCache, DenyCacheStats,
-    LeaseClock, Leasing, LeasingConfig, LeasingStats, Limiter, MemoryLimiter, MemoryLimiterBuilder,
-    OnFull, StoreStats,
+    LeaseClock, Leasing, LeasingConfig, LeasingStats, Limiter, MAX_LEASE_FOR, MemoryLimiter,
+    MemoryLimiterBuilder, OnFull, StoreStats,
 };

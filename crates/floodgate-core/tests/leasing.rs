@@ -562,3 +562,123 @@ async fn leases_of_different_keys_are_taken_at_once() {
     let at_once = store.most_at_once.load(Ordering::Relaxed);
     assert!(at_once >= 2, "at most {at_once} lease at once");
 }
+
+/// A caller that gives up while its check takes a lease (its timeout) does not take the lease
+/// with it: the store counted the lease's units, and this replica spends them.
+#[tokio::test]
+async fn a_caller_that_gives_up_during_a_lease_loses_no_units() {
+    use floodgate_core::{ManualClock, Timestamp};
+    // Leases of 20 units; the key hot after 16 checks.
+    let policy = Policy::fixed_window(2_000, Duration::from_secs(3_600)).expect("valid");
+    let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
+    let store = store();
+    let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
+    let check = [Check::new(b"hot", &policy)];
+    for _ in 0..16 {
+        let v = leasing
+            .check(&check, CheckOptions::default())
+            .await
+            .expect("check");
+        assert!(v.allowed());
+    }
+    // The store counts the lease at once and answers 50 ms later; the caller waits 10 ms.
+    store.set_reply_delay(Duration::from_millis(50));
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(10),
+        leasing.check(&check, CheckOptions::default()),
+    )
+    .await;
+    assert!(gave_up.is_err(), "answered within 10 ms");
+    store.set_reply_delay(Duration::ZERO);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The lease is this replica's: its 20 units are spent here, with no call to the store.
+    let calls = store.calls.load(Ordering::Relaxed);
+    for _ in 0..20 {
+        let v = leasing
+            .check(&check, CheckOptions::default())
+            .await
+            .expect("check");
+        assert!(v.allowed());
+    }
+    assert_eq!(
+        store.calls.load(Ordering::Relaxed),
+        calls,
+        "{:?}",
+        leasing.stats()
+    );
+    assert_eq!(leasing.stats().leases, 1, "{:?}", leasing.stats());
+    // The store counted the 16 checks and the one lease, no more.
+    let peek = store
+        .inner
+        .check(
+            &[Check::new(b"hot", &policy).cost(0)],
+            CheckOptions::default(),
+        )
+        .await
+        .expect("peek");
+    assert_eq!(peek.decisions[0].remaining, 2_000 - 16 - 20);
+}
+
+/// Checks of a hot key that queued for a lease while the store failed the first of them do not
+/// ask for one again each: one failed lease, then each check its own store call.
+#[tokio::test]
+async fn checks_queued_behind_a_failed_lease_do_not_ask_again() {
+    let policy = Policy::fixed_window(2_000, Duration::from_secs(3_600)).expect("valid");
+    let store = store();
+    let leasing = Leasing::new(store.clone());
+    let check = [Check::new(b"hot", &policy)];
+    for _ in 0..16 {
+        let v = leasing
+            .check(&check, CheckOptions::default())
+            .await
+            .expect("check");
+        assert!(v.allowed());
+    }
+    // Eight at once, hot, and the store is down (each call takes a while to fail).
+    store.set_delay(Duration::from_millis(5));
+    store.set_failing(true);
+    let before = store.calls.load(Ordering::Relaxed);
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (leasing, policy) = (leasing.clone(), policy.clone());
+            tokio::spawn(async move {
+                leasing
+                    .check(&[Check::new(b"hot", &policy)], CheckOptions::default())
+                    .await
+                    .is_err()
+            })
+        })
+        .collect();
+    for task in tasks {
+        assert!(
+            task.await.expect("task"),
+            "a check succeeded with the store down"
+        );
+    }
+    assert_eq!(store.calls.load(Ordering::Relaxed) - before, 1 + 8);
+    assert_eq!(leasing.stats().leases, 0, "{:?}", leasing.stats());
+}
+
+#[test]
+fn a_lease_period_longer_than_an_hour_is_refused() {
+    let cfg = LeasingConfig {
+        lease_for: Duration::from_secs(3_601),
+        ..LeasingConfig::default()
+    };
+    let err = cfg.validate().expect_err("an hour and a second");
+    assert!(err.to_string().contains("lease_for"), "{err}");
+    let cfg = LeasingConfig {
+        lease_for: floodgate_core::MAX_LEASE_FOR,
+        ..LeasingConfig::default()
+    };
+    cfg.validate().expect("an hour");
+}
+
+#[tokio::test]
+async fn no_check_at_all_is_not_answered_locally() {
+    let store = store();
+    let leasing = Leasing::new(store.clone());
+    let answer = leasing.check(&[], CheckOptions::default()).await;
+    assert!(answer.is_err(), "{answer:?}");
+    assert_eq!(leasing.stats().local, 0);
+}

@@ -14,6 +14,10 @@ use crate::error::PolicyError;
 use crate::policy::Kind;
 use crate::{Decision, LeaseId, Policy, Timestamp, Verdict};
 
+/// The longest lease [`LeasingConfig::validate`] accepts: a lease is a slice of a hot key's
+/// budget held for a moment (250 ms by default), not for hours.
+pub const MAX_LEASE_FOR: Duration = Duration::from_secs(3_600);
+
 /// How [`Leasing`] leases.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LeasingConfig {
@@ -35,7 +39,7 @@ pub struct LeasingConfig {
 }
 
 impl LeasingConfig {
-    /// Checks the settings: a fraction in (0, 1], a lease period, a hotness threshold and
+    /// Checks the settings: a fraction in (0, 1], a lease period of at most [`MAX_LEASE_FOR`], a hotness threshold and
     /// room for keys above zero, and `min_units` no more than `max_units`. A lease that could
     /// never be spent (a zero period) would cost each hot check a lease of units for nothing.
     ///
@@ -58,6 +62,13 @@ impl LeasingConfig {
         if self.lease_for.is_zero() {
             return Err(PolicyError::Zero {
                 field: "leasing lease_for",
+            });
+        }
+        if self.lease_for > MAX_LEASE_FOR {
+            return Err(PolicyError::TooLarge {
+                field: "leasing lease_for",
+                value: format!("{:?}", self.lease_for),
+                max: format!("{MAX_LEASE_FOR:?}"),
             });
         }
         if self.hot_after == 0 {
@@ -182,7 +193,7 @@ struct Shared<C> {
     /// at once, while leases of keys on different stripes are taken side by side (one lock
     /// for all would let at most one lease per store round trip, for every hot key of the
     /// replica, queue behind each other).
-    taking: Box<[tokio::sync::Mutex<()>]>,
+    taking: Box<[Arc<tokio::sync::Mutex<()>>]>,
     local: AtomicU64,
     store: AtomicU64,
     leases: AtomicU64,
@@ -221,7 +232,12 @@ struct Shared<C> {
 ///
 /// A key the store refuses a lease (it has fewer units left than a lease, or none) is not asked
 /// for one again until the store says a lease's units may be free, and for at most a lease
-/// period: meanwhile its checks go to the store one call each, as without leasing.
+/// period: meanwhile its checks go to the store one call each, as without leasing. A key whose
+/// lease failed (the store is down or slow) is not asked for one again within a lease period.
+///
+/// Under a tokio runtime, a lease is taken (and the last one's unspent units given back) in a
+/// task of its own: a caller that gives up while it waits (a timeout around `check`) leaves
+/// the lease to the replica instead of taking its units with it.
 pub struct Leasing<L, C = SystemClock> {
     inner: L,
     shared: Arc<Shared<C>>,
@@ -265,7 +281,7 @@ impl<L, C: Clock> Leasing<L, C> {
                 clock,
                 cfg,
                 taking: (0..TAKING_STRIPES)
-                    .map(|_| tokio::sync::Mutex::new(()))
+                    .map(|_| Arc::new(tokio::sync::Mutex::new(())))
                     .collect(),
                 local: AtomicU64::new(0),
                 store: AtomicU64::new(0),
@@ -338,7 +354,7 @@ impl<L, C: Clock> Leasing<L, C> {
                             ident: c.policy.ident(),
                             key: c.key,
                             value: Local::blank(now),
-                            expires_at: now + 2 * period,
+                            expires_at: now.saturating_add(period.saturating_mul(2)),
                         },
                         now,
                     );
@@ -347,7 +363,7 @@ impl<L, C: Clock> Leasing<L, C> {
                     continue;
                 }
             };
-            if now >= local.period_start + period {
+            if now >= local.period_start.saturating_add(period) {
                 local.period_start = now;
                 local.seen = 0;
             }
@@ -438,7 +454,7 @@ impl<L, C: Clock> Leasing<L, C> {
     }
 }
 
-impl<L: Limiter, C: Clock> Leasing<L, C> {
+impl<L: Limiter + Clone + 'static, C: Clock> Leasing<L, C> {
     /// Takes a lease for each hot check that has a lease size. Denied or failed leases are left
     /// alone: the check then goes to the store as it is.
     async fn take_leases(&self, checks: &[Check<'_>], hot: &[usize]) {
@@ -452,7 +468,7 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
             // One key's lease at a time: held for this key only, never two at once, so no
             // order of taking can deadlock.
             let stripe = (hash >> 32) as usize % self.shared.taking.len();
-            let _one_at_a_time = self.shared.taking[stripe].lock().await;
+            let one_at_a_time = Arc::clone(&self.shared.taking[stripe]).lock_owned().await;
             let now = self.shared.clock.now().as_micros();
             // Someone may have leased it while we waited, or been refused a lease (the checks
             // that queued behind that one do not ask again).
@@ -465,97 +481,124 @@ impl<L: Limiter, C: Clock> Leasing<L, C> {
             if settled {
                 continue;
             }
-            // What the key's last lease left unspent (it ended, or holds less than this check's
-            // cost) goes back to the store first, whether or not a new lease is granted: the
-            // store then has those units for the new lease, or for the key's checks if it is
-            // refused one. Taken out under the shard's lock, so no check spends them meanwhile.
-            let leftover = map
-                .lock(map.shard_of(hash))
-                .find_mut(hash, c.policy.ident(), c.key)
-                .and_then(|slot| {
-                    let local = &mut slot.value;
-                    let unspent = std::mem::take(&mut local.units);
-                    (unspent > 0).then(|| {
-                        let lease = Verdict {
-                            decisions: smallvec::smallvec![local.decision],
-                            wait: Duration::ZERO,
-                            lease: None,
-                            at: Timestamp::from_micros(local.store_at),
-                        };
-                        (unspent, lease)
-                    })
-                });
-            if let Some((unspent, lease)) = leftover {
-                // As a check's refund, as of the lease's time: the units' share of what the
-                // store counted for the lease, less what has drained since.
-                let back = [Check::new(c.key, c.policy).cost(unspent)];
-                let counter = match self.inner.refund(&back, &lease).await {
-                    Ok(()) => &self.shared.returned,
-                    Err(_) => &self.shared.wasted,
-                };
-                counter.fetch_add(unspent, Ordering::Relaxed);
-            }
-            self.shared.store.fetch_add(1, Ordering::Relaxed);
-            let lease = [Check::new(c.key, c.policy).cost(n)];
-            let Ok(verdict) = self.inner.check(&lease, CheckOptions::default()).await else {
-                continue;
+            // The store calls run in a task of their own, holding the key's lock: a caller
+            // that gives up half-way (its timeout) would otherwise drop them there, with the
+            // last lease's unspent units taken out but never given back, or a lease the store
+            // counted never recorded here, its units lost to the key until its window ends.
+            let this = self.clone();
+            let (key, policy) = (c.key.to_vec(), c.policy.clone());
+            let lease = async move {
+                this.lease(&key, &policy, hash, n).await;
+                drop(one_at_a_time);
             };
-            // A store that answers a check with no decision grants nothing.
-            if verdict.decisions.is_empty() {
-                continue;
+            match tokio::runtime::Handle::try_current() {
+                // A lease that panicked is no lease: the check goes to the store.
+                Ok(runtime) => drop(runtime.spawn(lease).await),
+                // No runtime to run it on (another executor): the caller takes it.
+                Err(_) => lease.await,
             }
-            if !verdict.allowed() {
-                // Not asked again before `n` units may be free, nor within a lease period:
-                // meanwhile the key's checks go to the store as they are.
-                let lease_for = self.shared.cfg.lease_for;
-                let back_off = verdict
-                    .decisions
-                    .first()
-                    .and_then(|d| d.retry_after)
-                    .map_or(lease_for, |r| r.min(lease_for));
-                let now = self.shared.clock.now().as_micros();
-                if let Some(slot) =
-                    map.lock(map.shard_of(hash))
-                        .find_mut(hash, c.policy.ident(), c.key)
-                {
-                    slot.value.no_lease_until = now + duration_micros(back_off);
-                }
-                continue;
+        }
+    }
+
+    /// Gives back what `key`'s last lease left unspent, then takes a lease of `n` units.
+    async fn lease(&self, key: &[u8], policy: &Policy, hash: u64, n: u64) {
+        let map = &self.shared.map;
+        // What the key's last lease left unspent (it ended, or holds less than this check's
+        // cost) goes back to the store first, whether or not a new lease is granted: the
+        // store then has those units for the new lease, or for the key's checks if it is
+        // refused one. Taken out under the shard's lock, so no check spends them meanwhile.
+        let leftover = map
+            .lock(map.shard_of(hash))
+            .find_mut(hash, policy.ident(), key)
+            .and_then(|slot| {
+                let local = &mut slot.value;
+                let unspent = std::mem::take(&mut local.units);
+                (unspent > 0).then(|| {
+                    let lease = Verdict {
+                        decisions: smallvec::smallvec![local.decision],
+                        wait: Duration::ZERO,
+                        lease: None,
+                        at: Timestamp::from_micros(local.store_at),
+                    };
+                    (unspent, lease)
+                })
+            });
+        if let Some((unspent, lease)) = leftover {
+            // As a check's refund, as of the lease's time: the units' share of what the
+            // store counted for the lease, less what has drained since.
+            let back = [Check::new(key, policy).cost(unspent)];
+            let counter = match self.inner.refund(&back, &lease).await {
+                Ok(()) => &self.shared.returned,
+                Err(_) => &self.shared.wasted,
+            };
+            counter.fetch_add(unspent, Ordering::Relaxed);
+        }
+        self.shared.store.fetch_add(1, Ordering::Relaxed);
+        let lease = [Check::new(key, policy).cost(n)];
+        let lease_for = self.shared.cfg.lease_for;
+        // Not asked again before `n` units may be free, nor within a lease period: meanwhile
+        // the key's checks go to the store as they are. A store that failed (or answered with
+        // no decision, granting nothing) is not asked again within a lease period either:
+        // otherwise each check queued behind this one would ask in turn, one store call (or
+        // timeout) after the other, before making its own.
+        let back_off = match self.inner.check(&lease, CheckOptions::default()).await {
+            Ok(verdict) if verdict.allowed() && !verdict.decisions.is_empty() => {
+                self.keep(key, policy, hash, n, &verdict);
+                return;
             }
-            let now = self.shared.clock.now().as_micros();
-            let until = now + duration_micros(self.shared.cfg.lease_for);
-            self.shared.leases.fetch_add(1, Ordering::Relaxed);
-            let expires_at = until + duration_micros(self.shared.cfg.lease_for);
-            let mut shard = map.lock(map.shard_of(hash));
-            if let Some(slot) = shard.find_mut(hash, c.policy.ident(), c.key) {
-                // Given back above; units put back since (by a check that fell short) belong
-                // to the lease they came from: wasted.
-                let unspent = slot.value.take(n, until, &verdict, now);
-                if unspent > 0 {
-                    self.shared.wasted.fetch_add(unspent, Ordering::Relaxed);
-                }
-                slot.set_expires_at(expires_at);
-            } else {
-                // Swept while the store answered (its counting period had run out): tracked
-                // anew with its lease, or, with no room left, its units are wasted.
-                let mut value = Local::blank(now);
-                value.take(n, until, &verdict, now);
-                let slot = NewSlot {
-                    hash,
-                    ident: c.policy.ident(),
-                    key: c.key,
-                    value,
-                    expires_at,
-                };
-                if map.insert(&mut shard, slot, now).is_err() {
-                    self.shared.wasted.fetch_add(n, Ordering::Relaxed);
-                }
+            Ok(verdict) => verdict
+                .decisions
+                .first()
+                .and_then(|d| d.retry_after)
+                .map_or(lease_for, |r| r.min(lease_for)),
+            Err(_) => lease_for,
+        };
+        let now = self.shared.clock.now().as_micros();
+        if let Some(slot) = map
+            .lock(map.shard_of(hash))
+            .find_mut(hash, policy.ident(), key)
+        {
+            slot.value.no_lease_until = now.saturating_add(duration_micros(back_off));
+        }
+    }
+
+    /// Records the lease of `n` units the store granted in `verdict`.
+    fn keep(&self, key: &[u8], policy: &Policy, hash: u64, n: u64, verdict: &Verdict) {
+        let map = &self.shared.map;
+        let now = self.shared.clock.now().as_micros();
+        let lease_for = duration_micros(self.shared.cfg.lease_for);
+        let until = now.saturating_add(lease_for);
+        self.shared.leases.fetch_add(1, Ordering::Relaxed);
+        let expires_at = until.saturating_add(lease_for);
+        let mut shard = map.lock(map.shard_of(hash));
+        if let Some(slot) = shard.find_mut(hash, policy.ident(), key) {
+            // Given back above; units put back since (by a check that fell short) belong
+            // to the lease they came from: wasted.
+            let unspent = slot.value.take(n, until, verdict, now);
+            if unspent > 0 {
+                self.shared.wasted.fetch_add(unspent, Ordering::Relaxed);
+            }
+            slot.set_expires_at(expires_at);
+        } else {
+            // Swept while the store answered (its counting period had run out): tracked
+            // anew with its lease, or, with no room left, its units are wasted.
+            let mut value = Local::blank(now);
+            value.take(n, until, verdict, now);
+            let slot = NewSlot {
+                hash,
+                ident: policy.ident(),
+                key,
+                value,
+                expires_at,
+            };
+            if map.insert(&mut shard, slot, now).is_err() {
+                self.shared.wasted.fetch_add(n, Ordering::Relaxed);
             }
         }
     }
 }
 
-impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
+impl<L: Limiter + Clone + 'static, C: Clock> Limiter for Leasing<L, C> {
     type Error = L::Error;
 
     fn cache_stats(&self) -> CacheStats {
@@ -570,7 +613,9 @@ impl<L: Limiter, C: Clock> Limiter for Leasing<L, C> {
     }
 
     async fn check(&self, checks: &[Check<'_>], opts: CheckOptions) -> Result<Verdict, L::Error> {
-        let leasable = opts.now.is_none()
+        // No check at all is the store's to refuse, not an allowed local answer.
+        let leasable = !checks.is_empty()
+            && opts.now.is_none()
             && opts.max_wait.is_zero()
             && checks
                 .iter()

@@ -13,7 +13,7 @@ use std::time::Duration;
 pub use concurrency_lease::ConcurrencyLease;
 pub use deny_cache::{DenyCache, DenyCacheStats};
 pub use lease_clock::LeaseClock;
-pub use leasing::{Leasing, LeasingConfig, LeasingStats};
+pub use leasing::{Leasing, LeasingConfig, LeasingStats, MAX_LEASE_FOR};
 pub use memory::{DEFAULT_MAX_KEYS, MemoryLimiter, MemoryLimiterBuilder};
 pub use sharded::{OnFull, StoreStats};
 

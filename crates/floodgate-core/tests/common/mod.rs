@@ -3,7 +3,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use floodgate_core::{
@@ -23,6 +23,8 @@ pub struct Store {
     delay_us: Arc<AtomicU64>,
     /// How long an answer is held after the store decided (a reply on its way back).
     reply_delay_us: Arc<AtomicU64>,
+    /// Whether checks fail (a store that is down), after their delay.
+    failing: Arc<AtomicBool>,
 }
 
 impl Store {
@@ -36,6 +38,7 @@ impl Store {
             in_flight: Arc::new(AtomicU64::new(0)),
             delay_us: Arc::new(AtomicU64::new(0)),
             reply_delay_us: Arc::new(AtomicU64::new(0)),
+            failing: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -51,6 +54,11 @@ impl Store {
     pub fn set_reply_delay(&self, delay: Duration) {
         let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
         self.reply_delay_us.store(us, Ordering::Relaxed);
+    }
+
+    /// From now on, checks fail, or no longer fail (also for the clones of this store).
+    pub fn set_failing(&self, failing: bool) {
+        self.failing.store(failing, Ordering::Relaxed);
     }
 
     /// From now on, calls take `delay` (also for the clones of this store).
@@ -76,6 +84,9 @@ impl Limiter for Store {
             tokio::time::sleep(Duration::from_micros(delay)).await;
         }
         self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.failing.load(Ordering::Relaxed) {
+            return Err(MemoryError::InvalidCheck("the store is down".into()));
+        }
         let verdict = self.inner.check(checks, opts).await?;
         let reply_delay = self.reply_delay_us.load(Ordering::Relaxed);
         if reply_delay > 0 {
