@@ -259,9 +259,10 @@ impl<S: LockStore + Clone> LockGuard<S> {
     /// the two cases cannot be told apart.
     ///
     /// # Errors
-    /// [`Error::Lost`] if the store no longer held it for us: the lease had run out, so another
+    /// [`Error::Lost`] if the store no longer held it for us, or if the lease had run out (by
+    /// our own deadline) before the release, whether or not the store could be reached: another
     /// holder may have overlapped with this critical section. A store error if it could not be
-    /// reached; the lock then frees itself when the lease ends.
+    /// reached within the lease; the lock then frees itself when the lease ends.
     pub async fn release(mut self) -> Result<(), Error>
     where
         Error: From<S::Error>,
@@ -287,7 +288,20 @@ impl<S: LockStore + Clone> LockGuard<S> {
                     let e = Error::from(e);
                     let retry_at = Instant::now() + backoff;
                     if !e.is_transient() || attempts >= RELEASE_ATTEMPTS || retry_at >= deadline {
-                        return Err(e);
+                        // A lease that had run out (or been found gone) before the release is
+                        // lost whether or not the store answers it: another holder may have
+                        // overlapped with the work.
+                        return Err(match expired {
+                            Some(reason) => {
+                                tracing::debug!(
+                                    lock = %floodgate_redis::display_key(&self.held.name),
+                                    error = %e,
+                                    "the lease had run out and the release failed"
+                                );
+                                Error::lost(&self.held.name, reason)
+                            }
+                            None => e,
+                        });
                     }
                     tracing::debug!(
                         lock = %floodgate_redis::display_key(&self.held.name),

@@ -368,6 +368,33 @@ fn fault_run_keeps_the_output_when_only_the_release_fails() {
     });
 }
 
+/// Work that ran past its lease is reported lost even when the store cannot be reached to
+/// release it: the lease ran out by the guard's own deadline, so another holder may have
+/// overlapped with it. (Here the work blocks its thread past the deadline, so the loss cannot
+/// cancel it first.)
+#[test]
+fn fault_run_reports_work_past_its_lease_lost_when_the_release_fails() {
+    let server = std::sync::Arc::new(server());
+    run(Duration::from_secs(30), async {
+        let locks = redis_locks_with(&server.url(), Duration::from_millis(100)).await;
+        let lock = Lock::new(locks, "overran", Duration::from_millis(300)).expect("valid");
+        let output = lock
+            .run(Duration::from_secs(1), |fence| {
+                let server = std::sync::Arc::clone(&server);
+                async move {
+                    // The store goes away, and the work runs on past the lease.
+                    server.pause().expect("pause");
+                    std::thread::sleep(Duration::from_millis(700));
+                    fence
+                }
+            })
+            .await;
+        server.resume().expect("resume");
+        let err = output.expect_err("work past its lease");
+        assert!(err.is_lost(), "{err}");
+    });
+}
+
 /// A release whose caller gives up before the store answers (a timeout around it, a cancelled
 /// task) still releases: the guard's drop does it in the background.
 #[test]

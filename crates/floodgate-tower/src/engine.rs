@@ -930,10 +930,22 @@ where
             }
             attempts += 1;
             let retry = verdict.strictest().and_then(|(_, d)| d.retry_after);
+            // A shaper that refused a turn within what was left of `max_wait` refuses it again
+            // after any sleep: its queue only grows as others take their turns (a turn with
+            // others behind it is never given back), while what is left of `max_wait` shrinks.
+            // Its retry time says when the request, made again, would fit in a whole
+            // `max_wait`: the client's to take, not this request's to sleep.
+            let shaper_refused = shaper
+                && checks
+                    .iter()
+                    .zip(&verdict.decisions)
+                    .any(|(c, d)| !d.allowed && matches!(c.policy.kind(), Kind::Shaper(_)));
             // The retry must fit in what is left after the check itself, which may have taken
             // a while.
             match retry {
-                Some(retry) if attempts < MAX_DELAY_ATTEMPTS && retry <= left() => {
+                Some(retry)
+                    if !shaper_refused && attempts < MAX_DELAY_ATTEMPTS && retry <= left() =>
+                {
                     tokio::time::sleep(retry).await;
                 }
                 _ => {

@@ -81,10 +81,11 @@ pub(crate) fn ceil_secs(d: Duration) -> u64 {
     d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0))
 }
 
-/// The `RateLimit-Policy` item of `policy`, whose requests cost `unit` each (see the module
-/// docs).
-pub(crate) fn policy_item(policy: &Policy, unit: u64) -> HeaderValue {
-    let mut s = format!("\"{}\";q={}", policy.name(), policy.limit() / unit.max(1));
+/// The `RateLimit-Policy` item of `policy`, which admits `limit` units at once (its limit, or
+/// for a shaper in delay mode what its burst and the longest wait reserve, as its decisions
+/// count) to requests of `unit` units each (see the module docs).
+pub(crate) fn policy_item(policy: &Policy, limit: u64, unit: u64) -> HeaderValue {
+    let mut s = format!("\"{}\";q={}", policy.name(), limit / unit.max(1));
     if matches!(policy.kind(), Kind::Concurrency(_)) {
         s.push_str(";qu=\"concurrent-requests\"");
     } else if let Some(w) = policy.window() {
@@ -207,7 +208,10 @@ pub fn insert_headers(
     verdict: &floodgate_core::Verdict,
     legacy: bool,
 ) {
-    let items: SmallVec<[HeaderValue; 4]> = policies.iter().map(|p| policy_item(p, 1)).collect();
+    let items: SmallVec<[HeaderValue; 4]> = policies
+        .iter()
+        .map(|p| policy_item(p, p.limit(), 1))
+        .collect();
     let mut block = HeaderBlock::new();
     let strictest = verdict.decision();
     render(
@@ -293,7 +297,11 @@ mod tests {
             .expect("name");
         let b = Policy::concurrency(3, Duration::from_secs(30)).expect("policy");
         let c = Policy::fixed_window(100, Duration::from_millis(1500)).expect("policy");
-        let items = [policy_item(&a, 1), policy_item(&b, 1), policy_item(&c, 1)];
+        let items = [
+            policy_item(&a, a.limit(), 1),
+            policy_item(&b, b.limit(), 1),
+            policy_item(&c, c.limit(), 1),
+        ];
         assert_eq!(items[0], "\"per-ip\";q=10;w=1");
         assert_eq!(
             items[1],

@@ -494,7 +494,11 @@ where
             .map(|rule| {
                 let unit = rule.fixed_cost().filter(|&c| c > 1).unwrap_or(1);
                 RuleEntry {
-                    policy_item: policy_item(rule.policy(), unit),
+                    policy_item: policy_item(
+                        rule.policy(),
+                        most_at_once(rule.policy(), self.mode),
+                        unit,
+                    ),
                     unit,
                     metrics: PolicyMetrics::default(),
                     rule,

@@ -989,6 +989,65 @@ async fn delay_mode_spaces_requests_out() {
     assert_eq!((ok, limited), (2, 3), "{statuses:?}");
 }
 
+/// In delay mode, a request whose turn is past the longest wait is turned away at once: a
+/// turn only moves later while the request sleeps, so sleeping cannot make it fit. Its 429
+/// says when a request would fit, and its `RateLimit-Policy` counts what its `RateLimit`
+/// counts (the burst and the turns the longest wait reserves).
+#[tokio::test]
+async fn a_turn_past_the_longest_wait_is_refused_at_once() {
+    // One a second, burst 1, waits of up to 2.5 s: three requests at once (now, in 1 s and in
+    // 2 s); a fourth's turn is 3 s away.
+    let layer = RateLimitLayer::builder(MemoryLimiter::new())
+        .rule(
+            Rule::new(policy_named(
+                Policy::shaper(1, Duration::from_secs(1)),
+                "turns",
+            ))
+            .key(GlobalKey),
+        )
+        .delay(Duration::from_millis(2_500))
+        .build()
+        .expect("layer");
+    let app = Router::new().route("/", get(ok)).layer(layer);
+    let get = || {
+        http::Request::get("/")
+            .body(axum::body::Body::empty())
+            .expect("request")
+    };
+    let waiting: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(tower::ServiceExt::oneshot(app.clone(), get())))
+        .collect();
+    // The three have their turns before the fourth asks.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let asked = Instant::now();
+    let fourth = tower::ServiceExt::oneshot(app.clone(), get())
+        .await
+        .expect("infallible");
+    let took = asked.elapsed();
+    assert_eq!(fourth.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(took < Duration::from_millis(400), "refused after {took:?}");
+    let header = |name: &str| {
+        fourth
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    // Its turn (2.9 s away) fits in 2.5 s in 0.4 s: a retry in 1 s, rounded up.
+    assert_eq!(header("retry-after"), "1");
+    assert_eq!(header("ratelimit-policy"), "\"turns\";q=3;w=1");
+    assert!(
+        header("ratelimit").starts_with("\"turns\";r=0;"),
+        "{}",
+        header("ratelimit")
+    );
+    for w in waiting {
+        let response = w.await.expect("task").expect("infallible");
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+}
+
 #[tokio::test]
 async fn a_request_dropped_while_it_waits_its_turn_gives_its_concurrency_lease_back() {
     // Delay mode over a shaper (one a second on /shaped) and a concurrency limit of one on
