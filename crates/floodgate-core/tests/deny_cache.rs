@@ -466,3 +466,62 @@ async fn check_store_asks_the_store_past_a_cached_denial() {
         "the cached denial is still there"
     );
 }
+
+/// When a fixed window rolls over, the callers that queued behind the probe go to the store
+/// together: the probe found room for them all. One at a time, a hot key would be served one
+/// store round trip per request for a second after each window's denial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_that_finds_room_for_the_crowd_lets_it_through_at_once() {
+    // 100 per 300 ms window; store calls take 20 ms.
+    let store = Store::new();
+    let cache = DenyCache::new(store.clone());
+    let p = Arc::new(Policy::fixed_window(100, Duration::from_millis(300)).expect("valid"));
+    let spend = [Check::new(b"k", &p).cost(100)];
+    assert!(allowed(&cache, &spend).await);
+    assert!(!check(cache.clone(), Arc::clone(&p)).await.allowed());
+    // The window rolls over; 40 callers at once.
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    store.set_delay(Duration::from_millis(20));
+    let before = store.most_at_once.load(Ordering::Relaxed);
+    assert_eq!(before, 1, "calls so far went one at a time");
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..40)
+        .map(|_| tokio::spawn(check(cache.clone(), Arc::clone(&p))))
+        .collect();
+    for t in tasks {
+        assert!(t.await.expect("task").allowed());
+    }
+    let took = started.elapsed();
+    let at_once = store.most_at_once.load(Ordering::Relaxed);
+    assert!(at_once >= 2, "the crowd went one at a time ({took:?})");
+    // One probe, then the rest together: far less than 40 round trips of 20 ms.
+    assert!(took < Duration::from_millis(400), "{took:?}");
+    assert_eq!(cache.stats().hits, 0, "{:?}", cache.stats());
+}
+
+/// A probe that finds a unit or two free keeps the others coming one at a time: they are not
+/// all sent to the store for units that are not there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_that_finds_little_room_keeps_the_crowd_in_line() {
+    // Two per 300 ms, a sliding log (no known next unit, so no denial is made up).
+    let store = Store::new();
+    let cache = DenyCache::new(store.clone());
+    let p = Arc::new(Policy::sliding_log(2, Duration::from_millis(300)).expect("valid"));
+    for _ in 0..2 {
+        assert!(check(cache.clone(), Arc::clone(&p)).await.allowed());
+    }
+    assert!(!check(cache.clone(), Arc::clone(&p)).await.allowed());
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    store.set_delay(Duration::from_millis(20));
+    let tasks: Vec<_> = (0..40)
+        .map(|_| tokio::spawn(check(cache.clone(), Arc::clone(&p))))
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        if t.await.expect("task").allowed() {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 2);
+    assert_eq!(store.most_at_once.load(Ordering::Relaxed), 1);
+}

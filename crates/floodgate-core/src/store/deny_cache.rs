@@ -16,8 +16,14 @@ use crate::{Decision, LeaseId, Policy, Timestamp, Verdict};
 
 /// How long after a cached denial ran out its check keeps probing one caller at a time (a
 /// caller waits for the probe ahead of it, so a key that was just at its limit is served one
-/// store call at a time for this long).
+/// store call at a time for this long, unless a probe finds room for many: see
+/// [`CROWD_ROOM`]).
 const PROBE_GRACE_US: u64 = 1_000_000;
+/// A probe that is allowed with room left for this many more checks like it (or for all the
+/// callers waiting for it, if more) ends the probing: the crowd goes to the store at once. A
+/// window that rolled over has room for far more than one caller at a time; a key with a unit
+/// or two free does not.
+const CROWD_ROOM: u64 = 16;
 /// The longest a caller waits for another's probe before asking the store itself.
 const PROBE_PATIENCE: Duration = Duration::from_secs(1);
 
@@ -49,7 +55,7 @@ struct Shared<C> {
     map: ShardedMap<Entry>,
     clock: C,
     fingerprints: foldhash::fast::RandomState,
-    probes: Mutex<HashMap<[u64; 2], Arc<Notify>>>,
+    probes: Mutex<HashMap<[u64; 2], Probe>>,
     hits: AtomicU64,
     misses: AtomicU64,
     coalesced: AtomicU64,
@@ -77,7 +83,8 @@ const REFUND_STRIPES: usize = 256;
 /// cached as a denial too, so a key held at its limit costs one store call per admitted request.
 ///
 /// When a cached denial runs out, one caller probes the store while the others of the same
-/// check wait for its answer instead of all asking at once.
+/// check wait for its answer instead of all asking at once; after a probe that finds room for
+/// them all (a window that rolled over), they all ask at once.
 ///
 /// A local denial can only be wrong in one direction: the cache never admits what the store
 /// would deny. Checks only make a key's retry time later; what makes it earlier (a refund or
@@ -419,12 +426,19 @@ impl<L: Limiter, C: Clock> DenyCache<L, C> {
             Lookup::Denied(verdict) => return Consulted::Denied(verdict),
             Lookup::Probe => {
                 let mut probes = shared.probes.lock().unwrap_or_else(PoisonError::into_inner);
-                if let Some(n) = probes.get(&fp) {
+                if let Some(probe) = probes.get_mut(&fp) {
                     shared.coalesced.fetch_add(1, Ordering::Relaxed);
-                    return Consulted::Wait(Arc::clone(n).notified_owned());
+                    probe.waiting = probe.waiting.saturating_add(1);
+                    return Consulted::Wait(Arc::clone(&probe.notify).notified_owned());
                 }
                 let n = Arc::new(Notify::new());
-                probes.insert(fp, Arc::clone(&n));
+                probes.insert(
+                    fp,
+                    Probe {
+                        notify: Arc::clone(&n),
+                        waiting: 0,
+                    },
+                );
                 *leader = Some(Leader {
                     probes: &shared.probes,
                     fp,
@@ -527,9 +541,16 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
             });
             // An allowed probe leaves the expired entry in place: for a moment after a
             // denial ran out, callers of this check keep coming one at a time, so a crowd
-            // that was waiting does not all reach the store at once.
+            // that was waiting does not all reach the store at once for a unit or two. A
+            // probe that found room for the crowd ends that: one at a time, a window that
+            // rolled over would be served one store round trip per request for a second.
             if let Some(entry) = entry {
                 self.remember(&fp, now, entry, counts, (checks, verdict));
+            } else if let Some(probe) = &leader
+                && verdict.allowed()
+                && room_for(checks, verdict, probe.waiting().max(CROWD_ROOM))
+            {
+                self.forget(&fp);
             }
         }
         // The leader's guard, dropped here (or with this future, if it is cancelled before
@@ -602,10 +623,28 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
 /// answered or when its caller is cancelled (a dropped request, a timeout) or panics, it clears
 /// the probe and wakes the callers waiting for it: a cancelled probe never leaves them waiting
 /// for an answer that will not come.
+/// A probe in flight: its callers' wake-up, and how many began waiting for it (some may have
+/// stopped since: an upper bound).
+struct Probe {
+    notify: Arc<Notify>,
+    waiting: u64,
+}
+
 struct Leader<'a> {
-    probes: &'a Mutex<HashMap<[u64; 2], Arc<Notify>>>,
+    probes: &'a Mutex<HashMap<[u64; 2], Probe>>,
     fp: [u64; 2],
     notify: Arc<Notify>,
+}
+
+impl Leader<'_> {
+    /// How many callers began waiting for this probe.
+    fn waiting(&self) -> u64 {
+        let probes = self.probes.lock().unwrap_or_else(PoisonError::into_inner);
+        probes
+            .get(&self.fp)
+            .filter(|p| Arc::ptr_eq(&p.notify, &self.notify))
+            .map_or(0, |p| p.waiting)
+    }
 }
 
 impl Drop for Leader<'_> {
@@ -613,13 +652,21 @@ impl Drop for Leader<'_> {
         let mut probes = self.probes.lock().unwrap_or_else(PoisonError::into_inner);
         if probes
             .get(&self.fp)
-            .is_some_and(|n| Arc::ptr_eq(n, &self.notify))
+            .is_some_and(|p| Arc::ptr_eq(&p.notify, &self.notify))
         {
             probes.remove(&self.fp);
         }
         drop(probes);
         self.notify.notify_waiters();
     }
+}
+
+/// Whether the allowed `verdict` of `checks` leaves room for `more` checks like it.
+fn room_for(checks: &[Check<'_>], verdict: &Verdict, more: u64) -> bool {
+    checks
+        .iter()
+        .zip(&verdict.decisions)
+        .all(|(c, d)| d.remaining >= c.cost.saturating_mul(more))
 }
 
 /// The denial the next identical check will get after `verdict` spent the last unit.
