@@ -933,8 +933,9 @@ where
             // A shaper that refused a turn within what was left of `max_wait` refuses it again
             // after any sleep: its queue only grows as others take their turns (a turn with
             // others behind it is never given back), while what is left of `max_wait` shrinks.
-            // Its retry time says when the request, made again, would fit in a whole
-            // `max_wait`: the client's to take, not this request's to sleep.
+            // Its retry time says when the request, made again, would fit in what it was
+            // asked with (a whole `max_wait` on the first attempt): the client's to take, not
+            // this request's to sleep.
             let shaper_refused = shaper
                 && checks
                     .iter()

@@ -236,6 +236,21 @@ impl<L, C: Clock> DenyCache<L, C> {
         map.lock(map.shard_of(hash)).remove(hash, 0, &key);
     }
 
+    /// Forgets the check's denial if it has run out by `now`: a fresher one, cached meanwhile
+    /// by a caller that did not wait for the probe, stays.
+    fn forget_run_out(&self, fp: &[u64; 2], now: u64) {
+        let key = fp_bytes(fp);
+        let map = &self.shared.map;
+        let hash = map.hash(0, &key);
+        let mut shard = map.lock(map.shard_of(hash));
+        if shard
+            .find(hash, 0, &key)
+            .is_some_and(|slot| slot.value.until <= now)
+        {
+            shard.remove(hash, 0, &key);
+        }
+    }
+
     /// The stripe of `Shared::refunded` that counts refunds of `check`'s policy and key.
     fn stripe(&self, check: &Check<'_>) -> &AtomicU32 {
         let h = self
@@ -550,7 +565,7 @@ impl<L: Limiter, C: Clock> Limiter for DenyCache<L, C> {
                 && verdict.allowed()
                 && room_for(checks, verdict, probe.waiting().max(CROWD_ROOM))
             {
-                self.forget(&fp);
+                self.forget_run_out(&fp, now);
             }
         }
         // The leader's guard, dropped here (or with this future, if it is cancelled before
