@@ -518,13 +518,7 @@ async fn checks_queued_behind_a_refused_lease_do_not_ask_again() {
     );
     let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
     let check = [Check::new(b"hot", &policy)];
-    for _ in 0..15 {
-        let v = leasing
-            .check(&check, CheckOptions::default())
-            .await
-            .expect("check");
-        assert!(v.allowed());
-    }
+    all_allowed(&leasing, &check, 15).await;
     // Eight at once, hot, 15 units left: the store takes a while to answer.
     store.set_delay(Duration::from_millis(5));
     let before = store.calls.load(Ordering::Relaxed);
@@ -574,13 +568,7 @@ async fn a_caller_that_gives_up_during_a_lease_loses_no_units() {
     let store = store();
     let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
     let check = [Check::new(b"hot", &policy)];
-    for _ in 0..16 {
-        let v = leasing
-            .check(&check, CheckOptions::default())
-            .await
-            .expect("check");
-        assert!(v.allowed());
-    }
+    all_allowed(&leasing, &check, 16).await;
     // The store counts the lease at once and answers 50 ms later; the caller waits 10 ms.
     store.set_reply_delay(Duration::from_millis(50));
     let gave_up = tokio::time::timeout(
@@ -627,13 +615,7 @@ async fn checks_queued_behind_a_failed_lease_do_not_ask_again() {
     let store = store();
     let leasing = Leasing::new(store.clone());
     let check = [Check::new(b"hot", &policy)];
-    for _ in 0..16 {
-        let v = leasing
-            .check(&check, CheckOptions::default())
-            .await
-            .expect("check");
-        assert!(v.allowed());
-    }
+    all_allowed(&leasing, &check, 16).await;
     // Eight at once, hot, and the store is down (each call takes a while to fail).
     store.set_delay(Duration::from_millis(5));
     store.set_failing(true);
@@ -681,4 +663,19 @@ async fn no_check_at_all_is_not_answered_locally() {
     let answer = leasing.check(&[], CheckOptions::default()).await;
     assert!(answer.is_err(), "{answer:?}");
     assert_eq!(leasing.stats().local, 0);
+}
+
+/// `times` checks of `check`, one after the other: every one is allowed.
+async fn all_allowed<C: floodgate_core::Clock + 'static>(
+    leasing: &Leasing<Store, C>,
+    check: &[Check<'_>],
+    times: usize,
+) {
+    for _ in 0..times {
+        let v = leasing
+            .check(check, CheckOptions::default())
+            .await
+            .expect("check");
+        assert!(v.allowed());
+    }
 }
