@@ -14,6 +14,20 @@ fn store() -> Store {
     Store::new()
 }
 
+/// A store, a manual clock, and leasing with the default settings over both.
+fn on_manual_clock() -> (
+    Store,
+    floodgate_core::ManualClock,
+    Leasing<Store, floodgate_core::ManualClock>,
+) {
+    let clock = floodgate_core::ManualClock::new(floodgate_core::Timestamp::from_micros(
+        1_700_000_000_000_000,
+    ));
+    let store = store();
+    let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
+    (store, clock, leasing)
+}
+
 /// `replicas` leasing limiters over one store, 16 tasks each hammering one key for `run`.
 async fn hammer(store: &Store, replicas: usize, policy: &Policy, run: Duration) -> u64 {
     let admitted = Arc::new(AtomicU64::new(0));
@@ -153,12 +167,9 @@ async fn checks_that_cost_more_than_a_lease_go_to_the_store_and_waste_nothing() 
 /// second lost about 1,000 units every 300 ms, and the day's quota was gone in minutes.
 #[tokio::test]
 async fn a_hot_key_under_a_long_window_is_charged_what_it_spent() {
-    use floodgate_core::{ManualClock, Timestamp};
     // 100,000 a day: leases of 1,000 units.
     let policy = Policy::fixed_window(100_000, Duration::from_secs(86_400)).expect("valid");
-    let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
-    let store = store();
-    let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
+    let (store, clock, leasing) = on_manual_clock();
     let check = [Check::new(b"hot", &policy)];
     let mut admitted = 0;
     // 40 lease periods of 36 checks, 300 ms apart: each lease ends with most of it unspent.
@@ -196,10 +207,8 @@ async fn a_hot_key_under_a_long_window_is_charged_what_it_spent() {
 /// was granted: its reset time is when the store's state is full again, not a lease later.
 #[tokio::test]
 async fn local_answers_age_the_lease_s_reset_time() {
-    use floodgate_core::{ManualClock, Timestamp};
     let policy = Policy::per_second(10_000).expect("valid");
-    let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
-    let leasing = Leasing::with_config(store(), LeasingConfig::default(), clock.clone());
+    let (_, clock, leasing) = on_manual_clock();
     let check = [Check::new(b"hot", &policy)];
     // Hot after a few checks: the next one takes a lease and is answered from it.
     let mut first_local = None;
@@ -455,12 +464,9 @@ async fn checks_at_once_all_allowed<C: floodgate_core::Clock + 'static>(
 /// and then a lease is asked for again.
 #[tokio::test]
 async fn a_refused_lease_is_not_asked_for_again_at_each_check() {
-    use floodgate_core::{ManualClock, Timestamp};
     // Leases of 20 units; 2,010 in the hour: a hundred leases, then 10 units left.
     let policy = Policy::fixed_window(2_010, Duration::from_secs(3_600)).expect("valid");
-    let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
-    let store = store();
-    let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
+    let (store, clock, leasing) = on_manual_clock();
     let check = [Check::new(b"hot", &policy)];
     let mut admitted = 0;
     let mut denied = 0;
@@ -561,12 +567,9 @@ async fn leases_of_different_keys_are_taken_at_once() {
 /// with it: the store counted the lease's units, and this replica spends them.
 #[tokio::test]
 async fn a_caller_that_gives_up_during_a_lease_loses_no_units() {
-    use floodgate_core::{ManualClock, Timestamp};
     // Leases of 20 units; the key hot after 16 checks.
     let policy = Policy::fixed_window(2_000, Duration::from_secs(3_600)).expect("valid");
-    let clock = ManualClock::new(Timestamp::from_micros(1_700_000_000_000_000));
-    let store = store();
-    let leasing = Leasing::with_config(store.clone(), LeasingConfig::default(), clock.clone());
+    let (store, _, leasing) = on_manual_clock();
     let check = [Check::new(b"hot", &policy)];
     all_allowed(&leasing, &check, 16).await;
     // The store counts the lease at once and answers 50 ms later; the caller waits 10 ms.
@@ -581,13 +584,7 @@ async fn a_caller_that_gives_up_during_a_lease_loses_no_units() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     // The lease is this replica's: its 20 units are spent here, with no call to the store.
     let calls = store.calls.load(Ordering::Relaxed);
-    for _ in 0..20 {
-        let v = leasing
-            .check(&check, CheckOptions::default())
-            .await
-            .expect("check");
-        assert!(v.allowed());
-    }
+    all_allowed(&leasing, &check, 20).await;
     assert_eq!(
         store.calls.load(Ordering::Relaxed),
         calls,

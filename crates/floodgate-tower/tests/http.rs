@@ -998,13 +998,7 @@ async fn a_turn_past_the_longest_wait_is_refused_at_once() {
     // One a second, burst 1, waits of up to 2.5 s: three requests at once (now, in 1 s and in
     // 2 s); a fourth's turn is 3 s away.
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::shaper(1, Duration::from_secs(1)),
-                "turns",
-            ))
-            .key(GlobalKey),
-        )
+        .rule(one_turn_a_second())
         .delay(Duration::from_millis(2_500))
         .build()
         .expect("layer");
@@ -1099,13 +1093,7 @@ async fn a_request_dropped_while_it_waits_its_turn_gives_its_concurrency_lease_b
 #[tokio::test]
 async fn a_request_dropped_while_it_waits_its_turn_gives_its_turn_and_units_back() {
     let layer = RateLimitLayer::builder(MemoryLimiter::new())
-        .rule(
-            Rule::new(policy_named(
-                Policy::shaper(1, Duration::from_secs(1)),
-                "turns",
-            ))
-            .key(GlobalKey),
-        )
+        .rule(one_turn_a_second())
         .rule(Rule::new(policy(2, 86_400, "two-a-day")).key(GlobalKey))
         .delay(Duration::from_secs(5))
         .build()
@@ -1145,6 +1133,15 @@ async fn a_request_dropped_while_it_waits_its_turn_gives_its_turn_and_units_back
         .await
         .expect("infallible");
     assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
+/// A shaper of one turn a second for every request, named "turns".
+fn one_turn_a_second() -> Rule {
+    Rule::new(policy_named(
+        Policy::shaper(1, Duration::from_secs(1)),
+        "turns",
+    ))
+    .key(GlobalKey)
 }
 
 fn policy_named(p: Result<Policy, floodgate_core::PolicyError>, name: &str) -> Policy {
